@@ -1,0 +1,29 @@
+"""megatron_mok: the Mixture-of-Kittens MoE megakernel for Hopper, as a Megatron-LM plugin."""
+
+from megatron_mok.config import MoKConfig
+from megatron_mok.functional import ForwardContext, Grads, backward, build_schedule, forward, recompute_forward_context
+from megatron_mok.moe import mok_moe
+from megatron_mok.schedule import Schedule
+from megatron_mok.workspace import Workspace, get_workspace
+
+__all__ = [
+    "ForwardContext",
+    "Grads",
+    "MoKConfig",
+    "Schedule",
+    "Workspace",
+    "backward",
+    "build_schedule",
+    "forward",
+    "get_workspace",
+    "mok_moe",
+    "recompute_forward_context",
+    "register",
+]
+
+
+def register() -> None:
+    """Makes Megatron accept `--moe-token-dispatcher-type mok` (see megatron_mok.megatron)."""
+    from megatron_mok.megatron.register import register as _register
+
+    _register()

@@ -1,0 +1,199 @@
+"""The functional MoK layer: schedule, forward, backward, recompute — no autograd, no Megatron.
+
+    schedule = build_schedule(topk_ids, num_local_experts=E, group=ep_group)
+    y, ctx = forward(x, topk_ids, topk_weights, fc1, fc2, group=ep_group, schedule=schedule)
+    grads = backward(ctx, dy, fc1, fc2)
+
+`mok_moe` wraps these in an autograd.Function. The backend named by `MoKConfig.backend` runs
+each pass; today that is the reference (`megatron_mok.reference`), the oracle of the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megatron_mok import reference as ref
+from megatron_mok.backends import resolve_backend
+from megatron_mok.config import MoKConfig
+from megatron_mok.schedule import Schedule, build_schedule_from_gathered
+from megatron_mok.validation import validate_moe_inputs
+from megatron_mok.workspace import ProcessGroup, Workspace, get_workspace
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """What backward needs from forward."""
+
+    schedule: Schedule
+    workspace: Workspace
+    backend: str
+    topk_ids: torch.Tensor  # (num_tokens, topk) int
+    topk_weights: torch.Tensor  # (num_tokens, topk) float32
+    x_all: torch.Tensor  # (num_ranks * num_tokens, hidden): the group's rows, re-pulled in backward
+    gate_up: torch.Tensor  # (capacity, 2 * ffn_hidden) pre-activation, schedule order
+    route_out: torch.Tensor  # (num_tokens, topk, hidden) expert output per route, unweighted
+
+    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_out")
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.TENSOR_FIELDS)
+
+    def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> "ForwardContext":
+        return dataclasses.replace(self, **dict(zip(self.TENSOR_FIELDS, tensors)))
+
+
+@dataclasses.dataclass
+class Grads:
+    x: Optional[torch.Tensor]  # (num_tokens, hidden), x.dtype
+    topk_weights: Optional[torch.Tensor]  # (num_tokens, topk) float32
+    fc1: Optional[torch.Tensor]  # (num_local_experts, 2 * ffn_hidden, hidden)
+    fc2: Optional[torch.Tensor]  # (num_local_experts, hidden, ffn_hidden)
+
+
+def build_schedule(
+    topk_ids: torch.Tensor,
+    *,
+    num_local_experts: int,
+    group: Optional[ProcessGroup] = None,
+    config: MoKConfig = MoKConfig(),
+) -> Schedule:
+    """All-gathers the group's routing and builds this rank's schedule (see `schedule.py`).
+
+    Args:
+        topk_ids: (num_tokens, topk) int32/int64 global expert ids, -1 = dropped; every rank of
+            the group passes the same num_tokens and topk.
+    """
+    workspace = get_workspace(group, topk_ids.device)
+    topk_ids_all = workspace.all_gather(topk_ids.to(torch.int64))
+    return build_schedule_from_gathered(
+        topk_ids_all,
+        rank=workspace.rank,
+        num_local_experts=num_local_experts,
+        segment_alignment=config.segment_alignment,
+    )
+
+
+def _check_schedule(schedule: Schedule, topk_ids: torch.Tensor, num_local_experts: int, workspace: Workspace, config: MoKConfig) -> None:
+    expected = (workspace.num_ranks, workspace.rank, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config.segment_alignment)
+    got = (schedule.num_ranks, schedule.rank, schedule.num_tokens, schedule.topk, schedule.num_local_experts, schedule.segment_alignment)
+    if expected != got:
+        raise ValueError(
+            "schedule was built for (num_ranks, rank, num_tokens, topk, num_local_experts, "
+            f"segment_alignment) = {got}, but this call has {expected}"
+        )
+
+
+def forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    *,
+    group: Optional[ProcessGroup] = None,
+    config: MoKConfig = MoKConfig(),
+    schedule: Optional[Schedule] = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, ForwardContext]:
+    """The routed experts' forward.
+
+    Args:
+        x: (num_tokens, hidden) bf16/fp32 this rank's tokens.
+        topk_ids: (num_tokens, topk) int32/int64 global expert ids, -1 = dropped route.
+        topk_weights: (num_tokens, topk) float32.
+        fc1: (num_local_experts, 2 * ffn_hidden, hidden), gate rows then up rows.
+        fc2: (num_local_experts, hidden, ffn_hidden).
+        group: the expert-parallel group (None = one rank).
+        schedule: from `build_schedule` on the same topk_ids; built here when None.
+    Returns:
+        y (num_tokens, hidden) in x.dtype, and the context for `backward`.
+    """
+    workspace = get_workspace(group, x.device)
+    if validate:
+        validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=workspace.num_ranks, config=config)
+    backend = resolve_backend(config, x, fc1, fc2)
+    num_local_experts = fc1.shape[0]
+    if schedule is None:
+        schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
+    else:
+        _check_schedule(schedule, topk_ids, num_local_experts, workspace, config)
+
+    x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
+    rows = ref.dispatch_rows_reference(x_all, schedule)
+    gate_up, slot_out = ref.expert_ffn_forward_reference(rows, fc1, fc2, schedule.expert_offsets)
+    route_out = ref.return_rows_reference(slot_out, schedule, topk_ids, workspace)
+    y = ref.weighted_sum_reference(route_out, topk_weights, topk_ids).to(x.dtype)
+    ctx = ForwardContext(
+        schedule=schedule,
+        workspace=workspace,
+        backend=backend,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        x_all=x_all,
+        gate_up=gate_up,
+        route_out=route_out,
+    )
+    return y, ctx
+
+
+def recompute_forward_context(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    *,
+    group: Optional[ProcessGroup] = None,
+    config: MoKConfig = MoKConfig(),
+    schedule: Optional[Schedule] = None,
+) -> ForwardContext:
+    """Rebuilds the forward context for activation checkpointing (the output is discarded)."""
+    return forward(x, topk_ids, topk_weights, fc1, fc2, group=group, config=config, schedule=schedule)[1]
+
+
+def backward(
+    ctx: ForwardContext,
+    grad_y: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    *,
+    need_input_grads: bool = True,
+    need_weight_grads: bool = True,
+) -> Grads:
+    """The routed experts' backward.
+
+    Args:
+        grad_y: (num_tokens, hidden) gradient of y, in y's dtype.
+    Returns:
+        Grads; d x and d topk_weights when need_input_grads, d fc1 and d fc2 when
+        need_weight_grads (None otherwise). Each reduction has a fixed order, so the gradients are
+        bitwise reproducible.
+    """
+    schedule, workspace = ctx.schedule, ctx.workspace
+    if grad_y.shape != (schedule.num_tokens, ctx.x_all.shape[1]):
+        raise ValueError(f"grad_y must be {(schedule.num_tokens, ctx.x_all.shape[1])}, got {tuple(grad_y.shape)}")
+    grad_y = grad_y.to(ctx.x_all.dtype).contiguous()
+    offsets = schedule.expert_offsets
+
+    d_weights = ref.route_weight_grads_reference(grad_y, ctx.route_out, ctx.topk_ids) if need_input_grads else None
+    grad_slot_out = ref.pull_route_grads_reference(grad_y, ctx.topk_weights, schedule, workspace)
+    act = ref.swiglu_reference(ctx.gate_up)
+    grad_act = ref.segment_matmul_reference(grad_slot_out, fc2.transpose(1, 2), offsets)
+    grad_gate_up = ref.swiglu_backward_reference(ctx.gate_up, grad_act)
+
+    d_x = None
+    if need_input_grads:
+        grad_rows = ref.segment_matmul_reference(grad_gate_up, fc1.transpose(1, 2), offsets)
+        route_grads = ref.return_rows_reference(grad_rows, schedule, ctx.topk_ids, workspace)
+        ones = torch.ones_like(ctx.topk_weights)
+        d_x = ref.weighted_sum_reference(route_grads, ones, ctx.topk_ids).to(grad_y.dtype)
+
+    d_fc1 = d_fc2 = None
+    if need_weight_grads:
+        rows = ref.dispatch_rows_reference(ctx.x_all, schedule)
+        d_fc1 = ref.segment_weight_grad_reference(grad_gate_up, rows, offsets)
+        d_fc2 = ref.segment_weight_grad_reference(grad_slot_out, act, offsets)
+    return Grads(x=d_x, topk_weights=d_weights, fc1=d_fc1, fc2=d_fc2)

@@ -1,0 +1,177 @@
+"""MoK's expert weights: one (E_local, 2F, H) and one (E_local, H, F) parameter per layer.
+
+The fused kernel reads every local expert from one tensor, so the weights are stored grouped.
+They still behave like Megatron's expert weights:
+- `allreduce=False` where Megatron's own experts set it, so DDP and the distributed optimizer
+  reduce their gradients over the expert-data-parallel group;
+- the sharded state dict uses SequentialMLP's keys and offsets (per global expert, fc1 split into
+  its gate and up halves as Megatron's SwiGLU factory does), so a `torch_dist` checkpoint saved
+  with `mok` loads into `alltoall`/`allgather` layers (SequentialMLP or TEGroupedMLP) and back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+
+def _param_device(config: TransformerConfig) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class MoKGroupedExperts(MegatronModule):
+    """The routed experts of one MoK layer (SwiGLU, no bias, expert-TP 1)."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        /,
+        *,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.num_local_experts = num_local_experts
+        self.ep_group = pg_collection.ep
+        self.expt_dp_group = pg_collection.expt_dp
+        hidden = config.hidden_size
+        ffn_hidden = config.moe_ffn_hidden_size
+        device = _param_device(config)
+        # (E_local, 2F, H): per expert, gate rows then up rows, as Megatron's fc1.
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, 2 * ffn_hidden, hidden, dtype=config.params_dtype, device=device)
+        )
+        # (E_local, H, F): per expert, Megatron's fc2.
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, ffn_hidden, dtype=config.params_dtype, device=device)
+        )
+        # Megatron's expert linears mark weights for expert-DP reduction exactly so.
+        reduce_over_expert_dp = config.expert_model_parallel_size > 1 or (
+            config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        for weight, partition_dim in ((self.weight1, 1), (self.weight2, 2)):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
+            weight.allreduce = not reduce_over_expert_dp
+        if config.perform_initialization:
+            self._initialize(config)
+
+    @torch.no_grad()
+    def _initialize(self, config: TransformerConfig) -> None:
+        tracker = get_cuda_rng_tracker()
+        rng_name = get_expert_parallel_rng_tracker_name()
+        # Same RNG stream as Megatron's expert linears when the tracker has it (GPU training).
+        use_tracker = self.weight1.is_cuda and rng_name in tracker.get_states()
+        for local_expert in range(self.num_local_experts):
+            for weight, init_method in (
+                (self.weight1, config.init_method),
+                (self.weight2, config.output_layer_init_method),
+            ):
+                if use_tracker:
+                    with tracker.fork(rng_name):
+                        init_method(weight[local_expert])
+                else:
+                    init_method(weight[local_expert])
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "MoKGroupedExperts holds weights only; the MoK layer runs them through mok_moe"
+        )
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the MoK backward itself (no delayed wgrad)."""
+
+    def _expert_shards(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        sharded_offsets: tuple,
+        replica_id: tuple,
+        split_gate_up: bool,
+        singleton_local_shards: bool,
+    ) -> list[ShardedTensor]:
+        """SequentialMLP's shards of one grouped weight: one (or, for fc1, two) per expert."""
+        num_global_experts = self.ep_group.size() * self.num_local_experts
+        first_global_expert = self.ep_group.rank() * self.num_local_experts
+        prepend = len(sharded_offsets)
+        shards = []
+        for local_expert in range(self.num_local_experts):
+            global_expert = first_global_expert + local_expert
+            expert_weight = tensor[local_expert]
+            if singleton_local_shards:
+                expert_key = key.replace("{expert}", f"{global_expert}.")
+                expert_offsets = sharded_offsets
+            else:
+                expert_key = key.replace("{expert}", "")
+                expert_offsets = (*sharded_offsets, (prepend, global_expert, num_global_experts))
+            axis = len(expert_offsets)
+            if split_gate_up:
+                gate, up = torch.chunk(expert_weight, 2, dim=0)
+                if singleton_local_shards:
+                    parts = ((f"{expert_key}_w", gate, (axis, 0, 1)), (f"{expert_key}_v", up, (axis, 0, 1)))
+                else:
+                    parts = ((expert_key, gate, (axis, 0, 2)), (expert_key, up, (axis, 1, 2)))
+            else:
+                parts = ((expert_key, expert_weight, (axis + 1, 0, 1)),)
+            for part_key, part, part_offset in parts:
+                shards.append(
+                    ShardedTensor.from_rank_offsets(
+                        part_key,
+                        part,
+                        *expert_offsets,
+                        part_offset,
+                        replica_id=replica_id,
+                        prepend_axis_num=len(expert_offsets),
+                    )
+                )
+        return shards
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
+        """SequentialMLP-compatible shards: `{prefix}experts.linear_fc{1,2}.weight` per global expert."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton_local_shards = metadata.get("singleton_local_shards", False)
+        # Replicated along expert-data-parallel only (expert-TP is 1): (PP, TP, DP) format.
+        replica_id = (0, 0, self.expt_dp_group.rank())
+        state = {}
+        for param_name, key_name, split_gate_up in (
+            ("weight1", "linear_fc1.weight", True),
+            ("weight2", "linear_fc2.weight", False),
+        ):
+            key = f"{prefix}experts.{{expert}}{key_name}"
+
+            def build(factory_key, tensor, factory_replica_id, flattened_range, _key=key, _split=split_gate_up):
+                del factory_key, flattened_range
+                return self._expert_shards(
+                    _key, tensor, sharded_offsets, factory_replica_id, _split, singleton_local_shards
+                )
+
+            def merge(shards: list[torch.Tensor], _split=split_gate_up) -> torch.Tensor:
+                step = 2 if _split else 1
+                experts = [torch.cat(shards[i : i + step], dim=0) for i in range(0, len(shards), step)]
+                return torch.stack(experts, dim=0)
+
+            tensor = getattr(self, param_name)
+            state[f"{prefix}{param_name}"] = ShardedTensorFactory(
+                f"{prefix}{param_name}", tensor, build, merge, replica_id
+            )
+        return state
+
+
+def expert_parallel_group(pg_collection: ProcessGroupCollection):
+    """The group MoK dispatches over: Megatron's tp_ep group (expert-TP is 1, so it is EP)."""
+    return pg_collection.tp_ep if pg_collection.tp_ep is not None else parallel_state.get_expert_tensor_and_model_parallel_group()

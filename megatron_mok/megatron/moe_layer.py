@@ -1,0 +1,96 @@
+"""The MoE layer that runs its routed experts through `mok_moe`.
+
+A MoELayer subclass (TransformerLayer checks isinstance): the router, aux losses, shared experts,
+recompute and everything outside the routed path stay Megatron's. With any other dispatcher type
+it is exactly Megatron's MoELayer, so `register()` can put it into Megatron's own specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mok.config import MoKConfig
+from megatron_mok.megatron.checks import check_mok_config
+from megatron_mok.megatron.dispatcher import MoKTokenDispatcher
+from megatron_mok.megatron.experts import MoKGroupedExperts
+from megatron_mok.moe import mok_moe
+
+
+def mok_config_for(config: TransformerConfig) -> MoKConfig:
+    """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`, else default."""
+    explicit = getattr(config, "mok_config", None)
+    if explicit is not None:
+        if not isinstance(explicit, MoKConfig):
+            raise TypeError(f"TransformerConfig.mok_config must be a MoKConfig, got {type(explicit).__name__}")
+        return explicit
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):
+        args = None
+    backend = getattr(args, "mok_backend", None) if args is not None else None
+    return MoKConfig(backend=backend) if backend else MoKConfig()
+
+
+class MoKMoELayer(MoELayer):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: Optional[MoESubmodules] = None,
+        layer_number: Optional[int] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        is_mtp_layer: bool = False,
+        name: Optional[str] = None,
+    ) -> None:
+        if config.moe_token_dispatcher_type != "mok":
+            super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
+            self.uses_mok = False
+            return
+        check_mok_config(config)
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        if submodules is None:
+            raise ValueError("MoKMoELayer needs MoESubmodules (router and shared experts)")
+        # Whatever experts the spec names, MoK keeps its weights grouped.
+        submodules = dataclasses.replace(submodules, experts=MoKGroupedExperts)
+        # MoELayer.__init__ picks its dispatcher from a fixed list; let it build the allgather one
+        # (no buffers, no streams) and replace it below.
+        config.moe_token_dispatcher_type = "allgather"
+        try:
+            super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
+        finally:
+            config.moe_token_dispatcher_type = "mok"
+        self.uses_mok = True
+        self.token_dispatcher = MoKTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
+        )
+        self.mok_group = pg_collection.tp_ep
+        self.mok_config = mok_config_for(config)
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Dispatch, expert FFN and combine in one `mok_moe` call.
+
+        Args:
+            hidden_states: (num_tokens, hidden) this rank's tokens.
+            probs: (num_tokens, topk) float32 routing weights from the dispatcher.
+        """
+        if not self.uses_mok:
+            return super().routed_experts_compute(hidden_states, probs)
+        output = mok_moe(
+            hidden_states.contiguous(),
+            self.token_dispatcher.topk_ids,
+            probs,
+            self.experts.weight1,
+            self.experts.weight2,
+            group=self.mok_group,
+            config=self.mok_config,
+        )
+        return output, None

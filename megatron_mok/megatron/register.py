@@ -1,0 +1,100 @@
+"""`register()`: teaches an installed megatron-core the `mok` dispatcher type.
+
+- widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
+  parser takes the choices of --moe-token-dispatcher-type;
+- adds MoK's own flags (--mok-backend) to every Megatron argument parser;
+- checks mok's unsupported combinations when a TransformerConfig is built;
+- makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import typing
+
+from megatron_mok.config import BACKENDS
+
+DISPATCHER_TYPE = "mok"
+_registered = False
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds MoK's flags and `mok` to --moe-token-dispatcher-type's choices (idempotent)."""
+    for action in parser._actions:
+        if "--moe-token-dispatcher-type" in action.option_strings and action.choices is not None:
+            if DISPATCHER_TYPE not in action.choices:
+                action.choices = (*action.choices, DISPATCHER_TYPE)
+        if "--mok-backend" in action.option_strings:
+            return parser
+    group = parser.add_argument_group(title="mok")
+    group.add_argument(
+        "--mok-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="Implementation of the mok dispatcher: auto (fused kernel where it can run, else the "
+        "PyTorch reference), reference, or kernel.",
+    )
+    return parser
+
+
+def _widen_dispatcher_literal() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+    choices = typing.get_args(field.type)
+    if DISPATCHER_TYPE not in choices:
+        widened = typing.Literal[(*choices, DISPATCHER_TYPE)]
+        field.type = widened
+        TransformerConfig.__annotations__["moe_token_dispatcher_type"] = widened
+
+
+def _check_configs_on_build() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_mok.megatron.checks import check_mok_config
+
+    original = TransformerConfig.__post_init__
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        check_mok_config(self)
+
+    TransformerConfig.__post_init__ = post_init
+
+
+def _add_arguments_to_megatron_parsers() -> None:
+    from megatron.training import arguments
+
+    original = arguments.add_megatron_arguments
+
+    @functools.wraps(original)
+    def add_megatron_arguments(parser):
+        return add_mok_arguments(original(parser))
+
+    arguments.add_megatron_arguments = add_megatron_arguments
+
+
+def _use_mok_layer_in_specs() -> None:
+    from megatron.core.models.gpt import moe_module_specs
+
+    from megatron_mok.megatron.moe_layer import MoKMoELayer
+
+    moe_module_specs.MoELayer = MoKMoELayer
+
+
+def register() -> None:
+    """Idempotent; call before Megatron parses arguments or builds models."""
+    global _registered
+    if _registered:
+        return
+    _widen_dispatcher_literal()
+    _check_configs_on_build()
+    _add_arguments_to_megatron_parsers()
+    _use_mok_layer_in_specs()
+    _registered = True

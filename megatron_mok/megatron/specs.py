@@ -1,0 +1,69 @@
+"""Layer specs for users who build Megatron models in code."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.gpt.moe_module_specs import _build_shared_experts
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_mok.megatron.experts import MoKGroupedExperts
+from megatron_mok.megatron.moe_layer import MoKMoELayer
+
+
+def _transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_mok_moe_module_spec(use_te: Optional[bool] = None):
+    """The MoE module spec of a MoK layer: Megatron's router and shared experts, MoK's experts.
+
+    use_te: build the shared experts from Transformer Engine linears (default: if installed).
+    """
+    if use_te is None:
+        use_te = _transformer_engine_available()
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = LocalSpecProvider()
+    shared_mlp = MLPSubmodules(
+        linear_fc1=backend.column_parallel_linear(),
+        linear_fc2=backend.row_parallel_linear(),
+        activation_func=backend.activation_func(),
+    )
+    return partial(
+        MoKMoELayer,
+        submodules=MoESubmodules(
+            experts=MoKGroupedExperts, shared_experts=partial(_build_shared_experts, submodules=shared_mlp)
+        ),
+    )
+
+
+def get_gpt_layer_with_mok_spec(
+    num_experts: int, use_te: Optional[bool] = None, qk_layernorm: bool = False, **kwargs
+) -> ModuleSpec:
+    """A GPT layer spec (Transformer Engine's when installed, else Megatron's local one) whose MLP
+    is the MoK MoE layer. Extra keyword arguments go to Megatron's layer-spec function."""
+    if use_te is None:
+        use_te = _transformer_engine_available()
+    if use_te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=True, qk_layernorm=qk_layernorm, **kwargs
+        )
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, **kwargs
+        )
+    spec.submodules.mlp = get_mok_moe_module_spec(use_te=use_te)
+    return spec

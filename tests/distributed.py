@@ -1,0 +1,63 @@
+"""Runs a test body in N CPU processes joined by gloo (torch.multiprocessing spawn)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, body: Callable, args: tuple, errors) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        body(rank, world_size, *args)
+    except BaseException:  # report every rank's failure to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(body: Callable, world_size: int, *args) -> None:
+    """Runs body(rank, world_size, *args) in `world_size` processes; raises the first failure.
+
+    `body` must be a module-level function (it is pickled into the workers).
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, body, args, errors))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=600)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, trace = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{trace}")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"worker exit codes {[p.exitcode for p in procs]} (timeout or crash)")
