@@ -45,7 +45,7 @@ def segment_matmul_reference(
         weight: (num_local_experts, N, K), any strides.
         offsets: (num_local_experts + 1,) int32 segment boundaries.
     Returns:
-        (capacity, N) in rows.dtype. Rows at or past offsets[-1] are unspecified.
+        (capacity, N) in rows.dtype. Rows at or past offsets[-1] are zero.
     """
     n = weight.shape[1]
     align = _alignment(rows.dtype)
@@ -53,7 +53,10 @@ def segment_matmul_reference(
     rows_p = _pad_dim(rows, 1, align)
     weight_p = _pad_dim(_pad_dim(weight, 2, align), 1, align)
     out = _grouped_mm(rows_p, weight_p.transpose(-2, -1), offs=offsets[1:])
-    return out[:, :n] if out.shape[1] != n else out
+    out = out[:, :n] if out.shape[1] != n else out
+    # The grouped GEMM leaves rows past the last segment unwritten; give them a defined value.
+    in_segment = torch.arange(out.shape[0], device=out.device) < offsets[-1]
+    return torch.where(in_segment.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def segment_weight_grad_reference(

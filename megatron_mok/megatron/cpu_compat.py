@@ -126,6 +126,22 @@ def _null_stream_context(stream: Any = None) -> contextlib.AbstractContextManage
     return contextlib.nullcontext()
 
 
+def _split_sizes_as_lists(all_to_all_single: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap dist.all_to_all_single so that tensor split sizes are passed as Python lists."""
+
+    @functools.wraps(all_to_all_single)
+    def wrapper(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                input_split_sizes: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                 *args, **kwargs)
+
+    return wrapper
+
+
 def apply_cpu_patches() -> None:
     """Make ``megatron.training.pretrain`` runnable without a GPU (no-op when CUDA exists).
 
@@ -156,6 +172,13 @@ def apply_cpu_patches() -> None:
 
     # Device remapping for explicit device="cuda" allocations and .cuda() moves (see class).
     _CudaToCpuMode().__enter__()
+
+    # MoEAlltoAllTokenDispatcher copies its EP/TP split sizes to host lists only when they
+    # are CUDA tensors (maybe_move_tensor_to_cpu checks is_cuda); on CPU they reach
+    # tensor_parallel.mappings._AllToAll as tensors, which all_to_all_single rejects.
+    torch.distributed.all_to_all_single = _split_sizes_as_lists(
+        torch.distributed.all_to_all_single
+    )
 
     # pretrain() calls initialize_megatron() without allow_no_cuda, which asserts CUDA exists.
     import megatron.training.training as mt_training

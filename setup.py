@@ -1,0 +1,75 @@
+"""Builds megatron_mok. The CUDA extension (megatron_mok._C, sm_90a) is built only where a CUDA
+toolchain and a CUDA build of torch are present and csrc/ holds sources; elsewhere the package
+installs as pure Python and runs the reference backend."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _extension_sources() -> list[str]:
+    patterns = ("csrc/**/*.cpp", "csrc/**/*.cu")
+    return sorted(
+        os.path.relpath(path, ROOT)
+        for pattern in patterns
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+    )
+
+
+def _cuda_extension():
+    """Returns (ext_modules, cmdclass) for the CUDA extension, or ([], {}) with one line saying why."""
+    if os.environ.get("MEGATRON_MOK_SKIP_EXTENSION") == "1":
+        print("megatron_mok: MEGATRON_MOK_SKIP_EXTENSION=1, building without the CUDA extension")
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("megatron_mok: torch is not importable at build time (use --no-build-isolation); "
+              "building without the CUDA extension")
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None or shutil.which("nvcc") is None and not os.path.exists(
+        os.path.join(CUDA_HOME or "", "bin", "nvcc")
+    ):
+        print("megatron_mok: no CUDA toolchain or no CUDA build of torch; building without the CUDA extension")
+        return [], {}
+    sources = _extension_sources()
+    if not sources:
+        print("megatron_mok: csrc/ holds no kernel sources yet; building without the CUDA extension")
+        return [], {}
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-lineinfo",
+        "-Xptxas=--warn-on-spills",
+        "--expt-relaxed-constexpr",
+    ]
+    extension = CUDAExtension(
+        name="megatron_mok._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+    )
+    return [extension], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _cuda_extension()
+
+setup(
+    name="megatron_mok",
+    version="0.1.0",
+    description="Mixture-of-Kittens MoE megakernel for Hopper as a Megatron-LM plugin",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_mok", "megatron_mok.*"]),
+    install_requires=["torch>=2.9", "megatron-core>=0.19,<0.20", "triton", "pyyaml"],
+    extras_require={"test": ["pytest"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,156 @@
+"""mok_moe against the float64 per-token oracle, on one rank (the EP tests are in test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig, mok_moe
+from oracle import moe_float64, relative_error
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_tokens: int
+    hidden: int
+    ffn: int
+    num_experts: int
+    topk: int
+
+
+SHAPES = {
+    "minimal": Shape(1, 1, 1, 1, 1),
+    "odd": Shape(7, 12, 5, 3, 2),
+    "small": Shape(13, 16, 8, 4, 3),
+    "tiny_model": Shape(33, 64, 24, 8, 4),
+}
+
+ROUTINGS = ("uniform", "dropped", "empty_experts", "one_expert", "all_dropped")
+
+# Tolerances on ||got - want|| / ||want|| against float64:
+# fp32: every value passes through at most two GEMMs with <= 64-term fp32 dot products and a
+#   fp32 SwiGLU; relative rounding error ~ sqrt(64) * 6e-8 per GEMM, so 1e-5 leaves 10x margin.
+# bf16: activations are rounded to bf16 (unit roundoff 2^-9 = 2e-3) after gate/up, SwiGLU, down
+#   and the final sum, and inputs are bf16; four roundings compound to <= ~8e-3 in the worst case,
+#   ~3e-3 typically; 1.5e-2 bounds it while still catching any wrong route (error O(1)).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+
+
+def make_routing(kind: str, shape: Shape, generator: torch.Generator) -> torch.Tensor:
+    t, e, k = shape.num_tokens, shape.num_experts, shape.topk
+    if kind == "one_expert":
+        return torch.full((t, k), e - 1, dtype=torch.int64)
+    if kind == "all_dropped":
+        return torch.full((t, k), -1, dtype=torch.int64)
+    pool = torch.arange(0, e, 2) if kind == "empty_experts" else torch.arange(e)
+    ids = torch.stack(
+        [pool[torch.randint(0, len(pool), (k,), generator=generator)] for _ in range(t)]
+    ) if len(pool) < k else torch.stack([pool[torch.randperm(len(pool), generator=generator)[:k]] for _ in range(t)])
+    if kind == "dropped":
+        ids = torch.where(torch.rand(t, k, generator=generator) < 0.3, -1, ids)
+    return ids.reshape(t, k).to(torch.int64)
+
+
+def make_inputs(shape: Shape, routing: str, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    s = shape
+    x = torch.randn(s.num_tokens, s.hidden, generator=gen).to(dtype)
+    ids = make_routing(routing, s, gen)
+    weights = torch.rand(s.num_tokens, s.topk, generator=gen)
+    fc1 = (torch.randn(s.num_experts, 2 * s.ffn, s.hidden, generator=gen) / s.hidden**0.5).to(dtype)
+    fc2 = (torch.randn(s.num_experts, s.hidden, s.ffn, generator=gen) / s.ffn**0.5).to(dtype)
+    grad = torch.randn(s.num_tokens, s.hidden, generator=gen).to(dtype)
+    return x, ids, weights, fc1, fc2, grad
+
+
+def run_mok(x, ids, weights, fc1, fc2, grad, **kwargs):
+    leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
+    y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], **kwargs)
+    y.backward(grad)
+    return y.detach(), [leaf.grad for leaf in leaves]
+
+
+def run_oracle(x, ids, weights, fc1, fc2, grad, shared=()):
+    leaves = [t.detach().double().requires_grad_() for t in (x, weights, fc1, fc2, *shared)]
+    y = moe_float64(leaves[0], ids, leaves[1], leaves[2], leaves[3], *leaves[4:])
+    if not y.requires_grad:  # every route dropped and no shared expert: all gradients are zero
+        return y, [torch.zeros_like(leaf) for leaf in leaves]
+    grads = torch.autograd.grad(y, leaves, grad.double(), allow_unused=True)
+    return y.detach(), [torch.zeros_like(l) if g is None else g for l, g in zip(leaves, grads)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_matches_float64_oracle(shape_name, routing, dtype):
+    shape = SHAPES[shape_name]
+    inputs = make_inputs(shape, routing, dtype, seed=hash((shape_name, routing)) % 10_000)
+    y, grads = run_mok(*inputs)
+    y_ref, grads_ref = run_oracle(*inputs)
+    assert y.dtype == dtype and y.shape == (shape.num_tokens, shape.hidden)
+    tol = TOLERANCE[dtype]
+    assert relative_error(y, y_ref) <= tol, f"y: {relative_error(y, y_ref)}"
+    for name, got, want in zip(("x", "topk_weights", "fc1", "fc2"), grads, grads_ref):
+        assert got.dtype == (torch.float32 if name == "topk_weights" else dtype), name
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got, want) <= tol, f"d{name}: {relative_error(got, want)}"
+
+
+def test_dropped_route_gets_no_output_and_no_weight_grad():
+    x, ids, weights, fc1, fc2, grad = make_inputs(SHAPES["small"], "uniform", torch.float32, seed=3)
+    ids[2] = -1
+    y, (dx, dw, _, _) = run_mok(x, ids, weights * 10, fc1, fc2, grad)
+    assert torch.equal(y[2], torch.zeros_like(y[2]))
+    assert torch.equal(dx[2], torch.zeros_like(dx[2]))
+    assert torch.equal(dw[2], torch.zeros_like(dw[2]))
+
+
+@pytest.mark.parametrize("shared_ffn", [5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shared_expert(shared_ffn, dtype):
+    shape = SHAPES["small"]
+    x, ids, weights, fc1, fc2, grad = make_inputs(shape, "dropped", dtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    shared_fc1 = (torch.randn(2 * shared_ffn, shape.hidden, generator=gen) / shape.hidden**0.5).to(dtype)
+    shared_fc2 = (torch.randn(shape.hidden, shared_ffn, generator=gen) / shared_ffn**0.5).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2, shared_fc1, shared_fc2)]
+    y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], shared_fc1=leaves[4], shared_fc2=leaves[5])
+    y.backward(grad)
+    y_ref, grads_ref = run_oracle(x, ids, weights, fc1, fc2, grad, shared=(shared_fc1, shared_fc2))
+    tol = TOLERANCE[dtype]
+    assert relative_error(y, y_ref) <= tol
+    for leaf, want in zip(leaves, grads_ref):
+        assert relative_error(leaf.grad, want) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bitwise_deterministic(dtype):
+    inputs = make_inputs(SHAPES["tiny_model"], "dropped", dtype, seed=5)
+    y1, g1 = run_mok(*inputs)
+    y2, g2 = run_mok(*inputs)
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_frozen_weights_skip_weight_grads():
+    x, ids, weights, fc1, fc2, grad = make_inputs(SHAPES["small"], "uniform", torch.float32, seed=8)
+    x = x.requires_grad_()
+    y = mok_moe(x, ids, weights, fc1, fc2)
+    y.backward(grad)
+    assert x.grad is not None and fc1.grad is None and fc2.grad is None
+
+
+def test_reference_backend_forced():
+    inputs = make_inputs(SHAPES["small"], "uniform", torch.float32, seed=9)
+    y_auto, _ = run_mok(*inputs)
+    y_ref, _ = run_mok(*inputs, config=MoKConfig(backend="reference"))
+    assert torch.equal(y_auto, y_ref)
+
+
+def test_kernel_backend_on_cpu_is_an_error():
+    x, ids, weights, fc1, fc2, _ = make_inputs(SHAPES["small"], "uniform", torch.float32, seed=9)
+    with pytest.raises(ValueError, match="backend='kernel'"):
+        mok_moe(x, ids, weights, fc1, fc2, config=MoKConfig(backend="kernel"))
