@@ -1,0 +1,94 @@
+"""mok_moe with EP = 2 and 4 gloo processes against the float64 oracle of the whole problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+NUM_TOKENS, HIDDEN, FFN, LOCAL_EXPERTS, TOPK = 9, 16, 8, 2, 3
+# Same fp32 bound as test_mok_moe.py (two short GEMMs per value, 1e-5 is a 10x margin).
+FP32_TOL = 1e-5
+
+
+def _global_problem(num_ranks: int, routing: str):
+    gen = torch.Generator().manual_seed(1000 + num_ranks)
+    num_experts = num_ranks * LOCAL_EXPERTS
+    x = torch.randn(num_ranks, NUM_TOKENS, HIDDEN, generator=gen)
+    ids = torch.randint(0, num_experts, (num_ranks, NUM_TOKENS, TOPK), generator=gen)
+    if routing == "dropped":
+        ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.3, -1, ids)
+    elif routing == "one_expert":
+        ids.fill_(num_experts - 1)  # every route of every rank to the last rank's last expert
+    elif routing == "one_rank_empty":
+        ids = ids % LOCAL_EXPERTS  # rank 0's experts only: the other ranks compute nothing
+    weights = torch.rand(num_ranks, NUM_TOKENS, TOPK, generator=gen)
+    fc1 = torch.randn(num_experts, 2 * FFN, HIDDEN, generator=gen) / HIDDEN**0.5
+    fc2 = torch.randn(num_experts, HIDDEN, FFN, generator=gen) / FFN**0.5
+    grad = torch.randn(num_ranks, NUM_TOKENS, HIDDEN, generator=gen)
+    return x, ids, weights, fc1, fc2, grad
+
+
+def _run_local(rank, x, ids, weights, fc1, fc2, grad, group):
+    from megatron_mok import mok_moe
+
+    own = slice(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+    leaves = [t.clone().requires_grad_() for t in (x[rank], weights[rank], fc1[own], fc2[own])]
+    y = mok_moe(leaves[0], ids[rank], leaves[1], leaves[2], leaves[3], group=group)
+    y.backward(grad[rank])
+    return y.detach(), [leaf.grad for leaf in leaves]
+
+
+ROUTINGS = ("dropped", "one_expert", "one_rank_empty")
+
+
+def _ep_body(rank, world_size):
+    # One spawn checks every routing (process start-up dominates on CI's two cores); failures
+    # are collected so the first one does not hide the others.
+    failures = []
+    for routing in ROUTINGS:
+        try:
+            _check_routing(rank, world_size, routing)
+        except AssertionError as error:
+            failures.append(str(error))
+    assert not failures, "\n".join(failures)
+
+
+def _check_routing(rank, world_size, routing):
+    import torch.distributed as dist
+
+    from oracle import moe_float64, relative_error
+
+    x, ids, weights, fc1, fc2, grad = _global_problem(world_size, routing)
+    y, grads = _run_local(rank, x, ids, weights, fc1, fc2, grad, dist.group.WORLD)
+
+    leaves = [t.double().requires_grad_() for t in (x.reshape(-1, HIDDEN), weights.reshape(-1, TOPK), fc1, fc2)]
+    y_ref = moe_float64(leaves[0], ids.reshape(-1, TOPK), *leaves[1:])
+    ref_grads = torch.autograd.grad(y_ref, leaves, grad.reshape(-1, HIDDEN).double(), allow_unused=True)
+    ref_grads = [torch.zeros_like(l) if g is None else g for l, g in zip(leaves, ref_grads)]
+    mine = slice(rank * NUM_TOKENS, (rank + 1) * NUM_TOKENS)
+    own = slice(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+    checks = {
+        "y": (y, y_ref[mine]),
+        "dx": (grads[0], ref_grads[0][mine]),
+        "dweights": (grads[1], ref_grads[1][mine]),
+        "dfc1": (grads[2], ref_grads[2][own]),
+        "dfc2": (grads[3], ref_grads[3][own]),
+    }
+    for name, (got, want) in checks.items():
+        err = relative_error(got, want)
+        assert err <= FP32_TOL, f"rank {rank} {routing}: {name} relative error {err}"
+
+    # Bitwise reproducible across runs with communication in the loop.
+    y_again, grads_again = _run_local(rank, x, ids, weights, fc1, fc2, grad, dist.group.WORLD)
+    assert torch.equal(y, y_again), f"rank {rank}: y differs between runs"
+    for got, again in zip(grads, grads_again):
+        assert torch.equal(got, again), f"rank {rank}: a gradient differs between runs"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_matches_oracle(world_size):
+    run_distributed(_ep_body, world_size)
