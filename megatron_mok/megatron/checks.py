@@ -1,4 +1,5 @@
-"""Configurations `mok` does not support, rejected when the TransformerConfig is built.
+"""Configurations `mok` does not support, rejected when the TransformerConfig is built
+(before Megatron's own __post_init__ checks, so only fields as the user set them are read).
 
 Each message names the command-line flag to change.
 """
@@ -26,8 +27,11 @@ def _unsupported(config: TransformerConfig) -> list[str]:
         "--overlap-dispatch-backward-with-experts-wgrad is not supported with mok",
     )
     flag(bool(getattr(config, "delay_wgrad_compute", False)), "--delay-wgrad-compute is not supported with mok")
+    # Runs before TransformerConfig.__post_init__, which defaults expert-TP to TP.
     etp = config.expert_tensor_parallel_size
-    flag(etp is not None and etp > 1, f"--expert-tensor-parallel-size {etp} is not supported with mok: use 1")
+    if etp is None:
+        etp = config.tensor_model_parallel_size
+    flag(etp > 1, f"--expert-tensor-parallel-size {etp} is not supported with mok: use 1")
     flag(
         not config.gated_linear_unit or config.activation_func is not F.silu,
         "mok runs SwiGLU experts only: pass --swiglu",

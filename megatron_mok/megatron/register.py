@@ -62,8 +62,9 @@ def _check_configs_on_build() -> None:
 
     @functools.wraps(original)
     def post_init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        # Ours first: for mok, one message naming the flag beats Megatron's generic asserts.
         check_mok_config(self)
+        original(self, *args, **kwargs)
 
     TransformerConfig.__post_init__ = post_init
 
