@@ -56,8 +56,9 @@ def run_distributed(body: Callable, world_size: int, *args) -> None:
     while not errors.empty():
         failures.append(errors.get())
     if failures:
-        rank, trace = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{trace}")
+        # A rank that crashes makes its peers fail with "connection closed": show every trace.
+        report = "\n".join(f"--- rank {rank} of {world_size} failed:\n{trace}" for rank, trace in sorted(failures))
+        raise AssertionError(report)
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise AssertionError(f"worker exit codes {[p.exitcode for p in procs]} (timeout or crash)")

@@ -24,6 +24,9 @@ def init_megatron(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     )
     # The inference tracker with a forced reset keeps the CUDA RNG out of it (CPU runs).
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+    # CPU initialization draws from the default generator: the same seed on every rank gives
+    # data-parallel replicas identical weights, as Megatron's broadcast at start-up would.
+    torch.manual_seed(seed)
 
 
 def transformer_config(dispatcher: str, *, tp: int = 1, ep: int = 1, **overrides):

@@ -21,7 +21,15 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_object_for_checkpoint,
+)
+
+# State-dict keys of the per-expert `_extra_state` entries that SequentialMLP's linears carry
+# (None for Megatron's local linears). MoK has no such state; it writes and accepts them only so
+# that checkpoints interchange with SequentialMLP/TEGroupedMLP.
+_EXTRA_STATE = "sequential_extra_state"
 
 
 def _param_device(config: TransformerConfig) -> torch.device:
@@ -139,6 +147,29 @@ class MoKGroupedExperts(MegatronModule):
                 )
         return shards
 
+    def _extra_state_objects(self, prefix: str, sharded_offsets: tuple, replica_id: tuple, singleton: bool) -> dict:
+        num_global_experts = self.ep_group.size() * self.num_local_experts
+        first_global_expert = self.ep_group.rank() * self.num_local_experts
+        objects = {}
+        for local_expert in range(self.num_local_experts):
+            global_expert = first_global_expert + local_expert
+            for linear in ("linear_fc1", "linear_fc2"):
+                if singleton:
+                    key, offsets = f"{prefix}experts.{global_expert}.{linear}._extra_state", sharded_offsets
+                else:
+                    key = f"{prefix}experts.{linear}._extra_state"
+                    offsets = (*sharded_offsets, (len(sharded_offsets), global_expert, num_global_experts))
+                objects[f"{prefix}{_EXTRA_STATE}.{local_expert}.{linear}"] = make_sharded_object_for_checkpoint(
+                    None, key, offsets, replica_id
+                )
+        return objects
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The SequentialMLP-compatible extra states hold nothing MoK uses.
+        for key in [k for k in state_dict if k.startswith(f"{prefix}{_EXTRA_STATE}.")]:
+            del state_dict[key]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
     ) -> dict:
@@ -152,12 +183,15 @@ class MoKGroupedExperts(MegatronModule):
             ("weight1", "linear_fc1.weight", True),
             ("weight2", "linear_fc2.weight", False),
         ):
-            key = f"{prefix}experts.{{expert}}{key_name}"
 
-            def build(factory_key, tensor, factory_replica_id, flattened_range, _key=key, _split=split_gate_up):
-                del factory_key, flattened_range
+            def build(factory_key, tensor, factory_replica_id, flattened_range, _param=param_name, _key=key_name, _split=split_gate_up):
+                del flattened_range
+                # Containers rewrite the factory's key (TransformerBlock drops the layer number),
+                # so the shard keys derive from the key the factory is built with.
+                module_prefix = factory_key[: -len(_param)]
                 return self._expert_shards(
-                    _key, tensor, sharded_offsets, factory_replica_id, _split, singleton_local_shards
+                    f"{module_prefix}experts.{{expert}}{_key}", tensor, sharded_offsets, factory_replica_id,
+                    _split, singleton_local_shards,
                 )
 
             def merge(shards: list[torch.Tensor], _split=split_gate_up) -> torch.Tensor:
@@ -169,6 +203,7 @@ class MoKGroupedExperts(MegatronModule):
             state[f"{prefix}{param_name}"] = ShardedTensorFactory(
                 f"{prefix}{param_name}", tensor, build, merge, replica_id
             )
+        state.update(self._extra_state_objects(prefix, sharded_offsets, replica_id, singleton_local_shards))
         return state
 
 
