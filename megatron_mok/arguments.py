@@ -15,9 +15,15 @@ import torch
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = "tiny"
 
-# Megatron flags a CPU-only run needs beyond the model's own: gloo instead of NCCL, weights
-# initialized on the host. (The tiny config already turns off the fused GPU kernels.)
-CPU_FLAGS = ["--distributed-backend", "gloo", "--use-cpu-initialization"]
+# Megatron flags a CPU-only run needs beyond the model's own (docs/cpu.md): gloo instead of NCCL,
+# weights initialized on the host, the RNG tracker and rerun machine that do not read the CUDA
+# RNG state. (The tiny config already turns off the fused GPU kernels.)
+CPU_FLAGS = [
+    "--distributed-backend", "gloo",
+    "--use-cpu-initialization",
+    "--inference-rng-tracker",
+    "--rerun-mode", "disabled",
+]
 
 
 def resolve_config_path(name: str) -> Path:

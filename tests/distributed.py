@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from typing import Callable
 
@@ -11,19 +13,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, body: Callable, args: tuple, errors) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+def _worker(rank: int, world_size: int, store_path: str, body: Callable, args: tuple, errors) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file rendezvous: no TCP port to pick and race for between back-to-back tests.
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         body(rank, world_size, *args)
     except BaseException:  # report every rank's failure to the parent
         errors.put((rank, traceback.format_exc()))
@@ -40,9 +40,10 @@ def run_distributed(body: Callable, world_size: int, *args) -> None:
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    store_dir = tempfile.mkdtemp(prefix="mok_gloo_")
+    store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, body, args, errors))
+        ctx.Process(target=_worker, args=(rank, world_size, store_path, body, args, errors))
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -52,6 +53,7 @@ def run_distributed(body: Callable, world_size: int, *args) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
+    shutil.rmtree(store_dir, ignore_errors=True)
     failures = []
     while not errors.empty():
         failures.append(errors.get())

@@ -63,9 +63,9 @@ def test_moe_layer_refuses_mok_before_register_and_builds_after():
     layer = build()
     print("BUILT", type(layer).__name__, type(layer.token_dispatcher).__name__, type(layer.experts).__name__)
     """
-    from distributed import _free_port
+    from distributed import free_port
 
-    result = _run(code.replace("{port}", str(_free_port())))
+    result = _run(code.replace("{port}", str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED Unsupported token dispatcher type: mok" in result.stdout
     assert "BUILT MoKMoELayer MoKTokenDispatcher MoKGroupedExperts" in result.stdout

@@ -36,6 +36,13 @@ def _is_cuda_device(device: object) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+# Recent torch: calls func skipping one level of __torch_function__ dispatch (else None).
+_redispatch: Optional[Callable[..., Any]] = getattr(torch.overrides, "redispatch_function", None)
+_AUTOGRAD_ENTRY_POINTS = frozenset(
+    (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+)
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Redirects every CUDA placement made through torch functions to the CPU.
 
@@ -57,8 +64,7 @@ class _CudaToCpuMode(TorchFunctionMode):
         # get_model's model_module.cuda(...) and get_batch-style tensor.cuda() stay on the CPU.
         if func is torch.Tensor.cuda:
             return args[0]
-        # Float16/distributed optimizers and clip_grads assert param.type() ==
-        # "torch.cuda.FloatTensor"; report CPU tensors under their CUDA type name.
+        # optimizer.py, distrib_optimizer.py, clip_grads.py want type() == "torch.cuda.FloatTensor".
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
         # device="cuda" / device=torch.cuda.current_device() in factories, .to(), .new_*().
@@ -68,6 +74,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         # tensor.to("cuda") / tensor.to(torch.cuda.current_device()) with a positional device.
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
+        # Keep the mode on during backward (handlers run with it off), for _AllToAll.backward etc.
+        if func in _AUTOGRAD_ENTRY_POINTS and _redispatch is not None:
+            with self:
+                return _redispatch(func, types, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -146,33 +156,28 @@ def apply_cpu_patches() -> None:
     _applied = True
 
     cuda = torch.cuda
-    # initialize._initialize_distributed builds the model-parallel groups, and
-    # _set_random_seed creates the RNG tracker, only when device_count() > 0.
+    # initialize._initialize_distributed/_set_random_seed skip mpu/RNG setup if device_count() == 0.
     cuda.device_count = lambda: 1  # type: ignore[assignment]
-    # Megatron's favourite device argument (router, tensor_parallel mappings, DDP buffers,
-    # timers); the 0 it now returns is mapped to the CPU by _CudaToCpuMode.
+    # Device argument all over (router, mappings, DDP buffers, timers); the mode maps 0 to CPU.
     cuda.current_device = lambda: 0  # type: ignore[assignment]
     # initialize._initialize_distributed calls set_device(local_rank) once device_count() > 0.
     cuda.set_device = lambda device: None  # type: ignore[assignment]
-    # Timers.start/stop and train()'s post-step callbacks synchronise the device.
+    # core/timers.py Timer.start/stop and training.post_training_step_callbacks synchronise.
     cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    # get_model builds DDP on a side Stream; MoEAlltoAllTokenDispatcher keeps a D2H Stream and
-    # waits on current_stream() / records events on it.  (torch.cuda.stream(...) is already
-    # a no-op without a CUDA device.)
+    # training.get_model (DDP init) and MoEAlltoAllTokenDispatcher (D2H copies) create Streams.
     cuda.Stream = _NullStream  # type: ignore[assignment,misc]
+    # ...and wait on current_stream(); torch.cuda.stream(s) itself is a no-op without a GPU.
     cuda.current_stream = lambda device=None: _CURRENT_STREAM  # type: ignore[assignment]
 
-    # All explicit CUDA placements, .cuda() moves and type-name checks (see the class).
+    # Every device="cuda"/current_device() allocation, .cuda() move and type() check (see class).
     _CudaToCpuMode().__enter__()
 
-    # MoEAlltoAllTokenDispatcher converts its EP/TP split sizes to host numbers only for CUDA
-    # tensors (maybe_move_tensor_to_cpu checks is_cuda); on CPU they reach
-    # tensor_parallel.mappings._AllToAll as tensors, which all_to_all_single rejects.
+    # MoEAlltoAllTokenDispatcher hands tensor split sizes to mappings._AllToAll on CPU (no D2H).
     torch.distributed.all_to_all_single = _split_sizes_as_lists(
         torch.distributed.all_to_all_single
     )
 
-    # pretrain() calls initialize_megatron() without allow_no_cuda, which asserts CUDA.
+    # training.pretrain calls initialize_megatron() without allow_no_cuda, which asserts CUDA.
     import megatron.training.training as megatron_training
 
     megatron_training.initialize_megatron = functools.partial(
