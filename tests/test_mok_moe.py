@@ -21,6 +21,7 @@ class Shape:
 
 
 SHAPES = {
+    "no_tokens": Shape(0, 8, 4, 2, 2),
     "minimal": Shape(1, 1, 1, 1, 1),
     "odd": Shape(7, 12, 5, 3, 2),
     "small": Shape(13, 16, 8, 4, 3),
@@ -45,9 +46,13 @@ def make_routing(kind: str, shape: Shape, generator: torch.Generator) -> torch.T
     if kind == "all_dropped":
         return torch.full((t, k), -1, dtype=torch.int64)
     pool = torch.arange(0, e, 2) if kind == "empty_experts" else torch.arange(e)
-    ids = torch.stack(
-        [pool[torch.randint(0, len(pool), (k,), generator=generator)] for _ in range(t)]
-    ) if len(pool) < k else torch.stack([pool[torch.randperm(len(pool), generator=generator)[:k]] for _ in range(t)])
+    rows = [
+        # Distinct experts per token where the pool allows it (as a router gives), else repeats.
+        pool[torch.randperm(len(pool), generator=generator)[:k]] if len(pool) >= k
+        else pool[torch.randint(0, len(pool), (k,), generator=generator)]
+        for _ in range(t)
+    ]
+    ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
     if kind == "dropped":
         ids = torch.where(torch.rand(t, k, generator=generator) < 0.3, -1, ids)
     return ids.reshape(t, k).to(torch.int64)

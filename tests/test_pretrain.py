@@ -52,3 +52,22 @@ def test_named_config_and_override():
 def test_expert_parallel_training_with_torchrun():
     losses, log = _train("--train-iters", "2", "--expert-model-parallel-size", "2", nproc=2)
     assert len(losses) == 2, log[-3000:]
+
+
+LAUNCHED_SCRIPT = """
+from megatron.training.arguments import parse_args
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+args = parse_args()
+spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+print("LAUNCHED", args.moe_token_dispatcher_type, args.mok_backend, spec.submodules.mlp.func.__name__)
+"""
+
+
+def test_launch_runs_a_megatron_script_with_the_plugin(tmp_path):
+    script = tmp_path / "pretrain_like.py"
+    script.write_text(LAUNCHED_SCRIPT)
+    cmd = [sys.executable, "-m", "megatron_mok.launch", str(script), "--num-experts", "4",
+           "--moe-token-dispatcher-type", "mok", "--mok-backend", "reference"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LAUNCHED mok reference MoKMoELayer" in result.stdout
