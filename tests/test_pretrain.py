@@ -49,9 +49,14 @@ def test_named_config_and_override():
     assert len(losses) == 2, log[-3000:]
 
 
-def test_expert_parallel_training_with_torchrun():
-    losses, log = _train("--train-iters", "2", "--expert-model-parallel-size", "2", nproc=2)
-    assert len(losses) == 2, log[-3000:]
+def test_expert_parallel_training_with_torchrun_and_distributed_optimizer():
+    flags = ["--train-iters", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    mok_losses, log = _train(*flags, nproc=2)
+    ref_losses, _ = _train(*flags, "--moe-token-dispatcher-type", "alltoall", nproc=2)
+    assert len(mok_losses) == 2, log[-3000:]
+    # Expert gradients are reduced over expert-DP and dense ones over DP, as with alltoall.
+    for got, want in zip(mok_losses, ref_losses):
+        assert abs(got - want) <= 1e-4 * abs(want), (mok_losses, ref_losses)
 
 
 LAUNCHED_SCRIPT = """
