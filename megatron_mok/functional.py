@@ -19,6 +19,7 @@ from megatron_mok import reference as ref
 from megatron_mok.backends import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import Schedule, build_schedule_from_gathered
+from megatron_mok.stages import stages_for
 from megatron_mok.validation import validate_moe_inputs
 from megatron_mok.workspace import ProcessGroup, Workspace, get_workspace
 
@@ -34,9 +35,12 @@ class ForwardContext:
     topk_weights: torch.Tensor  # (num_tokens, topk) float32
     x_all: torch.Tensor  # (num_ranks * num_tokens, hidden): the group's rows, re-pulled in backward
     gate_up: torch.Tensor  # (capacity, 2 * ffn_hidden) pre-activation, schedule order
-    route_out: torch.Tensor  # (num_tokens, topk, hidden) expert output per route, unweighted
+    # The unweighted expert output of route t*topk+k is route_table[route_index[t*topk+k]]
+    # (index -1: dropped); see reference.return_rows_reference.
+    route_table: torch.Tensor  # (num_rows, hidden)
+    route_index: torch.Tensor  # (num_tokens * topk,) int64
 
-    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_out")
+    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_table", "route_index")
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.TENSOR_FIELDS)
@@ -121,11 +125,14 @@ def forward(
     else:
         _check_schedule(schedule, topk_ids, num_local_experts, workspace, config)
 
+    stages = stages_for(backend)
+    offsets = schedule.expert_offsets
     x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
-    rows = ref.dispatch_rows_reference(x_all, schedule)
-    gate_up, slot_out = ref.expert_ffn_forward_reference(rows, fc1, fc2, schedule.expert_offsets)
-    route_out = ref.return_rows_reference(slot_out, schedule, topk_ids, workspace)
-    y = ref.weighted_sum_reference(route_out, topk_weights, topk_ids).to(x.dtype)
+    rows = stages.dispatch_rows(x_all, schedule)
+    gate_up = stages.segment_matmul(rows, fc1, offsets)
+    slot_out = stages.segment_matmul(stages.swiglu(gate_up, offsets), fc2, offsets)
+    route_table, route_index = ref.return_rows_reference(slot_out, schedule, topk_ids, workspace)
+    y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)
     ctx = ForwardContext(
         schedule=schedule,
         workspace=workspace,
@@ -134,7 +141,8 @@ def forward(
         topk_weights=topk_weights,
         x_all=x_all,
         gate_up=gate_up,
-        route_out=route_out,
+        route_table=route_table,
+        route_index=route_index,
     )
     return y, ctx
 
@@ -178,22 +186,25 @@ def backward(
     grad_y = grad_y.to(ctx.x_all.dtype).contiguous()
     offsets = schedule.expert_offsets
 
-    d_weights = ref.route_weight_grads_reference(grad_y, ctx.route_out, ctx.topk_ids) if need_input_grads else None
-    grad_slot_out = ref.pull_route_grads_reference(grad_y, ctx.topk_weights, schedule, workspace)
-    act = ref.swiglu_reference(ctx.gate_up)
-    grad_act = ref.segment_matmul_reference(grad_slot_out, fc2.transpose(1, 2), offsets)
-    grad_gate_up = ref.swiglu_backward_reference(ctx.gate_up, grad_act)
+    stages = stages_for(ctx.backend)
+    topk = schedule.topk
+    d_weights = None
+    if need_input_grads:
+        d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
+    grad_slot_out = stages.pull_route_grads(grad_y, ctx.topk_weights, schedule, workspace)
+    act = stages.swiglu(ctx.gate_up, offsets)
+    grad_act = stages.segment_matmul(grad_slot_out, fc2.transpose(1, 2), offsets)
+    grad_gate_up = stages.swiglu_backward(ctx.gate_up, grad_act, offsets)
 
     d_x = None
     if need_input_grads:
-        grad_rows = ref.segment_matmul_reference(grad_gate_up, fc1.transpose(1, 2), offsets)
-        route_grads = ref.return_rows_reference(grad_rows, schedule, ctx.topk_ids, workspace)
-        ones = torch.ones_like(ctx.topk_weights)
-        d_x = ref.weighted_sum_reference(route_grads, ones, ctx.topk_ids).to(grad_y.dtype)
+        grad_rows = stages.segment_matmul(grad_gate_up, fc1.transpose(1, 2), offsets)
+        table, index = ref.return_rows_reference(grad_rows, schedule, ctx.topk_ids, workspace)
+        d_x = stages.combine(table, index, None, topk, grad_y.dtype)
 
     d_fc1 = d_fc2 = None
     if need_weight_grads:
-        rows = ref.dispatch_rows_reference(ctx.x_all, schedule)
-        d_fc1 = ref.segment_weight_grad_reference(grad_gate_up, rows, offsets)
-        d_fc2 = ref.segment_weight_grad_reference(grad_slot_out, act, offsets)
+        rows = stages.dispatch_rows(ctx.x_all, schedule)
+        d_fc1 = stages.segment_weight_grad(grad_gate_up, rows, offsets)
+        d_fc2 = stages.segment_weight_grad(grad_slot_out, act, offsets)
     return Grads(x=d_x, topk_weights=d_weights, fc1=d_fc1, fc2=d_fc2)

@@ -12,6 +12,8 @@ fp32 in ascending k order and is rounded once at the end.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -93,13 +95,18 @@ def dispatch_rows_reference(x_all: torch.Tensor, schedule: Schedule) -> torch.Te
     return torch.where((route >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp32, rounded once. gate_up: (rows, 2F), gate columns first."""
+def swiglu_reference(gate_up: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded once. gate_up: (rows, 2F), gate columns first.
+
+    `offsets` is unused: rows past the last segment are already zero (segment_matmul_reference).
+    """
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-def swiglu_backward_reference(gate_up: torch.Tensor, grad_act: torch.Tensor) -> torch.Tensor:
+def swiglu_backward_reference(
+    gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """d(gate_up) from d(act) for act = silu(gate) * up, in fp32, rounded once."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     grad_act = grad_act.float()
@@ -110,61 +117,61 @@ def swiglu_backward_reference(gate_up: torch.Tensor, grad_act: torch.Tensor) -> 
     return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
 
 
-def expert_ffn_forward_reference(
-    rows: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate/up GEMM, SwiGLU, down GEMM per expert segment.
-
-    Returns:
-        gate_up (capacity, 2F) and out (capacity, hidden), both in rows.dtype.
-    """
-    gate_up = segment_matmul_reference(rows, fc1, offsets)
-    out = segment_matmul_reference(swiglu_reference(gate_up), fc2, offsets)
-    return gate_up, out
-
-
 def return_rows_reference(
     slot_rows: torch.Tensor, schedule: Schedule, topk_ids: torch.Tensor, workspace: Workspace
-) -> torch.Tensor:
-    """Push combine: sends every computed row back to its route's source rank.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Push combine: makes every computed row reachable from its route's source rank.
 
-    Each route is computed by exactly one rank (the owner of its expert); the source picks the
+    Each route is computed by exactly one rank (the owner of its expert); the source reads the
     owner's copy, so no value is ever summed across ranks and the result is deterministic.
 
     Args:
         slot_rows: (capacity, hidden) per-row results in this rank's schedule order.
         topk_ids: (num_tokens, topk) this rank's routing.
     Returns:
-        (num_tokens, topk, hidden): the result of each of this rank's routes, zero where dropped.
+        table (num_rows, hidden) and index (num_tokens * topk,) int64: route t*topk+k of this rank
+        reads table[index[t*topk+k]]; index -1 for a dropped route. With one rank the table is
+        `slot_rows` itself (nothing moves); with several it is the all-to-all receive buffer.
     """
+    ids = topk_ids.to(torch.int64).reshape(-1)
+    if schedule.num_ranks == 1:
+        return slot_rows, torch.where(ids >= 0, schedule.route_to_slot, -1)
     num_tokens, topk, hidden = schedule.num_tokens, schedule.topk, slot_rows.shape[1]
     zero_row = slot_rows.new_zeros(1, hidden)
     # Row `capacity` is the zero row that routes owned by other ranks read.
     padded = torch.cat((slot_rows, zero_row), dim=0)
     send = padded.index_select(0, schedule.route_to_slot)
     recv = workspace.all_to_all(send.view(schedule.num_ranks, num_tokens * topk, hidden))
-    ids = topk_ids.to(torch.int64).reshape(-1)
     owner = torch.where(ids >= 0, ids // schedule.num_local_experts, 0)
     local_route = torch.arange(num_tokens * topk, device=ids.device, dtype=torch.int64)
-    picked = recv.reshape(-1, hidden).index_select(0, owner * (num_tokens * topk) + local_route)
-    dropped = (ids < 0).unsqueeze(1)
-    picked = torch.where(dropped, torch.zeros((), dtype=picked.dtype, device=picked.device), picked)
-    return picked.view(num_tokens, topk, hidden)
+    index = torch.where(ids >= 0, owner * (num_tokens * topk) + local_route, -1)
+    return recv.reshape(-1, hidden), index
 
 
-def weighted_sum_reference(
-    route_out: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+def gather_route_rows_reference(table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
+    """(num_tokens, topk, hidden): table[index], zero where index is -1."""
+    padded = torch.cat((table, table.new_zeros(1, table.shape[1])), dim=0)
+    safe = torch.where(index >= 0, index, table.shape[0])
+    return padded.index_select(0, safe).view(-1, topk, table.shape[1])
+
+
+def combine_reference(
+    table: torch.Tensor, index: torch.Tensor, topk_weights: Optional[torch.Tensor], topk: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """y[t] = sum over k (ascending) of topk_weights[t, k] * route_out[t, k], in fp32.
+    """y[t] = sum over k (ascending) of w[t, k] * table[index[t, k]] in fp32, rounded once to dtype.
 
-    Dropped routes (id -1) are skipped whatever their weight.
-    Returns: (num_tokens, hidden) float32.
+    Routes with index -1 are skipped whatever their weight; topk_weights None means all ones.
+    Returns: (num_tokens, hidden) in dtype.
     """
-    weights = torch.where(topk_ids >= 0, topk_weights, 0.0)
-    acc = torch.zeros(route_out.shape[0], route_out.shape[2], dtype=torch.float32, device=route_out.device)
-    for k in range(route_out.shape[1]):
-        acc = acc + weights[:, k : k + 1] * route_out[:, k].float()
-    return acc
+    route_rows = gather_route_rows_reference(table, index, topk)
+    acc = torch.zeros(route_rows.shape[0], route_rows.shape[2], dtype=torch.float32, device=table.device)
+    for k in range(topk):
+        rows_k = route_rows[:, k].float()
+        if topk_weights is not None:
+            weight = torch.where(index.view(-1, topk)[:, k] >= 0, topk_weights[:, k], 0.0)
+            rows_k = weight.unsqueeze(1) * rows_k
+        acc = acc + rows_k
+    return acc.to(dtype)
 
 
 def pull_route_grads_reference(
@@ -189,8 +196,9 @@ def pull_route_grads_reference(
 
 
 def route_weight_grads_reference(
-    grad_y: torch.Tensor, route_out: torch.Tensor, topk_ids: torch.Tensor
+    grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int
 ) -> torch.Tensor:
-    """d topk_weights[t, k] = <dY[t], route_out[t, k]> in fp32; zero for dropped routes."""
-    grads = torch.einsum("th,tkh->tk", grad_y.float(), route_out.float())
-    return torch.where(topk_ids >= 0, grads, 0.0)
+    """d topk_weights[t, k] = <dY[t], table[index[t, k]]> in fp32; zero for dropped routes."""
+    route_rows = gather_route_rows_reference(table, index, topk)
+    grads = torch.einsum("th,tkh->tk", grad_y.float(), route_rows.float())
+    return torch.where(index.view(-1, topk) >= 0, grads, 0.0)

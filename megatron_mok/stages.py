@@ -1,0 +1,59 @@
+"""The stages of a MoK pass, as one table per backend.
+
+`functional` runs the same sequence of stages whichever backend is chosen; a backend supplies
+each stage. The reference supplies all of them from `reference.py`; the kernel backend replaces
+the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
+
+    dispatch_rows(x_all, schedule) -> rows (capacity, H)
+    segment_matmul(rows, weight (E, N, K) any strides, offsets) -> (capacity, N)
+    swiglu(gate_up, offsets) -> act (capacity, F)
+    swiglu_backward(gate_up, grad_act, offsets) -> grad_gate_up (capacity, 2F)
+    segment_weight_grad(grad_out, inputs, offsets) -> (E, N, K)
+    combine(table, index, topk_weights | None, topk, dtype) -> (T, H) in dtype
+    pull_route_grads(grad_y, topk_weights, schedule, workspace) -> (capacity, H)
+    route_weight_grads(grad_y, table, index, topk) -> (T, K) float32
+
+Rows at or past offsets[-1] may hold anything after a segment_matmul of the kernel backend; no
+stage reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from megatron_mok import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    dispatch_rows: Callable
+    segment_matmul: Callable
+    swiglu: Callable
+    swiglu_backward: Callable
+    segment_weight_grad: Callable
+    combine: Callable
+    pull_route_grads: Callable
+    route_weight_grads: Callable
+
+
+REFERENCE_STAGES = Stages(
+    dispatch_rows=reference.dispatch_rows_reference,
+    segment_matmul=reference.segment_matmul_reference,
+    swiglu=reference.swiglu_reference,
+    swiglu_backward=reference.swiglu_backward_reference,
+    segment_weight_grad=reference.segment_weight_grad_reference,
+    combine=reference.combine_reference,
+    pull_route_grads=reference.pull_route_grads_reference,
+    route_weight_grads=reference.route_weight_grads_reference,
+)
+
+
+def stages_for(backend: str) -> Stages:
+    if backend == "reference":
+        return REFERENCE_STAGES
+    if backend == "kernel":
+        from megatron_mok.kernels import KERNEL_STAGES
+
+        return KERNEL_STAGES
+    raise ValueError(f"unknown backend {backend!r}")
