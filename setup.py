@@ -27,6 +27,15 @@ def _cuda_extension():
     if os.environ.get("MEGATRON_MOK_SKIP_EXTENSION") == "1":
         print("megatron_mok: MEGATRON_MOK_SKIP_EXTENSION=1, building without the CUDA extension")
         return [], {}
+    if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):
+        # torch derives CUDA_HOME from nvcc's folder; where nvcc sits in /usr/local/bin that misses
+        # the toolkit's lib64 (libcudart), so name the toolkit root that has it.
+        nvcc = shutil.which("nvcc")
+        roots = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+        for root in roots + ["/usr/local/cuda"]:
+            if os.path.exists(os.path.join(root, "lib64", "libcudart.so")):
+                os.environ["CUDA_HOME"] = root
+                break
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
@@ -43,9 +52,10 @@ def _cuda_extension():
     if not sources:
         print("megatron_mok: csrc/ holds no kernel sources yet; building without the CUDA extension")
         return [], {}
+    # torch >= 2.13's headers need C++20; older ones compile with it too.
     nvcc_flags = [
         "-O3",
-        "-std=c++17",
+        "-std=c++20",
         "-gencode=arch=compute_90a,code=sm_90a",
         "-lineinfo",
         "-Xptxas=--warn-on-spills",
@@ -55,7 +65,7 @@ def _cuda_extension():
         name="megatron_mok._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
     )
     return [extension], {"build_ext": BuildExtension}
 

@@ -1,26 +1,52 @@
 """Which implementation runs a MoK call.
 
-The reference backend runs anywhere. The fused Hopper kernel arrives with the CUDA extension;
-until it is built, `backend="kernel"` is an error and `backend="auto"` runs the reference.
+The kernel backend needs: CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
+extension loaded, bf16 activations, and hidden and ffn sizes that are multiples of 8 (16-byte rows
+for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
+reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Optional
+
 import torch
 
 from megatron_mok.config import MoKConfig
+
+_warned: set[str] = set()
+
+
+def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[str]:
+    """None if the kernel backend can run this call, else why not."""
+    if not x.is_cuda:
+        return f"x is on {x.device}, the kernel needs CUDA tensors"
+    from megatron_mok.ops import extension_error
+
+    error = extension_error()
+    if error is not None:
+        return f"the megatron_mok CUDA extension is not available ({error})"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return f"the kernels are built for sm_90a (Hopper); this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}"
+    if x.dtype != torch.bfloat16:
+        return f"the kernel runs bfloat16 only, x is {x.dtype}"
+    hidden, ffn = x.shape[1], fc1.shape[1] // 2
+    if hidden % 8 or ffn % 8:
+        return f"hidden ({hidden}) and ffn_hidden ({ffn}) must be multiples of 8 for the kernel"
+    return None
 
 
 def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> str:
     """Returns "reference" or "kernel" for this call, or raises where "kernel" cannot run."""
     if config.backend == "reference":
         return "reference"
+    reason = kernel_unsupported_reason(x, fc1)
+    if reason is None:
+        return "kernel"
     if config.backend == "kernel":
-        if not x.is_cuda:
-            raise ValueError(f"MoKConfig.backend='kernel' needs CUDA tensors; x is on {x.device}")
-        raise RuntimeError(
-            "MoKConfig.backend='kernel': this build of megatron_mok has no fused MoE kernel yet; "
-            "use backend='reference' or 'auto'"
-        )
-    # "auto": the reference is the only implementation so far.
+        raise ValueError(f"MoKConfig.backend='kernel' cannot run this call: {reason}")
+    if x.is_cuda and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"megatron_mok: running the reference backend because {reason}", stacklevel=3)
     return "reference"

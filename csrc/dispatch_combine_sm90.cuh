@@ -1,0 +1,133 @@
+// Pull dispatch, fixed-order combine and their backward counterparts for one rank's schedule.
+//
+// These are the data-movement stages of the MoK layer (the reference is in
+// megatron_mok/reference.py). Every output element is written by exactly one thread and every
+// sum runs in a fixed order in fp32, so results are bitwise reproducible; there are no atomics.
+#pragma once
+
+#include "mok_params.h"
+#include "vec_utils.cuh"
+
+namespace mok {
+
+// One block per schedule row (grid-stride): copy the source token's row, or zero a padding row.
+template <typename T, int kVec>
+__global__ void dispatch_rows_kernel(const DispatchRowsParams p) {
+  using P = Pack<T, kVec>;
+  const int64_t num_packs = p.hidden / kVec;
+  for (int64_t slot = blockIdx.x; slot < p.num_slots; slot += gridDim.x) {
+    const int64_t route = p.slot_to_route[slot];
+    P* dst = reinterpret_cast<P*>(static_cast<T*>(p.rows) + slot * p.hidden);
+    if (route < 0) {
+      const P zero = zero_pack<T, kVec>();
+      for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = zero;
+      continue;
+    }
+    const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.x_all) + (route / p.topk) * p.hidden);
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// One block per token: out[t] = sum_k w[t,k] * table[index[t,k]], k ascending, fp32. The
+// separately rounded multiply and add (no FMA contraction) match the reference bit for bit.
+template <typename T, int kVec>
+__global__ void combine_kernel(const CombineParams p) {
+  using P = Pack<T, kVec>;
+  const int64_t num_packs = p.hidden / kVec;
+  for (int64_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      float acc[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
+      for (int64_t k = 0; k < p.topk; ++k) {
+        const int64_t row = p.index[token * p.topk + k];
+        if (row < 0) continue;  // dropped route
+        if (row >= p.num_table_rows) __trap();  // an index past the table is a schedule bug
+        const P value = reinterpret_cast<const P*>(static_cast<const T*>(p.table) + row * p.hidden)[i];
+        if (p.weights != nullptr) {
+          const float w = p.weights[token * p.topk + k];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_float(value.v[j])));
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], to_float(value.v[j]));
+        }
+      }
+      P out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(acc[j]);
+      reinterpret_cast<P*>(static_cast<T*>(p.out) + token * p.hidden)[i] = out;
+    }
+  }
+}
+
+// One block per schedule row: the row's output gradient is its route weight times dY of its token.
+template <typename T, int kVec>
+__global__ void pull_grad_rows_kernel(const PullGradRowsParams p) {
+  using P = Pack<T, kVec>;
+  const int64_t num_packs = p.hidden / kVec;
+  for (int64_t slot = blockIdx.x; slot < p.num_slots; slot += gridDim.x) {
+    const int64_t route = p.slot_to_route[slot];
+    P* dst = reinterpret_cast<P*>(static_cast<T*>(p.grad_rows) + slot * p.hidden);
+    if (route < 0) {
+      const P zero = zero_pack<T, kVec>();
+      for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = zero;
+      continue;
+    }
+    const float w = p.weights[route];
+    const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.grad_y) + (route / p.topk) * p.hidden);
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      const P value = src[i];
+      P out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
+      dst[i] = out;
+    }
+  }
+}
+
+constexpr int kReduceThreads = 256;
+
+// Deterministic block sum: each thread's partial in a fixed order, then a fixed shuffle tree
+// and a fixed pass over the warps' results.
+__device__ __forceinline__ float block_sum(float value, float* warp_sums) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = value;
+  __syncthreads();  // warp_sums complete before thread 0 reads them
+  float total = 0.f;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kReduceThreads / 32; ++w) total += warp_sums[w];
+  }
+  __syncthreads();  // warp_sums may be overwritten by the next call only after thread 0 read them
+  return total;
+}
+
+// One block per token: d_weights[t,k] = <dY[t], table[index[t,k]]>.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kReduceThreads) route_weight_grads_kernel(const RouteWeightGradParams p) {
+  using P = Pack<T, kVec>;
+  __shared__ float warp_sums[kReduceThreads / 32];
+  const int64_t num_packs = p.hidden / kVec;
+  for (int64_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    const P* dy = reinterpret_cast<const P*>(static_cast<const T*>(p.grad_y) + token * p.hidden);
+    for (int64_t k = 0; k < p.topk; ++k) {
+      const int64_t row = p.index[token * p.topk + k];
+      if (row >= p.num_table_rows) __trap();
+      float partial = 0.f;
+      if (row >= 0) {
+        const P* values = reinterpret_cast<const P*>(static_cast<const T*>(p.table) + row * p.hidden);
+        for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+          const P a = dy[i], b = values[i];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) partial = fmaf(to_float(a.v[j]), to_float(b.v[j]), partial);
+        }
+      }
+      const float total = block_sum(partial, warp_sums);
+      if (threadIdx.x == 0) p.d_weights[token * p.topk + k] = total;
+    }
+  }
+}
+
+}  // namespace mok

@@ -1,0 +1,240 @@
+// Torch bindings of the MoK kernels: the `megatron_mok` op library (CUDA implementations).
+// Schemas and fake (meta) implementations for torch.compile live in megatron_mok/ops.py's
+// registration of the same names; argument checks here guard the kernels' assumptions.
+#include <ATen/ATen.h>
+#include <Python.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "dispatch_combine_sm90.cuh"
+#include "mok_params.h"
+#include "swiglu_sm90.cuh"
+
+namespace mok {
+namespace {
+
+template <typename T, int V>
+struct Tag {
+  using type = T;
+  static constexpr int kVec = V;
+};
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Calls fn(Tag<element type, pack size>): 16-byte packs when every row of every tensor starts
+// 16-byte aligned, one element otherwise.
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, bool packs_ok, Fn&& fn) {
+  if (dtype == at::kBFloat16) {
+    packs_ok ? fn(Tag<__nv_bfloat16, 8>{}) : fn(Tag<__nv_bfloat16, 1>{});
+  } else if (dtype == at::kFloat) {
+    packs_ok ? fn(Tag<float, 4>{}) : fn(Tag<float, 1>{});
+  } else {
+    TORCH_CHECK(false, "megatron_mok kernels take bfloat16 or float32, got ", dtype);
+  }
+}
+
+int multiprocessor_count() {
+  // Read once per device; ATen's CUDAContext.h would pull in cuSPARSE/cuBLAS headers.
+  static int counts[64] = {0};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (counts[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return counts[device];
+}
+
+int grid_for(int64_t items) {
+  const int sms = multiprocessor_count();
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t(sms) * 16)));
+}
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
+}
+
+bool row_packs_ok(int64_t row_elems, at::ScalarType dtype, std::initializer_list<at::Tensor> tensors) {
+  if ((row_elems * c10::elementSize(dtype)) % 16 != 0) return false;
+  for (const auto& t : tensors) {
+    if (!aligned16(t)) return false;
+  }
+  return true;
+}
+
+constexpr int kThreads = 128;
+
+at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_route, int64_t topk) {
+  check_cuda(x_all, "x_all");
+  check_index(slot_to_route, "slot_to_route");
+  TORCH_CHECK(x_all.dim() == 2 && topk > 0, "dispatch_rows: x_all must be 2-D and topk > 0");
+  const c10::cuda::CUDAGuard guard(x_all.device());
+  auto rows = at::empty({slot_to_route.numel(), x_all.size(1)}, x_all.options());
+  if (rows.numel() == 0) return rows;
+  DispatchRowsParams p{x_all.data_ptr(), rows.data_ptr(), slot_to_route.data_ptr<int64_t>(),
+                       slot_to_route.numel(), x_all.size(1), topk};
+  dispatch_dtype(x_all.scalar_type(), row_packs_ok(p.hidden, x_all.scalar_type(), {x_all, rows}), [&](auto tag) {
+    using Cfg = decltype(tag);
+    dispatch_rows_kernel<typename Cfg::type, Cfg::kVec>
+        <<<grid_for(p.num_slots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return rows;
+}
+
+at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
+                   int64_t topk) {
+  check_cuda(table, "table");
+  check_index(index, "index");
+  TORCH_CHECK(table.dim() == 2 && topk > 0 && index.numel() % topk == 0, "combine: bad shapes");
+  const int64_t num_tokens = index.numel() / topk;
+  if (weights.has_value()) {
+    check_cuda(*weights, "weights");
+    TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == index.numel(),
+                "combine: weights must be float32 with one entry per route");
+  }
+  const c10::cuda::CUDAGuard guard(table.device());
+  auto out = at::empty({num_tokens, table.size(1)}, table.options());
+  if (out.numel() == 0) return out;
+  CombineParams p{table.data_ptr(), index.data_ptr<int64_t>(),
+                  weights.has_value() ? weights->data_ptr<float>() : nullptr, out.data_ptr(),
+                  num_tokens, table.size(0), table.size(1), topk};
+  dispatch_dtype(table.scalar_type(), row_packs_ok(p.hidden, table.scalar_type(), {table, out}), [&](auto tag) {
+    using Cfg = decltype(tag);
+    combine_kernel<typename Cfg::type, Cfg::kVec>
+        <<<grid_for(num_tokens), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor pull_grad_rows(const at::Tensor& grad_y_all, const at::Tensor& weights_all,
+                          const at::Tensor& slot_to_route, int64_t topk) {
+  check_cuda(grad_y_all, "grad_y_all");
+  check_cuda(weights_all, "weights_all");
+  check_index(slot_to_route, "slot_to_route");
+  TORCH_CHECK(weights_all.scalar_type() == at::kFloat && weights_all.numel() == grad_y_all.size(0) * topk,
+              "pull_grad_rows: weights_all must be float32 with one entry per route");
+  const c10::cuda::CUDAGuard guard(grad_y_all.device());
+  auto grad_rows = at::empty({slot_to_route.numel(), grad_y_all.size(1)}, grad_y_all.options());
+  if (grad_rows.numel() == 0) return grad_rows;
+  PullGradRowsParams p{grad_y_all.data_ptr(), weights_all.data_ptr<float>(), slot_to_route.data_ptr<int64_t>(),
+                       grad_rows.data_ptr(), slot_to_route.numel(), grad_y_all.size(1), topk};
+  dispatch_dtype(grad_y_all.scalar_type(), row_packs_ok(p.hidden, grad_y_all.scalar_type(), {grad_y_all, grad_rows}),
+                 [&](auto tag) {
+                   using Cfg = decltype(tag);
+                   pull_grad_rows_kernel<typename Cfg::type, Cfg::kVec>
+                       <<<grid_for(p.num_slots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+                 });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return grad_rows;
+}
+
+at::Tensor route_weight_grads(const at::Tensor& grad_y, const at::Tensor& table, const at::Tensor& index,
+                              int64_t topk) {
+  check_cuda(grad_y, "grad_y");
+  check_cuda(table, "table");
+  check_index(index, "index");
+  TORCH_CHECK(grad_y.scalar_type() == table.scalar_type() && grad_y.size(1) == table.size(1),
+              "route_weight_grads: grad_y and table must share dtype and hidden size");
+  TORCH_CHECK(index.numel() == grad_y.size(0) * topk, "route_weight_grads: one index per route");
+  const c10::cuda::CUDAGuard guard(grad_y.device());
+  auto d_weights = at::empty({grad_y.size(0), topk}, grad_y.options().dtype(at::kFloat));
+  if (d_weights.numel() == 0) return d_weights;
+  RouteWeightGradParams p{grad_y.data_ptr(), table.data_ptr(), index.data_ptr<int64_t>(),
+                          d_weights.data_ptr<float>(), grad_y.size(0), table.size(0), grad_y.size(1), topk};
+  dispatch_dtype(grad_y.scalar_type(), row_packs_ok(p.hidden, grad_y.scalar_type(), {grad_y, table}), [&](auto tag) {
+    using Cfg = decltype(tag);
+    route_weight_grads_kernel<typename Cfg::type, Cfg::kVec>
+        <<<grid_for(p.num_tokens), kReduceThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return d_weights;
+}
+
+void check_swiglu(const at::Tensor& gate_up, const at::Tensor& offsets) {
+  check_cuda(gate_up, "gate_up");
+  check_cuda(offsets, "offsets");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() >= 2,
+              "offsets must be int32 (num_experts + 1,)");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (rows, 2 * ffn)");
+}
+
+at::Tensor swiglu_forward(const at::Tensor& gate_up, const at::Tensor& offsets) {
+  check_swiglu(gate_up, offsets);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t ffn = gate_up.size(1) / 2;
+  auto act = at::empty({gate_up.size(0), ffn}, gate_up.options());
+  if (act.numel() == 0) return act;
+  SwigluParams p{gate_up.data_ptr(), nullptr, act.data_ptr(), offsets.data_ptr<int32_t>(), offsets.numel() - 1,
+                 gate_up.size(0), ffn};
+  dispatch_dtype(gate_up.scalar_type(), row_packs_ok(ffn, gate_up.scalar_type(), {gate_up, act}), [&](auto tag) {
+    using Cfg = decltype(tag);
+    swiglu_forward_kernel<typename Cfg::type, Cfg::kVec>
+        <<<grid_for(p.num_rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return act;
+}
+
+at::Tensor swiglu_backward(const at::Tensor& gate_up, const at::Tensor& grad_act, const at::Tensor& offsets) {
+  check_swiglu(gate_up, offsets);
+  check_cuda(grad_act, "grad_act");
+  const int64_t ffn = gate_up.size(1) / 2;
+  TORCH_CHECK(grad_act.size(0) == gate_up.size(0) && grad_act.size(1) == ffn &&
+                  grad_act.scalar_type() == gate_up.scalar_type(),
+              "grad_act must be (rows, ffn) in gate_up's dtype");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  auto grad_gate_up = at::empty_like(gate_up);
+  if (grad_gate_up.numel() == 0) return grad_gate_up;
+  SwigluParams p{gate_up.data_ptr(), grad_act.data_ptr(), grad_gate_up.data_ptr(), offsets.data_ptr<int32_t>(),
+                 offsets.numel() - 1, gate_up.size(0), ffn};
+  dispatch_dtype(gate_up.scalar_type(), row_packs_ok(ffn, gate_up.scalar_type(), {gate_up, grad_act, grad_gate_up}),
+                 [&](auto tag) {
+                   using Cfg = decltype(tag);
+                   swiglu_backward_kernel<typename Cfg::type, Cfg::kVec>
+                       <<<grid_for(p.num_rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+                 });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return grad_gate_up;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_mok, m) {
+  m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk) -> Tensor");
+  m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
+  m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk) -> Tensor");
+  m.def("route_weight_grads(Tensor grad_y, Tensor table, Tensor index, int topk) -> Tensor");
+  m.def("swiglu_forward(Tensor gate_up, Tensor offsets) -> Tensor");
+  m.def("swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor offsets) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("dispatch_rows", &dispatch_rows);
+  m.impl("combine", &combine);
+  m.impl("pull_grad_rows", &pull_grad_rows);
+  m.impl("route_weight_grads", &route_weight_grads);
+  m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("swiglu_backward", &swiglu_backward);
+}
+
+}  // namespace mok
+
+// `import megatron_mok._C` loads the library above; the module itself has no Python API.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

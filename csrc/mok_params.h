@@ -1,0 +1,67 @@
+// Parameter structs shared by the torch bindings (mok_ops.cu) and the kernels: one source of
+// truth per kernel signature.
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+
+// Pull dispatch on one rank: rows[s] = x_all[slot_to_route[s] / topk], zero where the route is -1.
+struct DispatchRowsParams {
+  const void* x_all;             // (num_src_rows, hidden) bf16/fp32
+  void* rows;                    // (num_slots, hidden), same dtype
+  const int64_t* slot_to_route;  // (num_slots,) route index, -1 for padding
+  int64_t num_slots;
+  int64_t hidden;
+  int64_t topk;
+};
+
+// Fixed-order combine: out[t] = sum over k ascending of w[t,k] * table[index[t*topk+k]] in fp32
+// (w = 1 when weights is null), rounded once; index -1 skips the route.
+struct CombineParams {
+  const void* table;      // (num_table_rows, hidden)
+  const int64_t* index;   // (num_tokens * topk,)
+  const float* weights;   // (num_tokens, topk) or null
+  void* out;              // (num_tokens, hidden), same dtype as table
+  int64_t num_tokens;
+  int64_t num_table_rows;
+  int64_t hidden;
+  int64_t topk;
+};
+
+// Reverse-combine pull: grad_rows[s] = w[route] * grad_y[route / topk], zero for padding rows.
+struct PullGradRowsParams {
+  const void* grad_y;            // (num_src_rows, hidden)
+  const float* weights;          // (num_src_rows * topk,) all-gathered routing weights
+  const int64_t* slot_to_route;  // (num_slots,)
+  void* grad_rows;               // (num_slots, hidden)
+  int64_t num_slots;
+  int64_t hidden;
+  int64_t topk;
+};
+
+// d_weights[t,k] = <grad_y[t], table[index[t*topk+k]]> in fp32, zero where index is -1.
+struct RouteWeightGradParams {
+  const void* grad_y;     // (num_tokens, hidden)
+  const void* table;      // (num_table_rows, hidden)
+  const int64_t* index;   // (num_tokens * topk,)
+  float* d_weights;       // (num_tokens, topk)
+  int64_t num_tokens;
+  int64_t num_table_rows;
+  int64_t hidden;
+  int64_t topk;
+};
+
+// SwiGLU over the schedule's rows: act[r] = silu(gate[r]) * up[r] for r < offsets[num_experts],
+// zero for the rows past the last segment (the grouped GEMM leaves them unwritten).
+struct SwigluParams {
+  const void* gate_up;       // (num_rows, 2 * ffn) gate columns first
+  const void* grad_act;      // backward only: (num_rows, ffn)
+  void* out;                 // forward: act (num_rows, ffn); backward: grad_gate_up (num_rows, 2 * ffn)
+  const int32_t* offsets;    // (num_experts + 1,) segment boundaries on the device
+  int64_t num_experts;
+  int64_t num_rows;
+  int64_t ffn;
+};
+
+}  // namespace mok

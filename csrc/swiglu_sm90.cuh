@@ -1,0 +1,76 @@
+// SwiGLU over the schedule's rows, forward and backward, fp32 math rounded once.
+// Reference: swiglu_reference / swiglu_backward_reference in megatron_mok/reference.py.
+#pragma once
+
+#include "mok_params.h"
+#include "vec_utils.cuh"
+
+namespace mok {
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+template <typename T, int kVec>
+__global__ void swiglu_forward_kernel(const SwigluParams p) {
+  using P = Pack<T, kVec>;
+  const int64_t end = p.offsets[p.num_experts];  // rows past it were never written by the GEMM
+  const int64_t num_packs = p.ffn / kVec;
+  for (int64_t row = blockIdx.x; row < p.num_rows; row += gridDim.x) {
+    P* out = reinterpret_cast<P*>(static_cast<T*>(p.out) + row * p.ffn);
+    if (row >= end) {
+      const P zero = zero_pack<T, kVec>();
+      for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) out[i] = zero;
+      continue;
+    }
+    const T* base = static_cast<const T*>(p.gate_up) + row * 2 * p.ffn;
+    const P* gate = reinterpret_cast<const P*>(base);
+    const P* up = reinterpret_cast<const P*>(base + p.ffn);
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      const P g = gate[i], u = up[i];
+      P a;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float x = to_float(g.v[j]);
+        a.v[j] = from_float<T>(__fmul_rn(x / (1.f + expf(-x)), to_float(u.v[j])));
+      }
+      out[i] = a;
+    }
+  }
+}
+
+template <typename T, int kVec>
+__global__ void swiglu_backward_kernel(const SwigluParams p) {
+  using P = Pack<T, kVec>;
+  const int64_t end = p.offsets[p.num_experts];
+  const int64_t num_packs = p.ffn / kVec;
+  for (int64_t row = blockIdx.x; row < p.num_rows; row += gridDim.x) {
+    T* out_base = static_cast<T*>(p.out) + row * 2 * p.ffn;
+    P* grad_gate = reinterpret_cast<P*>(out_base);
+    P* grad_up = reinterpret_cast<P*>(out_base + p.ffn);
+    if (row >= end) {
+      const P zero = zero_pack<T, kVec>();
+      for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) grad_gate[i] = grad_up[i] = zero;
+      continue;
+    }
+    const T* base = static_cast<const T*>(p.gate_up) + row * 2 * p.ffn;
+    const P* gate = reinterpret_cast<const P*>(base);
+    const P* up = reinterpret_cast<const P*>(base + p.ffn);
+    const P* grad_act = reinterpret_cast<const P*>(static_cast<const T*>(p.grad_act) + row * p.ffn);
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      const P g = gate[i], u = up[i], d = grad_act[i];
+      P dg, du;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float x = to_float(g.v[j]), y = to_float(u.v[j]), da = to_float(d.v[j]);
+        const float s = sigmoid(x);
+        const float silu = __fmul_rn(x, s);
+        // Same association as the reference: (da * up) * (s + silu * (1 - s)).
+        dg.v[j] = from_float<T>(__fmul_rn(__fmul_rn(da, y), __fadd_rn(s, __fmul_rn(silu, __fsub_rn(1.f, s)))));
+        du.v[j] = from_float<T>(__fmul_rn(da, silu));
+      }
+      grad_gate[i] = dg;
+      grad_up[i] = du;
+    }
+  }
+}
+
+}  // namespace mok

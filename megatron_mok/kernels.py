@@ -1,0 +1,68 @@
+"""The kernel backend's stages: CUDA kernels for dispatch, SwiGLU and combine (megatron_mok.ops)
+around torch's grouped GEMM (CUTLASS on sm90) for the expert matmuls.
+
+This is the first kernel step: it removes the glue of the unfused pipeline (gather, separate
+SwiGLU passes, the atomic index_add combine) and keeps every reduction in a fixed order. The
+persistent megakernel (TMA + wgmma, warp-specialized, dispatch/GEMM/combine overlapped) replaces
+these stages one by one behind the same table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_mok import ops
+from megatron_mok.schedule import Schedule
+from megatron_mok.stages import Stages
+from megatron_mok.workspace import Workspace
+
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def segment_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # Rows past offsets[-1] are left unwritten; no later stage reads them.
+    return _grouped_mm(rows, weight.transpose(-2, -1), offs=offsets[1:])
+
+
+def segment_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _grouped_mm(grad_out.t(), inputs, offs=offsets[1:])
+
+
+def dispatch_rows(x_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    return ops.dispatch_rows(x_all, schedule.slot_to_route, schedule.topk)
+
+
+def combine(
+    table: torch.Tensor, index: torch.Tensor, topk_weights: Optional[torch.Tensor], topk: int, dtype: torch.dtype
+) -> torch.Tensor:
+    if table.dtype != dtype:
+        raise ValueError(f"combine: table is {table.dtype}, expected {dtype}")
+    weights = topk_weights.contiguous() if topk_weights is not None else None
+    return ops.combine(table, index, weights, topk)
+
+
+def pull_route_grads(
+    grad_y: torch.Tensor, topk_weights: torch.Tensor, schedule: Schedule, workspace: Workspace
+) -> torch.Tensor:
+    grad_y_all = workspace.all_gather(grad_y).reshape(-1, grad_y.shape[1])
+    weights_all = workspace.all_gather(topk_weights).reshape(-1)
+    return ops.pull_grad_rows(grad_y_all, weights_all, schedule.slot_to_route, schedule.topk)
+
+
+def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
+    return ops.route_weight_grads(grad_y.contiguous(), table, index, topk)
+
+
+KERNEL_STAGES = Stages(
+    dispatch_rows=dispatch_rows,
+    segment_matmul=segment_matmul,
+    swiglu=ops.swiglu_forward,
+    swiglu_backward=ops.swiglu_backward,
+    segment_weight_grad=segment_weight_grad,
+    combine=combine,
+    pull_route_grads=pull_route_grads,
+    route_weight_grads=route_weight_grads,
+)

@@ -1,0 +1,80 @@
+"""The `megatron_mok` custom ops over the CUDA extension, with fake implementations.
+
+Each op's PyTorch reference is the function of the same stage in `reference.py`. The CUDA
+implementations are registered by `megatron_mok._C` (csrc/mok_ops.cu); the fake ones here give
+output shapes to torch.compile and meta tensors without running anything.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_LOAD_ERROR: Optional[str] = None
+try:
+    from megatron_mok import _C  # noqa: F401  (registers torch.ops.megatron_mok.*)
+except ImportError as error:  # no CUDA toolchain at install time, or a CPU-only build
+    _LOAD_ERROR = f"{type(error).__name__}: {error}"
+
+
+def extension_error() -> Optional[str]:
+    """None when the CUDA extension is loaded, else why it is not."""
+    return _LOAD_ERROR
+
+
+if _LOAD_ERROR is None:
+
+    @torch.library.register_fake("megatron_mok::dispatch_rows")
+    def _dispatch_rows_fake(x_all, slot_to_route, topk):
+        return x_all.new_empty((slot_to_route.shape[0], x_all.shape[1]))
+
+    @torch.library.register_fake("megatron_mok::combine")
+    def _combine_fake(table, index, weights, topk):
+        return table.new_empty((index.shape[0] // topk, table.shape[1]))
+
+    @torch.library.register_fake("megatron_mok::pull_grad_rows")
+    def _pull_grad_rows_fake(grad_y_all, weights_all, slot_to_route, topk):
+        return grad_y_all.new_empty((slot_to_route.shape[0], grad_y_all.shape[1]))
+
+    @torch.library.register_fake("megatron_mok::route_weight_grads")
+    def _route_weight_grads_fake(grad_y, table, index, topk):
+        return grad_y.new_empty((grad_y.shape[0], topk), dtype=torch.float32)
+
+    @torch.library.register_fake("megatron_mok::swiglu_forward")
+    def _swiglu_forward_fake(gate_up, offsets):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+    @torch.library.register_fake("megatron_mok::swiglu_backward")
+    def _swiglu_backward_fake(gate_up, grad_act, offsets):
+        return torch.empty_like(gate_up)
+
+
+def dispatch_rows(x_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
+    """(capacity, H): x_all[slot_to_route // topk], zero for route -1. Ref: dispatch_rows_reference."""
+    return torch.ops.megatron_mok.dispatch_rows(x_all, slot_to_route, topk)
+
+
+def combine(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], topk: int) -> torch.Tensor:
+    """(T, H) in table.dtype: fixed-order fp32 sum over k. Ref: combine_reference."""
+    return torch.ops.megatron_mok.combine(table, index, weights, topk)
+
+
+def pull_grad_rows(grad_y_all: torch.Tensor, weights_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
+    """(capacity, H): w[route] * dY[route // topk]. Ref: pull_route_grads_reference."""
+    return torch.ops.megatron_mok.pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk)
+
+
+def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
+    """(T, K) float32: <dY[t], table[index]>. Ref: route_weight_grads_reference."""
+    return torch.ops.megatron_mok.route_weight_grads(grad_y, table, index, topk)
+
+
+def swiglu_forward(gate_up: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, F): silu(gate) * up, zero past offsets[-1]. Ref: swiglu_reference."""
+    return torch.ops.megatron_mok.swiglu_forward(gate_up, offsets)
+
+
+def swiglu_backward(gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, 2F): d gate_up, zero past offsets[-1]. Ref: swiglu_backward_reference."""
+    return torch.ops.megatron_mok.swiglu_backward(gate_up, grad_act, offsets)

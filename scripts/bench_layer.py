@@ -1,0 +1,231 @@
+"""MoE layer benchmark on one GPU: the PyTorch grouped-GEMM pipeline, Megatron's MoE layer with
+the alltoall dispatcher (if megatron-core is installed) and mok, on the same inputs.
+
+    python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR]
+
+Prints ms, effective TFLOP/s (6*T*K*H*F forward, twice that backward), peak memory, and the
+same-run dense cuBLAS bf16 GEMM rate; a table last, a plot saved to DIR/bench_layer.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import dense_gemm_tflops, median_ms, peak_memory_mb  # noqa: E402
+
+from megatron_mok import MoKConfig, mok_moe  # noqa: E402
+
+SHAPES = {
+    # name: (tokens, hidden, ffn, experts, topk)
+    "deepseek_v3": (8192, 7168, 2048, 32, 8),  # DeepSeek-V3 per rank at EP = 8
+    "qwen3_235b": (8192, 4096, 1536, 16, 8),
+    "qwen3_30b": (16384, 2048, 768, 128, 8),  # Qwen3-30B-A3B at EP = 1
+}
+NUM_INPUT_SETS = 2
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def make_inputs(shape, seed):
+    t, h, f, e, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+    scores = torch.randn(t, e, device="cuda", generator=gen)
+    weights, ids = torch.softmax(scores, dim=1).topk(k, dim=1)
+    fc1 = (torch.randn(e, 2 * f, h, device="cuda", generator=gen) / h**0.5).bfloat16()
+    fc2 = (torch.randn(e, h, f, device="cuda", generator=gen) / f**0.5).bfloat16()
+    grad = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+    return dict(x=x, ids=ids, weights=weights.float().contiguous(), fc1=fc1, fc2=fc2, grad=grad)
+
+
+def pytorch_pipeline(x, ids, weights, fc1, fc2):
+    """Gather -> grouped_mm gate/up -> SwiGLU -> grouped_mm down -> weighted index_add_ (fp32)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=fc1.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    token = order // k
+    rows = x.index_select(0, token)
+    gate, up = _grouped_mm(rows, fc1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    out = _grouped_mm(F.silu(gate) * up, fc2.transpose(1, 2), offs=offs)
+    scaled = out.float() * weights.reshape(-1)[order].unsqueeze(1)
+    y = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
+    y.index_add_(0, token, scaled)
+    return y.to(x.dtype)
+
+
+def mok_layer(config):
+    def run(x, ids, weights, fc1, fc2):
+        return mok_moe(x, ids, weights, fc1, fc2, config=config)
+
+    return run
+
+
+def megatron_alltoall_layer(shape):
+    """Megatron's MoELayer (alltoall dispatcher, installed experts) on one rank, or None."""
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        return None, "megatron-core not installed"
+    t, h, f, e, k = shape
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(0)
+    try:
+        import transformer_engine  # noqa: F401
+
+        use_te = True
+    except ImportError:
+        use_te = False
+    config = TransformerConfig(
+        num_layers=1, hidden_size=h, num_attention_heads=8, num_moe_experts=e, moe_router_topk=k,
+        moe_ffn_hidden_size=f, moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+        moe_grouped_gemm=use_te, moe_router_load_balancing_type="none", gradient_accumulation_fusion=False,
+    )
+    layer = get_moe_module_spec(use_te=use_te, num_experts=e, moe_grouped_gemm=use_te)(config=config).cuda()
+    experts = "TEGroupedMLP" if use_te else "SequentialMLP (no Transformer Engine)"
+    return layer, experts
+
+
+def bench_shape(name, shape, results, progress):
+    t, h, f, e, k = shape
+    flops_fwd = 6 * t * k * h * f
+    sets = [make_inputs(shape, seed) for seed in range(NUM_INPUT_SETS)]
+    methods = {
+        "pytorch": pytorch_pipeline,
+        "mok_kernel": mok_layer(MoKConfig(backend="kernel")),
+        "mok_reference": mok_layer(MoKConfig(backend="reference")),
+    }
+    row = {"shape": name, "T": t, "H": h, "F": f, "E": e, "K": k}
+    for label, fn in methods.items():
+        progress(f"{name}: {label}")
+
+        def fwd(s, fn=fn):
+            with torch.no_grad():
+                return fn(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"])
+
+        def fwd_bwd(s, fn=fn):
+            leaves = [s[n].detach().requires_grad_() for n in ("x", "weights", "fc1", "fc2")]
+            y = fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
+            y.backward(s["grad"])
+
+        ms_f, ms_fb = median_ms(fwd, sets), median_ms(fwd_bwd, sets)
+        row[label] = dict(
+            fwd_ms=ms_f, fwd_tflops=flops_fwd / ms_f / 1e9,
+            fwd_bwd_ms=ms_fb, fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9,
+            peak_mb=peak_memory_mb(fwd_bwd, sets[0]),
+        )
+    progress(f"{name}: megatron alltoall")
+    layer, experts = megatron_alltoall_layer(shape)
+    row["megatron_experts"] = experts
+    if layer is not None:
+        hidden_sets = [s["x"].view(t, 1, h) for s in sets]
+
+        def mfwd(x):
+            with torch.no_grad():
+                return layer(x)
+
+        def mfwd_bwd(x):
+            xi = x.detach().requires_grad_()
+            y, _ = layer(xi)
+            y.backward(torch.ones_like(y))
+
+        ms_f, ms_fb = median_ms(mfwd, hidden_sets, reps=5), median_ms(mfwd_bwd, hidden_sets, reps=5)
+        row["megatron_alltoall"] = dict(
+            fwd_ms=ms_f, fwd_tflops=flops_fwd / ms_f / 1e9, fwd_bwd_ms=ms_fb,
+            fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9, peak_mb=peak_memory_mb(mfwd_bwd, hidden_sets[0]),
+        )
+        del layer
+    results.append(row)
+    del sets
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    names = args.shapes.split(",")
+    bar = tqdm(total=len(names) * 4 + 1, file=sys.stderr) if tqdm else None
+
+    def progress(label):
+        if bar:
+            bar.set_description(label)
+            bar.update(1)
+        else:
+            print(label, file=sys.stderr)
+
+    progress("dense cuBLAS GEMM")
+    dense = dense_gemm_tflops()
+    results = []
+    for name in names:
+        bench_shape(name, SHAPES[name], results, progress)
+    if bar:
+        bar.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_layer.json").write_text(json.dumps(dict(dense_tflops=dense, device=torch.cuda.get_device_name(), results=results), indent=1))
+    _plot(results, dense, out / "bench_layer.png")
+
+    print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
+    print(f"{'shape':<12} {'method':<18} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
+    for row in results:
+        base = row["pytorch"]
+        for label in ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel"):
+            r = row.get(label)
+            if r is None:
+                print(f"{row['shape']:<12} {label:<18} {'n/a: ' + str(row.get('megatron_experts')):>40}")
+                continue
+            print(
+                f"{row['shape']:<12} {label:<18} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
+                f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
+            )
+
+
+def _plot(results, dense, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward + backward")):
+        width = 0.2
+        for i, label in enumerate(labels):
+            values = [row[label][key] if row.get(label) else 0 for row in results]
+            ax.bar([j + i * width for j in range(len(results))], values, width, label=label)
+        ax.axhline(dense, color="k", linestyle="--", label="dense bf16 GEMM")
+        ax.set_xticks([j + 1.5 * width for j in range(len(results))], [r["shape"] for r in results])
+        ax.set_ylabel("effective TFLOP/s")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

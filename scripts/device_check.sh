@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: build the extension, run the GPU tests, run the layer benchmark.
+# Logs go to $OUT (build.log, tests.log, bench.log, bench_layer.json/png); a table prints last.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/mok_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+start=$(date +%s)
+MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+cuobjdump --dump-sass megatron_mok/_C*.so > "$OUT/sass.txt" 2>/dev/null
+echo "SASS instructions: $(wc -l < "$OUT/sass.txt") lines"
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_reference.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+if [ "${PRETRAIN:-0}" = 1 ]; then
+    python3 -m megatron_mok.pretrain --train-iters 4 > "$OUT/pretrain.log" 2>&1; echo "pretrain rc=$?"
+    grep " iteration " "$OUT/pretrain.log" | cut -c1-260
+fi
+[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.log"
