@@ -103,6 +103,53 @@ def megatron_alltoall_layer(shape):
     return layer, experts
 
 
+def kernel_forward_stage_ms(s, reps: int = 10) -> dict:
+    """Median time of each stage of the kernel backend's forward (events between stages)."""
+    import statistics
+
+    from megatron_mok import build_schedule
+    from megatron_mok.kernels import KERNEL_STAGES as st
+    from megatron_mok.reference import return_rows_reference
+    from megatron_mok.workspace import get_workspace
+
+    workspace = get_workspace(None, s["x"].device)
+    names = ("schedule", "dispatch", "gate_up_gemm", "swiglu", "down_gemm", "combine")
+    samples = {n: [] for n in names}
+    for _ in range(reps + 2):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+        events[0].record()
+        schedule = build_schedule(s["ids"], num_local_experts=s["fc1"].shape[0])
+        events[1].record()
+        rows = st.dispatch_rows(s["x"], schedule)
+        events[2].record()
+        gate_up = st.segment_matmul(rows, s["fc1"], schedule.expert_offsets)
+        events[3].record()
+        act = st.swiglu(gate_up, schedule.expert_offsets)
+        events[4].record()
+        out = st.segment_matmul(act, s["fc2"], schedule.expert_offsets)
+        events[5].record()
+        table, index = return_rows_reference(out, schedule, s["ids"], workspace)
+        st.combine(table, index, s["weights"], schedule.topk, s["x"].dtype)
+        events[6].record()
+        events[-1].synchronize()
+        for i, n in enumerate(names):
+            samples[n].append(events[i].elapsed_time(events[i + 1]))
+    return {n: statistics.median(v[2:]) for n, v in samples.items()}
+
+
+def forward_errors(s) -> dict:
+    """||y - y_fp32|| / ||y_fp32|| of the kernel and of the bf16 reference (same precision)."""
+    from megatron_mok import MoKConfig as C
+
+    with torch.no_grad():
+        exact = mok_moe(s["x"].float(), s["ids"], s["weights"], s["fc1"].float(), s["fc2"].float(), config=C(backend="reference"))
+        errors = {}
+        for label, cfg in (("mok_kernel", C(backend="kernel")), ("bf16_reference", C(backend="reference"))):
+            y = mok_moe(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"], config=cfg).float()
+            errors[label] = float((y - exact).norm() / exact.norm())
+    return errors
+
+
 def bench_shape(name, shape, results, progress):
     t, h, f, e, k = shape
     flops_fwd = 6 * t * k * h * f
@@ -152,6 +199,8 @@ def bench_shape(name, shape, results, progress):
             fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9, peak_mb=peak_memory_mb(mfwd_bwd, hidden_sets[0]),
         )
         del layer
+    row["kernel_stages_ms"] = kernel_forward_stage_ms(sets[0])
+    row["forward_error"] = forward_errors(sets[0])
     results.append(row)
     del sets
     torch.cuda.empty_cache()
@@ -188,6 +237,7 @@ def main() -> None:
     (out / "bench_layer.json").write_text(json.dumps(dict(dense_tflops=dense, device=torch.cuda.get_device_name(), results=results), indent=1))
     _plot(results, dense, out / "bench_layer.png")
 
+    _print_details(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
     print(f"{'shape':<12} {'method':<18} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
@@ -201,6 +251,19 @@ def main() -> None:
                 f"{row['shape']:<12} {label:<18} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
                 f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
             )
+
+
+def _print_details(results):
+    print("\nkernel backend forward, stage by stage (ms, median):")
+    for row in results:
+        stages = row["kernel_stages_ms"]
+        parts = " ".join(f"{k} {v:.2f}" for k, v in stages.items())
+        print(f"  {row['shape']:<12} {parts} | sum {sum(stages.values()):.2f}")
+    print("forward error vs fp32 reference (||y - y32|| / ||y32||):")
+    for row in results:
+        e = row["forward_error"]
+        print(f"  {row['shape']:<12} kernel {e['mok_kernel']:.3e}  bf16 reference {e['bf16_reference']:.3e}  "
+              f"ratio {e['mok_kernel'] / e['bf16_reference']:.3f}")
 
 
 def _plot(results, dense, path):

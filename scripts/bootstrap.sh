@@ -29,12 +29,27 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.megatron_mok_installed
-want=$(cat requirements.txt setup.py | sha256sum | cut -c1-16)
+want=$(cat requirements.txt setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)
+pip_quiet() {
+    # pip's own output goes to a log, shown in full when it fails.
+    local log
+    log=$(mktemp)
+    if ! .venv/bin/python -m pip "$@" >"$log" 2>&1; then
+        grep -v "^WARNING: Location" "$log" | tail -60 >&2
+        echo "bootstrap: pip $* failed" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+}
+
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "bootstrap: installing requirements (torch, megatron-core 0.19.x, ...) into .venv"
-    .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-    .venv/bin/python -m pip install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
-    .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+    pip_quiet install -q --upgrade pip
+    pip_quiet install -q -r requirements.txt
+    # Builds the CUDA extension (sm_90a) where nvcc and a CUDA build of torch exist.
+    echo "bootstrap: installing megatron_mok (editable)"
+    pip_quiet install -q --no-deps --no-build-isolation -e .
     .venv/bin/python -c 'import torch, megatron.core, megatron_mok' || { echo "bootstrap: install failed" >&2; exit 1; }
     echo "$want" > "$stamp"
 fi
@@ -42,6 +57,9 @@ fi
 import importlib.util, torch
 te = importlib.util.find_spec("transformer_engine") is not None
 apex = importlib.util.find_spec("apex") is not None
+from megatron_mok.ops import extension_error
+ext = extension_error()
 print(f"bootstrap: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, "
-      f"transformer-engine: {'yes' if te else 'no (optional)'}, apex: {'yes' if apex else 'no (optional)'}")
+      f"transformer-engine: {'yes' if te else 'no (optional)'}, apex: {'yes' if apex else 'no (optional)'}, "
+      f"CUDA extension: {'built' if ext is None else 'not built'}")
 PY
