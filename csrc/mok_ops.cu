@@ -14,6 +14,7 @@
 
 #include "dispatch_combine_sm90.cuh"
 #include "mok_params.h"
+#include "schedule_sm90.cuh"
 #include "swiglu_sm90.cuh"
 
 namespace mok {
@@ -211,9 +212,45 @@ at::Tensor swiglu_backward(const at::Tensor& gate_up, const at::Tensor& grad_act
   return grad_gate_up;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const at::Tensor& topk_ids_all, int64_t rank,
+                                                                       int64_t num_local_experts, int64_t alignment) {
+  check_cuda(topk_ids_all, "topk_ids_all");
+  TORCH_CHECK(topk_ids_all.scalar_type() == at::kLong || topk_ids_all.scalar_type() == at::kInt,
+              "topk_ids_all must be int32 or int64");
+  TORCH_CHECK(num_local_experts > 0 && alignment > 0 && rank >= 0, "build_schedule: bad arguments");
+  const c10::cuda::CUDAGuard guard(topk_ids_all.device());
+  const int64_t num_routes = topk_ids_all.numel();
+  const int64_t capacity = num_routes + num_local_experts * (alignment - 1);
+  TORCH_CHECK(capacity < (int64_t(1) << 31), "build_schedule: more than 2^31 rows");
+  auto long_options = topk_ids_all.options().dtype(at::kLong);
+  auto int_options = topk_ids_all.options().dtype(at::kInt);
+  auto slot_to_route = at::empty({capacity}, long_options);
+  auto route_to_slot = at::empty({num_routes}, long_options);
+  auto counts = at::empty({num_local_experts}, int_options);
+  auto offsets = at::empty({num_local_experts + 1}, int_options);
+  ScheduleParams p{topk_ids_all.data_ptr(), slot_to_route.data_ptr<int64_t>(), route_to_slot.data_ptr<int64_t>(),
+                   counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), num_routes, capacity,
+                   num_local_experts, alignment, static_cast<int>(rank)};
+  const size_t smem = (size_t(kScheduleWarps) * num_local_experts + num_local_experts + 1) * sizeof(int);
+  auto launch = [&](auto kernel) {
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    }
+    kernel<<<1, kScheduleWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+  };
+  if (topk_ids_all.scalar_type() == at::kLong) {
+    launch(build_schedule_kernel<int64_t>);
+  } else {
+    launch(build_schedule_kernel<int32_t>);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {slot_to_route, route_to_slot, counts, offsets};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_mok, m) {
+  m.def("build_schedule(Tensor topk_ids_all, int rank, int num_local_experts, int alignment) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk) -> Tensor");
   m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
   m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk) -> Tensor");
@@ -223,6 +260,7 @@ TORCH_LIBRARY(megatron_mok, m) {
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("build_schedule", &build_schedule);
   m.impl("dispatch_rows", &dispatch_rows);
   m.impl("combine", &combine);
   m.impl("pull_grad_rows", &pull_grad_rows);

@@ -64,4 +64,18 @@ struct SwigluParams {
   int64_t ffn;
 };
 
+// The schedule of one rank from the group's routing (see schedule_sm90.cuh).
+struct ScheduleParams {
+  const void* topk_ids;     // (num_routes,) int32 or int64 global expert ids, -1 = dropped
+  int64_t* slot_to_route;   // (capacity,) route per row, -1 for padding
+  int64_t* route_to_slot;   // (num_routes,) row per route owned here, `capacity` otherwise
+  int32_t* expert_counts;   // (num_local_experts,)
+  int32_t* expert_offsets;  // (num_local_experts + 1,)
+  int64_t num_routes;
+  int64_t capacity;
+  int64_t num_local_experts;
+  int64_t alignment;
+  int rank;
+};
+
 }  // namespace mok

@@ -39,8 +39,12 @@ class ForwardContext:
     # (index -1: dropped); see reference.return_rows_reference.
     route_table: torch.Tensor  # (num_rows, hidden)
     route_index: torch.Tensor  # (num_tokens * topk,) int64
+    # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
+    # with several ranks the capacity is num_ranks times larger, so backward recomputes them.
+    rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
+    act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 
-    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_table", "route_index")
+    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_table", "route_index", "rows", "act")
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.TENSOR_FIELDS)
@@ -130,7 +134,8 @@ def forward(
     x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
     rows = stages.dispatch_rows(x_all, schedule)
     gate_up = stages.segment_matmul(rows, fc1, offsets)
-    slot_out = stages.segment_matmul(stages.swiglu(gate_up, offsets), fc2, offsets)
+    act = stages.swiglu(gate_up, offsets)
+    slot_out = stages.segment_matmul(act, fc2, offsets)
     route_table, route_index = ref.return_rows_reference(slot_out, schedule, topk_ids, workspace)
     y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)
     ctx = ForwardContext(
@@ -143,6 +148,8 @@ def forward(
         gate_up=gate_up,
         route_table=route_table,
         route_index=route_index,
+        rows=rows if schedule.num_ranks == 1 else None,
+        act=act if schedule.num_ranks == 1 else None,
     )
     return y, ctx
 
@@ -192,7 +199,7 @@ def backward(
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
     grad_slot_out = stages.pull_route_grads(grad_y, ctx.topk_weights, schedule, workspace)
-    act = stages.swiglu(ctx.gate_up, offsets)
+    act = ctx.act if ctx.act is not None else stages.swiglu(ctx.gate_up, offsets)
     grad_act = stages.segment_matmul(grad_slot_out, fc2.transpose(1, 2), offsets)
     grad_gate_up = stages.swiglu_backward(ctx.gate_up, grad_act, offsets)
 
@@ -204,7 +211,7 @@ def backward(
 
     d_fc1 = d_fc2 = None
     if need_weight_grads:
-        rows = stages.dispatch_rows(ctx.x_all, schedule)
+        rows = ctx.rows if ctx.rows is not None else stages.dispatch_rows(ctx.x_all, schedule)
         d_fc1 = stages.segment_weight_grad(grad_gate_up, rows, offsets)
         d_fc2 = stages.segment_weight_grad(grad_slot_out, act, offsets)
     return Grads(x=d_x, topk_weights=d_weights, fc1=d_fc1, fc2=d_fc2)

@@ -25,6 +25,18 @@ def extension_error() -> Optional[str]:
 
 if _LOAD_ERROR is None:
 
+    @torch.library.register_fake("megatron_mok::build_schedule")
+    def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment):
+        num_routes = topk_ids_all.numel()
+        capacity = num_routes + num_local_experts * (alignment - 1)
+        new = topk_ids_all.new_empty
+        return (
+            new((capacity,), dtype=torch.int64),
+            new((num_routes,), dtype=torch.int64),
+            new((num_local_experts,), dtype=torch.int32),
+            new((num_local_experts + 1,), dtype=torch.int32),
+        )
+
     @torch.library.register_fake("megatron_mok::dispatch_rows")
     def _dispatch_rows_fake(x_all, slot_to_route, topk):
         return x_all.new_empty((slot_to_route.shape[0], x_all.shape[1]))
@@ -48,6 +60,13 @@ if _LOAD_ERROR is None:
     @torch.library.register_fake("megatron_mok::swiglu_backward")
     def _swiglu_backward_fake(gate_up, grad_act, offsets):
         return torch.empty_like(gate_up)
+
+
+def build_schedule(
+    topk_ids_all: torch.Tensor, rank: int, num_local_experts: int, alignment: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slot_to_route, route_to_slot, expert_counts, expert_offsets). Ref: build_schedule_reference."""
+    return torch.ops.megatron_mok.build_schedule(topk_ids_all, rank, num_local_experts, alignment)
 
 
 def dispatch_rows(x_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:

@@ -54,13 +54,37 @@ def schedule_capacity(num_routes: int, num_local_experts: int, segment_alignment
 def build_schedule_from_gathered(
     topk_ids_all: torch.Tensor, *, rank: int, num_local_experts: int, segment_alignment: int = 1
 ) -> Schedule:
-    """Builds this rank's schedule from the group's routing.
+    """Builds this rank's schedule from the group's routing: one CUDA kernel where the extension
+    is loaded (csrc/schedule_sm90.cuh), else `build_schedule_reference`; both give the same result.
 
     Args:
         topk_ids_all: (num_ranks, num_tokens, topk) int32/int64 global expert ids, -1 = dropped.
         rank: this rank's index in the expert-parallel group; it owns global experts
             [rank * num_local_experts, (rank + 1) * num_local_experts).
     """
+    if topk_ids_all.is_cuda:
+        from megatron_mok import ops
+
+        if ops.extension_error() is None:
+            num_ranks, num_tokens, topk = topk_ids_all.shape
+            slot_to_route, route_to_slot, counts, offsets = ops.build_schedule(
+                topk_ids_all.contiguous(), rank, num_local_experts, segment_alignment
+            )
+            return Schedule(
+                num_ranks=num_ranks, rank=rank, num_tokens=num_tokens, topk=topk,
+                num_local_experts=num_local_experts, segment_alignment=segment_alignment,
+                slot_to_route=slot_to_route, route_to_slot=route_to_slot,
+                expert_counts=counts, expert_offsets=offsets,
+            )
+    return build_schedule_reference(
+        topk_ids_all, rank=rank, num_local_experts=num_local_experts, segment_alignment=segment_alignment
+    )
+
+
+def build_schedule_reference(
+    topk_ids_all: torch.Tensor, *, rank: int, num_local_experts: int, segment_alignment: int = 1
+) -> Schedule:
+    """The schedule in PyTorch ops (the reference of the schedule kernel); arguments as above."""
     num_ranks, num_tokens, topk = topk_ids_all.shape
     device = topk_ids_all.device
     num_routes = num_ranks * num_tokens * topk

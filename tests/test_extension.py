@@ -14,7 +14,7 @@ def test_cuda_extension_is_built_and_registers_every_op():
     from megatron_mok.ops import extension_error
 
     assert extension_error() is None, f"megatron_mok._C did not load: {extension_error()}"
-    for name in ("dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward"):
+    for name in ("build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward"):
         assert hasattr(torch.ops.megatron_mok, name), name
 
 
