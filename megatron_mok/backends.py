@@ -1,6 +1,6 @@
 """Which implementation runs a MoK call.
 
-The kernel backend needs: CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
+The kernel backend needs: one expert-parallel rank (for now), CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
 extension loaded, bf16 activations, and hidden and ffn sizes that are multiples of 8 (16-byte rows
 for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
@@ -18,8 +18,11 @@ from megatron_mok.config import MoKConfig
 _warned: set[str] = set()
 
 
-def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[str]:
+def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, num_ranks: int = 1) -> Optional[str]:
     """None if the kernel backend can run this call, else why not."""
+    if num_ranks != 1:
+        # The stages are written for any EP size, but no multi-GPU run has verified them yet.
+        return f"the kernel backend runs one expert-parallel rank so far (this group has {num_ranks})"
     if not x.is_cuda:
         return f"x is on {x.device}, the kernel needs CUDA tensors"
     from megatron_mok.ops import extension_error
@@ -37,11 +40,11 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[st
     return None
 
 
-def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> str:
+def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, num_ranks: int) -> str:
     """Returns "reference" or "kernel" for this call, or raises where "kernel" cannot run."""
     if config.backend == "reference":
         return "reference"
-    reason = kernel_unsupported_reason(x, fc1)
+    reason = kernel_unsupported_reason(x, fc1, num_ranks)
     if reason is None:
         return "kernel"
     if config.backend == "kernel":

@@ -14,9 +14,9 @@ class MoKConfig:
     """How `mok_moe` and the functional layer run.
 
     Attributes:
-        backend: "reference" runs the exact PyTorch implementation; "kernel" the fused CUDA
-            megakernel (an error where it cannot run); "auto" picks the kernel where it can run
-            and the reference elsewhere.
+        backend: "reference" runs the exact PyTorch implementation; "kernel" the CUDA kernel
+            backend for Hopper (an error where it cannot run, see backends.py); "auto" picks the
+            kernel where it can run and the reference elsewhere.
         segment_alignment: every local expert's segment of the schedule is padded to a
             multiple of this many rows (padding rows are marked -1). 1 for the reference;
             kernels set their M tile so a tile never straddles two experts.

@@ -122,7 +122,7 @@ def forward(
     workspace = get_workspace(group, x.device)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=workspace.num_ranks, config=config)
-    backend = resolve_backend(config, x, fc1, fc2)
+    backend = resolve_backend(config, x, fc1, workspace.num_ranks)
     num_local_experts = fc1.shape[0]
     if schedule is None:
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)

@@ -12,6 +12,7 @@ Tolerances:
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ REFERENCE = MoKConfig(backend="reference")
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_kernel_error_within_twice_the_bf16_reference(shape_name, routing):
     s = SHAPES[shape_name]
-    inputs = make_inputs(s, routing, seed=hash((shape_name, routing)) % 1000)
+    inputs = make_inputs(s, routing, seed=zlib.crc32(f"{shape_name}/{routing}".encode()) % 1000)
     y_k, g_k = run(KERNEL, *inputs)
     y_b, g_b = run(REFERENCE, *inputs)
     y_f, g_f = run(REFERENCE, *inputs, dtype=torch.float32)
