@@ -37,13 +37,15 @@ def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> No
 def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     """Checks -1 <= topk_ids < num_experts without synchronizing a CUDA device.
 
-    On CPU the check raises ValueError. On CUDA it is a device-side assert: reading the ids on
-    the host would stall the stream and break CUDA-graph capture.
+    On CPU the check raises ValueError. On CUDA (and under torch.compile) it is an assert inside
+    the computation: reading the ids on the host would stall the stream and break CUDA-graph
+    capture.
     """
     if topk_ids.numel() == 0:
         return
     in_range = (topk_ids >= -1) & (topk_ids < num_experts)
-    if topk_ids.device.type == "cpu":
+    # Under torch.compile the host check would be a data-dependent branch: assert in the graph.
+    if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(in_range.all()):
             bad = topk_ids[~in_range][0].item()
             raise ValueError(

@@ -307,3 +307,15 @@ def test_unsupported_call_is_an_error_with_kernel_and_a_warned_reference_with_au
         y = mok_moe(x, ids, w, fc1, fc2, config=MoKConfig(backend="auto"))
     want = mok_moe(x, ids, w, fc1, fc2, config=REFERENCE)
     assert torch.equal(y, want)
+
+
+def test_kernel_backend_under_torch_compile_fullgraph():
+    x, ids, w, fc1, fc2, grad = make_inputs(SHAPES["odd_tokens"], "dropped", seed=13)
+    compiled = torch.compile(lambda *a: mok_moe(*a, config=KERNEL), fullgraph=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    y = compiled(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    y.backward(grad)
+    eager_y, eager_grads = run(KERNEL, x, ids, w, fc1, fc2, grad)
+    assert torch.equal(y, eager_y)
+    for leaf, want in zip(leaves, eager_grads):
+        assert torch.equal(leaf.grad, want)
