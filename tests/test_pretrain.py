@@ -44,6 +44,27 @@ def test_losses_match_between_dispatchers():
     assert [int(m[0]) for m in ITERATION.findall(mok_log)] == [1, 2, 3]
 
 
+MEGATRON_FEATURES = {
+    "moe_recompute": ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+    "full_recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "capacity_drops": ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "probs"],
+    "shared_expert": ["--moe-shared-expert-intermediate-size", "32"],
+    "sigmoid_router": ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                       "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type", "seq_aux_loss"],
+}
+
+
+@pytest.mark.parametrize("feature", list(MEGATRON_FEATURES))
+def test_megatron_features_around_the_layer_match_alltoall(feature):
+    """Router variants, capacity drops, shared experts and recompute stay Megatron's."""
+    flags = ["--train-iters", "2", *MEGATRON_FEATURES[feature]]
+    mok_losses, log = _train(*flags, "--moe-token-dispatcher-type", "mok")
+    ref_losses, _ = _train(*flags, "--moe-token-dispatcher-type", "alltoall")
+    assert len(mok_losses) == 2, log[-3000:]
+    for got, want in zip(mok_losses, ref_losses):  # same 1e-4 bound as above
+        assert abs(got - want) <= 1e-4 * abs(want), (feature, mok_losses, ref_losses)
+
+
 def test_named_config_and_override():
     losses, log = _train("--config", "tiny", "--train-iters", "2", "--moe-router-topk", "3")
     assert len(losses) == 2, log[-3000:]

@@ -183,3 +183,11 @@ def apply_cpu_patches() -> None:
     megatron_training.initialize_megatron = functools.partial(
         megatron_training.initialize_megatron, allow_no_cuda=True
     )
+
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA generator's
+    # state beside the CPU one; a CPU-only host has no CUDA generator, and CPU runs draw from the
+    # CPU generator, which _get_all_rng_states already saves.
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
