@@ -17,6 +17,7 @@
 namespace mok {
 
 constexpr int kScheduleWarps = 32;
+constexpr int kUnroll = 4;  // groups of 32 routes whose ids each warp loads ahead
 
 template <typename Id>
 __global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(const ScheduleParams p) {
@@ -41,26 +42,35 @@ __global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(
   for (int64_t i = threadIdx.x; i < p.capacity; i += blockDim.x) p.slot_to_route[i] = -1;
   __syncthreads();  // counts zeroed before pass 1
 
-  for (int64_t route = begin + lane; route < end; route += 32) {
-    const int e = local_expert(route);
-    if (e >= 0) atomicAdd(&warp_counts[warp * num_experts + e], 1);
-  }
-  __syncthreads();  // every warp's counts complete before the scan
-
-  if (threadIdx.x == 0) {
-    int64_t row = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-      int count = 0;
-      for (int w = 0; w < kScheduleWarps; ++w) count += warp_counts[w * num_experts + e];
-      p.expert_counts[e] = count;
-      offsets[e] = static_cast<int>(row);
-      p.expert_offsets[e] = static_cast<int>(row);
-      row += (count + p.alignment - 1) / p.alignment * p.alignment;
+  // Pass 1. kUnroll independent id loads in flight per lane hide their latency.
+  for (int64_t first = begin; first < end; first += 32 * kUnroll) {
+    int e[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t route = first + u * 32 + lane;
+      e[u] = route < end ? local_expert(route) : -1;
     }
-    offsets[num_experts] = static_cast<int>(row);
-    p.expert_offsets[num_experts] = static_cast<int>(row);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (e[u] >= 0) atomicAdd(&warp_counts[warp * num_experts + e[u]], 1);
+    }
   }
-  __syncthreads();  // offsets visible to the per-expert scan
+  __syncthreads();  // every warp's counts complete before the totals
+
+  // Per-expert totals in parallel, padded segment sizes into offsets[e + 1].
+  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int count = 0;
+    for (int w = 0; w < kScheduleWarps; ++w) count += warp_counts[w * num_experts + e];
+    p.expert_counts[e] = count;
+    offsets[e + 1] = static_cast<int>((count + p.alignment - 1) / p.alignment * p.alignment);
+  }
+  __syncthreads();  // padded sizes complete before the prefix sum
+  if (threadIdx.x == 0) {
+    offsets[0] = 0;
+    for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+  }
+  __syncthreads();  // offsets visible to every thread
+  for (int64_t e = threadIdx.x; e <= num_experts; e += blockDim.x) p.expert_offsets[e] = offsets[e];
 
   // Turn counts into each warp's first row per expert (exclusive scan over warps).
   for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
@@ -73,25 +83,33 @@ __global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(
   }
   __syncthreads();  // bases complete before pass 2
 
+  // Pass 2. Ids of kUnroll groups are loaded first; the groups are then placed in order.
   int* base = warp_counts + warp * num_experts;
   const unsigned lanes_below = (1u << lane) - 1u;
-  for (int64_t first = begin; first < end; first += 32) {
-    const int64_t route = first + lane;
-    const bool active = route < end;
-    const int e = active ? local_expert(route) : -1;
-    const unsigned same = __match_any_sync(0xffffffffu, e);
-    if (active) {
-      if (e >= 0) {
-        const int64_t slot = base[e] + __popc(same & lanes_below);
-        p.route_to_slot[route] = slot;
-        p.slot_to_route[slot] = route;
-      } else {
-        p.route_to_slot[route] = p.capacity;
-      }
+  for (int64_t first = begin; first < end; first += 32 * kUnroll) {
+    int e[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t route = first + u * 32 + lane;
+      e[u] = route < end ? local_expert(route) : -1;
     }
-    __syncwarp();  // every lane read base[e] before the leader of each expert group advances it
-    if (e >= 0 && (same & lanes_below) == 0) base[e] += __popc(same);
-    __syncwarp();  // base updated before the next 32 routes read it
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t route = first + u * 32 + lane;
+      const unsigned same = __match_any_sync(0xffffffffu, e[u]);
+      if (route < end) {
+        if (e[u] >= 0) {
+          const int64_t slot = base[e[u]] + __popc(same & lanes_below);
+          p.route_to_slot[route] = slot;
+          p.slot_to_route[slot] = route;
+        } else {
+          p.route_to_slot[route] = p.capacity;
+        }
+      }
+      __syncwarp();  // every lane read base[e] before the leader of each expert group advances it
+      if (e[u] >= 0 && (same & lanes_below) == 0) base[e[u]] += __popc(same);
+      __syncwarp();  // base updated before the next group reads it
+    }
   }
 }
 

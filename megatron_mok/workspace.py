@@ -51,14 +51,15 @@ class Workspace:
         return recv
 
 
-_WORKSPACES: dict[tuple[int, str], Workspace] = {}
+# Keyed by the group object itself (None for one rank): id() would not trace under torch.compile.
+_WORKSPACES: dict[tuple[Optional[ProcessGroup], str], Workspace] = {}
 
 
 def get_workspace(group: Optional[ProcessGroup], device: torch.device) -> Workspace:
     """The workspace of `group` on `device`, created on first use and cached."""
-    key = (id(group), str(device))
+    key = (group, str(device))
     workspace = _WORKSPACES.get(key)
-    if workspace is None or workspace.group is not group:
+    if workspace is None:
         if group is None or not dist.is_initialized():
             if group is not None:
                 raise ValueError("group was given but torch.distributed is not initialized")
