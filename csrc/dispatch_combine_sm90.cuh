@@ -10,9 +10,11 @@
 
 namespace mok {
 
-// One block per schedule row (grid-stride): copy the source token's row, or zero a padding row.
+// One block per schedule row (grid-stride): row s takes the row of its route's token, scaled by
+// the route's weight when `weights` is given (fp32 multiply, rounded once); padding rows are zero.
+// Pull dispatch (no weights) and the reverse-combine pull of dY (weights) share it.
 template <typename T, int kVec>
-__global__ void dispatch_rows_kernel(const DispatchRowsParams p) {
+__global__ void gather_rows_kernel(const GatherRowsParams p) {
   using P = Pack<T, kVec>;
   const int64_t num_packs = p.hidden / kVec;
   for (int64_t slot = blockIdx.x; slot < p.num_slots; slot += gridDim.x) {
@@ -23,8 +25,19 @@ __global__ void dispatch_rows_kernel(const DispatchRowsParams p) {
       for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = zero;
       continue;
     }
-    const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.x_all) + (route / p.topk) * p.hidden);
-    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = src[i];
+    const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + (route / p.topk) * p.hidden);
+    if (p.weights == nullptr) {
+      for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = src[i];
+      continue;
+    }
+    const float w = p.weights[route];
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      const P value = src[i];
+      P out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
+      dst[i] = out;
+    }
   }
 }
 
@@ -57,31 +70,6 @@ __global__ void combine_kernel(const CombineParams p) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(acc[j]);
       reinterpret_cast<P*>(static_cast<T*>(p.out) + token * p.hidden)[i] = out;
-    }
-  }
-}
-
-// One block per schedule row: the row's output gradient is its route weight times dY of its token.
-template <typename T, int kVec>
-__global__ void pull_grad_rows_kernel(const PullGradRowsParams p) {
-  using P = Pack<T, kVec>;
-  const int64_t num_packs = p.hidden / kVec;
-  for (int64_t slot = blockIdx.x; slot < p.num_slots; slot += gridDim.x) {
-    const int64_t route = p.slot_to_route[slot];
-    P* dst = reinterpret_cast<P*>(static_cast<T*>(p.grad_rows) + slot * p.hidden);
-    if (route < 0) {
-      const P zero = zero_pack<T, kVec>();
-      for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) dst[i] = zero;
-      continue;
-    }
-    const float w = p.weights[route];
-    const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.grad_y) + (route / p.topk) * p.hidden);
-    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
-      const P value = src[i];
-      P out;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
-      dst[i] = out;
     }
   }
 }

@@ -77,22 +77,32 @@ bool row_packs_ok(int64_t row_elems, at::ScalarType dtype, std::initializer_list
 
 constexpr int kThreads = 128;
 
-at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_route, int64_t topk) {
-  check_cuda(x_all, "x_all");
+at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& weights,
+                       const at::Tensor& slot_to_route, int64_t topk) {
+  check_cuda(src, "src");
   check_index(slot_to_route, "slot_to_route");
-  TORCH_CHECK(x_all.dim() == 2 && topk > 0, "dispatch_rows: x_all must be 2-D and topk > 0");
-  const c10::cuda::CUDAGuard guard(x_all.device());
-  auto rows = at::empty({slot_to_route.numel(), x_all.size(1)}, x_all.options());
+  TORCH_CHECK(src.dim() == 2 && topk > 0, "gather rows: src must be 2-D and topk > 0");
+  if (weights.has_value()) {
+    check_cuda(*weights, "weights");
+    TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == src.size(0) * topk,
+                "gather rows: weights must be float32 with one entry per route");
+  }
+  const c10::cuda::CUDAGuard guard(src.device());
+  auto rows = at::empty({slot_to_route.numel(), src.size(1)}, src.options());
   if (rows.numel() == 0) return rows;
-  DispatchRowsParams p{x_all.data_ptr(), rows.data_ptr(), slot_to_route.data_ptr<int64_t>(),
-                       slot_to_route.numel(), x_all.size(1), topk};
-  dispatch_dtype(x_all.scalar_type(), row_packs_ok(p.hidden, x_all.scalar_type(), {x_all, rows}), [&](auto tag) {
+  GatherRowsParams p{src.data_ptr(), weights.has_value() ? weights->data_ptr<float>() : nullptr,
+                     slot_to_route.data_ptr<int64_t>(), rows.data_ptr(), slot_to_route.numel(), src.size(1), topk};
+  dispatch_dtype(src.scalar_type(), row_packs_ok(p.hidden, src.scalar_type(), {src, rows}), [&](auto tag) {
     using Cfg = decltype(tag);
-    dispatch_rows_kernel<typename Cfg::type, Cfg::kVec>
+    gather_rows_kernel<typename Cfg::type, Cfg::kVec>
         <<<grid_for(p.num_slots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return rows;
+}
+
+at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_route, int64_t topk) {
+  return gather_rows(x_all, std::nullopt, slot_to_route, topk);
 }
 
 at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
@@ -123,24 +133,7 @@ at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::
 
 at::Tensor pull_grad_rows(const at::Tensor& grad_y_all, const at::Tensor& weights_all,
                           const at::Tensor& slot_to_route, int64_t topk) {
-  check_cuda(grad_y_all, "grad_y_all");
-  check_cuda(weights_all, "weights_all");
-  check_index(slot_to_route, "slot_to_route");
-  TORCH_CHECK(weights_all.scalar_type() == at::kFloat && weights_all.numel() == grad_y_all.size(0) * topk,
-              "pull_grad_rows: weights_all must be float32 with one entry per route");
-  const c10::cuda::CUDAGuard guard(grad_y_all.device());
-  auto grad_rows = at::empty({slot_to_route.numel(), grad_y_all.size(1)}, grad_y_all.options());
-  if (grad_rows.numel() == 0) return grad_rows;
-  PullGradRowsParams p{grad_y_all.data_ptr(), weights_all.data_ptr<float>(), slot_to_route.data_ptr<int64_t>(),
-                       grad_rows.data_ptr(), slot_to_route.numel(), grad_y_all.size(1), topk};
-  dispatch_dtype(grad_y_all.scalar_type(), row_packs_ok(p.hidden, grad_y_all.scalar_type(), {grad_y_all, grad_rows}),
-                 [&](auto tag) {
-                   using Cfg = decltype(tag);
-                   pull_grad_rows_kernel<typename Cfg::type, Cfg::kVec>
-                       <<<grid_for(p.num_slots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
-                 });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return grad_rows;
+  return gather_rows(grad_y_all, weights_all, slot_to_route, topk);
 }
 
 at::Tensor route_weight_grads(const at::Tensor& grad_y, const at::Tensor& table, const at::Tensor& index,

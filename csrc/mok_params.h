@@ -6,11 +6,14 @@
 
 namespace mok {
 
-// Pull dispatch on one rank: rows[s] = x_all[slot_to_route[s] / topk], zero where the route is -1.
-struct DispatchRowsParams {
-  const void* x_all;             // (num_src_rows, hidden) bf16/fp32
-  void* rows;                    // (num_slots, hidden), same dtype
+// Row gather in schedule order: rows[s] = w[route] * src[route / topk] for route =
+// slot_to_route[s] (w = 1 when weights is null), zero where the route is -1. Pull dispatch of the
+// activations (no weights) and the reverse-combine pull of dY (routing weights) both use it.
+struct GatherRowsParams {
+  const void* src;               // (num_src_rows, hidden) bf16/fp32
+  const float* weights;          // (num_src_rows * topk,) or null
   const int64_t* slot_to_route;  // (num_slots,) route index, -1 for padding
+  void* rows;                    // (num_slots, hidden), same dtype
   int64_t num_slots;
   int64_t hidden;
   int64_t topk;
@@ -25,17 +28,6 @@ struct CombineParams {
   void* out;              // (num_tokens, hidden), same dtype as table
   int64_t num_tokens;
   int64_t num_table_rows;
-  int64_t hidden;
-  int64_t topk;
-};
-
-// Reverse-combine pull: grad_rows[s] = w[route] * grad_y[route / topk], zero for padding rows.
-struct PullGradRowsParams {
-  const void* grad_y;            // (num_src_rows, hidden)
-  const float* weights;          // (num_src_rows * topk,) all-gathered routing weights
-  const int64_t* slot_to_route;  // (num_slots,)
-  void* grad_rows;               // (num_slots, hidden)
-  int64_t num_slots;
   int64_t hidden;
   int64_t topk;
 };

@@ -42,14 +42,20 @@ __global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(
   for (int64_t i = threadIdx.x; i < p.capacity; i += blockDim.x) p.slot_to_route[i] = -1;
   __syncthreads();  // counts zeroed before pass 1
 
-  // Pass 1. kUnroll independent id loads in flight per lane hide their latency.
-  for (int64_t first = begin; first < end; first += 32 * kUnroll) {
-    int e[kUnroll];
+  // The local experts of kUnroll groups of 32 routes from `first`, -1 where not owned or past
+  // the range: independent loads in flight per lane hide their latency.
+  auto load_experts = [&](int64_t first, int (&e)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t route = first + u * 32 + lane;
       e[u] = route < end ? local_expert(route) : -1;
     }
+  };
+
+  // Pass 1.
+  for (int64_t first = begin; first < end; first += 32 * kUnroll) {
+    int e[kUnroll];
+    load_experts(first, e);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (e[u] >= 0) atomicAdd(&warp_counts[warp * num_experts + e[u]], 1);
@@ -88,11 +94,7 @@ __global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(
   const unsigned lanes_below = (1u << lane) - 1u;
   for (int64_t first = begin; first < end; first += 32 * kUnroll) {
     int e[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t route = first + u * 32 + lane;
-      e[u] = route < end ? local_expert(route) : -1;
-    }
+    load_experts(first, e);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t route = first + u * 32 + lane;

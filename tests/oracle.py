@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A test problem: tokens per rank, hidden, expert ffn, experts, top-k."""
+
+    num_tokens: int
+    hidden: int
+    ffn: int
+    num_experts: int
+    topk: int
 
 
 def moe_float64(

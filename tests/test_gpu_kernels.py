@@ -11,7 +11,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pytest
@@ -19,7 +18,8 @@ import torch
 
 from megatron_mok import MoKConfig, mok_moe, reference
 from megatron_mok.schedule import build_schedule_from_gathered
-from oracle import relative_error
+from cuda_graphs import assert_graph_replays_eager
+from oracle import Shape, relative_error
 
 HAS_KERNELS = False
 if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
@@ -31,15 +31,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not HAS_KERNELS, reason="needs a Hopper GPU and the built CUDA extension"),
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_tokens: int
-    hidden: int
-    ffn: int
-    num_experts: int
-    topk: int
 
 
 SHAPES = {
@@ -264,22 +255,8 @@ def test_kernel_backend_cuda_graph_replay():
         y.backward(grad)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step()
     eager_y, eager_grads = run(KERNEL, x, ids, w, fc1, fc2, grad)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y_static, eager_y)
-        for leaf, want in zip(leaves, eager_grads):
-            assert torch.equal(leaf.grad, want)
+    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
 
 
 BAD_FOR_KERNEL = [

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig, mok_moe
+from cuda_graphs import assert_graph_replays_eager
 from oracle import moe_float64, relative_error
 
 pytestmark = [
@@ -77,19 +78,5 @@ def test_cuda_graph_capture_and_replay():
         y.backward(static_grad)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step()
     eager_y, eager_grads = _fwd_bwd(x, ids, w, fc1, fc2, grad)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y_static, eager_y)
-        for leaf, want in zip(leaves, eager_grads):
-            assert torch.equal(leaf.grad, want)
+    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)

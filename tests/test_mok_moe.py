@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pytest
 import torch
 
 from megatron_mok import MoKConfig, mok_moe
-from oracle import moe_float64, relative_error
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_tokens: int
-    hidden: int
-    ffn: int
-    num_experts: int
-    topk: int
+from oracle import Shape, moe_float64, relative_error
 
 
 SHAPES = {
