@@ -3,7 +3,7 @@ the collectives the reference backend uses to emulate MoK's symmetric-memory tra
 
 The reference moves data with fixed-size collectives only (all-gather of routing and rows,
 an equal-split all-to-all for the combine), so no receive count ever has to reach the host.
-Kernel backends keep their symmetric buffers here too.
+The multi-GPU kernel will keep its symmetric buffers here.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ class Workspace:
     rank: int
     num_ranks: int
     device: torch.device
-    # Backend-owned state (buffers, handles) keyed by name; the reference keeps none.
-    buffers: dict = dataclasses.field(default_factory=dict)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Returns (num_ranks, *tensor.shape): every rank's `tensor`, in rank order."""
