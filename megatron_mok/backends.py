@@ -1,8 +1,8 @@
 """Which implementation runs a MoK call.
 
-The kernel backend needs: one expert-parallel rank (for now), CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
-extension loaded, bf16 activations, and hidden and ffn sizes that are multiples of 8 (16-byte rows
-for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
+The kernel backend needs: one expert-parallel rank (for now), CUDA tensors on a Hopper GPU (the
+extension is built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
+that are multiples of 8 (16-byte rows for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
 """
 

@@ -36,7 +36,7 @@ class ForwardContext:
     x_all: torch.Tensor  # (num_ranks * num_tokens, hidden): the group's rows, re-pulled in backward
     gate_up: torch.Tensor  # (capacity, 2 * ffn_hidden) pre-activation, schedule order
     # The unweighted expert output of route t*topk+k is route_table[route_index[t*topk+k]]
-    # (index -1: dropped); see reference.return_rows_reference.
+    # (index -1: dropped); see reference.route_index_reference.
     route_table: torch.Tensor  # (num_rows, hidden)
     route_index: torch.Tensor  # (num_tokens * topk,) int64
     # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
@@ -136,7 +136,8 @@ def forward(
     gate_up = stages.segment_matmul(rows, fc1, offsets)
     act = stages.swiglu(gate_up, offsets)
     slot_out = stages.segment_matmul(act, fc2, offsets)
-    route_table, route_index = ref.return_rows_reference(slot_out, schedule, topk_ids, workspace)
+    route_index = ref.route_index_reference(schedule, topk_ids)
+    route_table = ref.return_rows_reference(slot_out, schedule, workspace)
     y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)
     ctx = ForwardContext(
         schedule=schedule,
@@ -206,8 +207,8 @@ def backward(
     d_x = None
     if need_input_grads:
         grad_rows = stages.segment_matmul(grad_gate_up, fc1.transpose(1, 2), offsets)
-        table, index = ref.return_rows_reference(grad_rows, schedule, ctx.topk_ids, workspace)
-        d_x = stages.combine(table, index, None, topk, grad_y.dtype)
+        table = ref.return_rows_reference(grad_rows, schedule, workspace)
+        d_x = stages.combine(table, ctx.route_index, None, topk, grad_y.dtype)
 
     d_fc1 = d_fc2 = None
     if need_weight_grads:

@@ -117,35 +117,45 @@ def swiglu_backward_reference(
     return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
 
 
-def return_rows_reference(
-    slot_rows: torch.Tensor, schedule: Schedule, topk_ids: torch.Tensor, workspace: Workspace
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Push combine: makes every computed row reachable from its route's source rank.
-
-    Each route is computed by exactly one rank (the owner of its expert); the source reads the
-    owner's copy, so no value is ever summed across ranks and the result is deterministic.
+def route_index_reference(schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Where each of this rank's routes finds its result after `return_rows_reference`.
 
     Args:
-        slot_rows: (capacity, hidden) per-row results in this rank's schedule order.
         topk_ids: (num_tokens, topk) this rank's routing.
     Returns:
-        table (num_rows, hidden) and index (num_tokens * topk,) int64: route t*topk+k of this rank
-        reads table[index[t*topk+k]]; index -1 for a dropped route. With one rank the table is
-        `slot_rows` itself (nothing moves); with several it is the all-to-all receive buffer.
+        (num_tokens * topk,) int64: route t*topk+k reads table[index[t*topk+k]]; -1 for a
+        dropped route. It depends on the routing only, so forward and backward share it.
     """
     ids = topk_ids.to(torch.int64).reshape(-1)
     if schedule.num_ranks == 1:
-        return slot_rows, torch.where(ids >= 0, schedule.route_to_slot, -1)
-    num_tokens, topk, hidden = schedule.num_tokens, schedule.topk, slot_rows.shape[1]
-    zero_row = slot_rows.new_zeros(1, hidden)
-    # Row `capacity` is the zero row that routes owned by other ranks read.
-    padded = torch.cat((slot_rows, zero_row), dim=0)
-    send = padded.index_select(0, schedule.route_to_slot)
-    recv = workspace.all_to_all(send.view(schedule.num_ranks, num_tokens * topk, hidden))
+        return torch.where(ids >= 0, schedule.route_to_slot, -1)
+    routes_per_rank = schedule.num_tokens * schedule.topk
     owner = torch.where(ids >= 0, ids // schedule.num_local_experts, 0)
-    local_route = torch.arange(num_tokens * topk, device=ids.device, dtype=torch.int64)
-    index = torch.where(ids >= 0, owner * (num_tokens * topk) + local_route, -1)
-    return recv.reshape(-1, hidden), index
+    local_route = torch.arange(routes_per_rank, device=ids.device, dtype=torch.int64)
+    return torch.where(ids >= 0, owner * routes_per_rank + local_route, -1)
+
+
+def return_rows_reference(slot_rows: torch.Tensor, schedule: Schedule, workspace: Workspace) -> torch.Tensor:
+    """Push combine: makes every computed row reachable from its route's source rank.
+
+    Each route is computed by exactly one rank (the owner of its expert); the source reads the
+    owner's copy (at `route_index_reference`), so no value is ever summed across ranks and the
+    result is deterministic.
+
+    Args:
+        slot_rows: (capacity, hidden) per-row results in this rank's schedule order.
+    Returns:
+        the table (num_rows, hidden): with one rank `slot_rows` itself (nothing moves); with several
+        the all-to-all receive buffer, block r holding rank r's rows for this rank's routes.
+    """
+    if schedule.num_ranks == 1:
+        return slot_rows
+    hidden = slot_rows.shape[1]
+    # Row `capacity` is the zero row that routes owned by other ranks read.
+    padded = torch.cat((slot_rows, slot_rows.new_zeros(1, hidden)), dim=0)
+    send = padded.index_select(0, schedule.route_to_slot)
+    recv = workspace.all_to_all(send.view(schedule.num_ranks, schedule.num_tokens * schedule.topk, hidden))
+    return recv.reshape(-1, hidden)
 
 
 def gather_route_rows_reference(table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:

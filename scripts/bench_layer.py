@@ -109,7 +109,7 @@ def kernel_forward_stage_ms(s, reps: int = 10) -> dict:
 
     from megatron_mok import build_schedule
     from megatron_mok.kernels import KERNEL_STAGES as st
-    from megatron_mok.reference import return_rows_reference
+    from megatron_mok.reference import return_rows_reference, route_index_reference
     from megatron_mok.workspace import get_workspace
 
     workspace = get_workspace(None, s["x"].device)
@@ -128,7 +128,8 @@ def kernel_forward_stage_ms(s, reps: int = 10) -> dict:
         events[4].record()
         out = st.segment_matmul(act, s["fc2"], schedule.expert_offsets)
         events[5].record()
-        table, index = return_rows_reference(out, schedule, s["ids"], workspace)
+        table = return_rows_reference(out, schedule, workspace)
+        index = route_index_reference(schedule, s["ids"])
         st.combine(table, index, s["weights"], schedule.topk, s["x"].dtype)
         events[6].record()
         events[-1].synchronize()

@@ -18,7 +18,7 @@ import torch
 
 from megatron_mok import MoKConfig, mok_moe, reference
 from megatron_mok.schedule import build_schedule_from_gathered
-from cuda_graphs import assert_graph_replays_eager
+from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_graph_replays_eager
 from oracle import Shape, relative_error
 
 HAS_KERNELS = False
@@ -130,7 +130,7 @@ def test_data_movement_ops_match_reference_exactly(routing):
     assert torch.equal(rows, reference.dispatch_rows_reference(x, schedule))
 
     table = torch.randn(schedule.capacity, s.hidden, device="cuda").bfloat16()
-    index = torch.where(ids.reshape(-1) >= 0, schedule.route_to_slot, -1)
+    index = reference.route_index_reference(schedule, ids)
     for weights in (w, None):
         got = ops.combine(table, index, weights, s.topk)
         want = reference.combine_reference(table, index, weights, s.topk, torch.bfloat16)
@@ -210,7 +210,7 @@ def test_op_registration(op_name):
     s = SHAPES["odd_tokens"]
     x, ids, w, grad, schedule = _schedule(s, "dropped", seed=5)
     table = torch.randn(schedule.capacity, s.hidden, device="cuda").bfloat16()
-    index = torch.where(ids.reshape(-1) >= 0, schedule.route_to_slot, -1)
+    index = reference.route_index_reference(schedule, ids)
     gate_up = torch.randn(schedule.capacity, 2 * s.ffn, device="cuda").bfloat16()
     args = {
         "build_schedule": (ids.unsqueeze(0), 0, s.num_experts, 4),
@@ -231,17 +231,7 @@ def test_op_registration(op_name):
 
 def test_kernel_backend_bitwise_deterministic_without_host_sync():
     inputs = make_inputs(SHAPES["qwen3_30b"], "skewed", seed=11)
-    run(KERNEL, *inputs)  # warm-up (lazy initialization may synchronize once)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y1, g1 = run(KERNEL, *inputs)
-        y2, g2 = run(KERNEL, *inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(y1, y2)
-    for a, b in zip(g1, g2):
-        assert torch.equal(a, b)
+    assert_bitwise_reproducible_without_host_sync(lambda: run(KERNEL, *inputs))
 
 
 def test_kernel_backend_cuda_graph_replay():

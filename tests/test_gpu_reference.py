@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig, mok_moe
-from cuda_graphs import assert_graph_replays_eager
+from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_graph_replays_eager
 from oracle import moe_float64, relative_error
 
 pytestmark = [
@@ -53,17 +53,7 @@ def test_cuda_reference_matches_oracle():
 
 def test_cuda_reference_has_no_host_sync_and_is_bitwise_deterministic():
     inputs = _inputs(seed=1)
-    _fwd_bwd(*inputs)  # warm-up: lazy initialization may synchronize once
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y1, g1 = _fwd_bwd(*inputs)
-        y2, g2 = _fwd_bwd(*inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(y1, y2)
-    for a, b in zip(g1, g2):
-        assert torch.equal(a, b)
+    assert_bitwise_reproducible_without_host_sync(lambda: _fwd_bwd(*inputs))
 
 
 def test_cuda_graph_capture_and_replay():

@@ -1,4 +1,4 @@
-"""CUDA-graph capture of a forward + backward step, replayed against eager results."""
+"""Checks of a forward + backward step on a CUDA device: graph replay and sync-free reproducibility."""
 
 from __future__ import annotations
 
@@ -30,3 +30,21 @@ def assert_graph_replays_eager(
         assert torch.equal(y_static, eager_y)
         for leaf, want in zip(leaves, eager_grads):
             assert torch.equal(leaf.grad, want)
+
+
+def assert_bitwise_reproducible_without_host_sync(
+    run: Callable[[], tuple[torch.Tensor, Sequence[torch.Tensor]]],
+) -> None:
+    """Runs `run` (-> y, grads) twice with host synchronization turned into an error, after one
+    warm-up (lazy initialization may synchronize once), and checks both runs agree bit for bit."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y1, g1 = run()
+        y2, g2 = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
