@@ -70,4 +70,35 @@ struct ScheduleParams {
   int rank;
 };
 
+// Written by a kernel's watchdog (sm90_primitives.cuh) into host-mapped memory when a bounded wait
+// times out, just before the kernel traps; read back by the last_wait_timeout op.
+struct WaitTimeoutRecord {
+  int recorded;  // 1 once the fields below hold a failure
+  int kernel;    // WaitingKernel
+  int wait;      // the kernel's wait index (names: megatron_mok/ops.py WAIT_NAMES)
+  int block;
+};
+
+enum WaitingKernel : int { kExpertGemmKernel = 0 };
+
+// Grouped GEMM over the schedule's expert segments (expert_gemm_sm90.cuh): for each row r of
+// expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with
+// fp32 accumulation, rounded once to bf16. A (num_rows, k) and B (num_experts * n_weight_rows, k)
+// reach the kernel as TMA tensor maps (K-major). Store epilogue: n_weight_rows = n_out. SwiGLU
+// epilogue: B_e holds n_out gate rows then n_out up rows (n_weight_rows = 2 * n_out); the kernel
+// writes gate_up (the pre-activation, kept for backward) and act = silu(gate) * up from the
+// bf16-rounded gate and up, the same arithmetic as swiglu_forward_kernel. Rows outside every
+// segment are not written.
+struct ExpertGemmParams {
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device
+  void* out;                      // store: (num_rows, n_out); swiglu: act (num_rows, n_out)
+  void* gate_up;                  // swiglu: (num_rows, 2 * n_out); store: null
+  int32_t num_experts;
+  int32_t num_rows;
+  int32_t n_out;          // output columns per expert
+  int32_t n_weight_rows;  // rows of B per expert
+  int32_t k;              // reduction size
+  WaitTimeoutRecord* timeout_record;  // host-mapped; null: trap without a record
+};
+
 }  // namespace mok

@@ -9,6 +9,11 @@ namespace mok {
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// silu(gate) * up in fp32, the one formula of every SwiGLU forward (the fused GEMM epilogue too).
+__device__ __forceinline__ float swiglu_value(float gate, float up) {
+  return __fmul_rn(gate / (1.f + expf(-gate)), up);
+}
+
 template <typename T, int kVec>
 __global__ void swiglu_forward_kernel(const SwigluParams p) {
   using P = Pack<T, kVec>;
@@ -29,8 +34,7 @@ __global__ void swiglu_forward_kernel(const SwigluParams p) {
       P a;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float x = to_float(g.v[j]);
-        a.v[j] = from_float<T>(__fmul_rn(x / (1.f + expf(-x)), to_float(u.v[j])));
+        a.v[j] = from_float<T>(swiglu_value(to_float(g.v[j]), to_float(u.v[j])));
       }
       out[i] = a;
     }

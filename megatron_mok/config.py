@@ -7,6 +7,8 @@ from typing import Literal
 
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel")
+ExpertGemm = Literal["grouped_mm", "sm90"]
+EXPERT_GEMMS: tuple[str, ...] = ("grouped_mm", "sm90")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +22,11 @@ class MoKConfig:
         segment_alignment: every local expert's segment of the schedule is padded to a
             multiple of this many rows (padding rows are marked -1). 1 for the reference;
             kernels set their M tile so a tile never straddles two experts.
+        expert_gemm: which GEMM runs the kernel backend's forward expert projections:
+            "grouped_mm", torch's grouped GEMM (CUTLASS) followed by the SwiGLU kernel; or "sm90",
+            megatron_mok's persistent warp-specialized TMA + wgmma kernel with SwiGLU fused into
+            its epilogue (csrc/expert_gemm_sm90.cuh). The default is the faster of the two as
+            measured on the H200 (docs/performance.md); both give results within the same bound.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA the check is a device-side assert
             (`torch._assert_async`), because a host-side check would synchronize.
@@ -28,10 +35,13 @@ class MoKConfig:
     backend: Backend = "auto"
     segment_alignment: int = 1
     check_expert_ids: bool = True
+    expert_gemm: ExpertGemm = "grouped_mm"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"MoKConfig.expert_gemm must be one of {EXPERT_GEMMS}, got {self.expert_gemm!r}")
         if not isinstance(self.segment_alignment, int) or self.segment_alignment < 1:
             raise ValueError(
                 f"MoKConfig.segment_alignment must be a positive int, got {self.segment_alignment!r}"

@@ -129,13 +129,12 @@ def forward(
     else:
         _check_schedule(schedule, topk_ids, num_local_experts, workspace, config)
 
-    stages = stages_for(backend)
+    stages = stages_for(backend, config.expert_gemm)
     offsets = schedule.expert_offsets
     x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
     rows = stages.dispatch_rows(x_all, schedule)
-    gate_up = stages.segment_matmul(rows, fc1, offsets)
-    act = stages.swiglu(gate_up, offsets)
-    slot_out = stages.segment_matmul(act, fc2, offsets)
+    gate_up, act = stages.expert_gate_up(rows, fc1, offsets)
+    slot_out = stages.expert_down(act, fc2, offsets)
     route_index = ref.route_index_reference(schedule, topk_ids)
     route_table = ref.return_rows_reference(slot_out, schedule, workspace)
     y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)

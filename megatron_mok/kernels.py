@@ -1,15 +1,20 @@
-"""The kernel backend's stages: CUDA kernels for dispatch, SwiGLU and combine (megatron_mok.ops)
-around torch's grouped GEMM (CUTLASS on sm90) for the expert matmuls.
+"""The kernel backend's stages (megatron_mok.ops over csrc/), in two tables that differ only in
+the forward's expert GEMMs (MoKConfig.expert_gemm):
 
-This is the first kernel step: it removes the glue of the unfused pipeline (gather, separate
-SwiGLU passes, the atomic index_add combine) and keeps every reduction in a fixed order. The
-persistent megakernel (TMA + wgmma, warp-specialized, dispatch/GEMM/combine overlapped) replaces
-these stages one by one behind the same table.
+- SM90_KERNEL_STAGES: megatron_mok's persistent warp-specialized TMA + wgmma expert GEMM
+  (csrc/expert_gemm_sm90.cuh), gate/up with SwiGLU in its epilogue, and down;
+- GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernel.
+
+Both share the schedule kernel, the row gather (pull dispatch), the fixed-order fp32 combine, and
+the backward: the data-movement and SwiGLU kernels around torch's grouped GEMM for the products
+with transposed operands, which the sm90 GEMM does not take yet. Every reduction has a fixed order.
 """
 
 from __future__ import annotations
 
 from typing import Optional
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,19 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 def segment_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     # Rows past offsets[-1] are left unwritten; no later stage reads them.
     return _grouped_mm(rows, weight.transpose(-2, -1), offs=offsets[1:])
+
+
+def expert_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.expert_gemm_swiglu(rows, fc1.contiguous(), offsets)
+
+
+def expert_down(act: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return ops.expert_gemm(act, fc2.contiguous(), offsets)
+
+
+def grouped_mm_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = segment_matmul(rows, fc1, offsets)
+    return gate_up, ops.swiglu_forward(gate_up, offsets)
 
 
 def segment_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -56,8 +74,10 @@ def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.T
     return ops.route_weight_grads(grad_y.contiguous(), table, index, topk)
 
 
-KERNEL_STAGES = Stages(
+SM90_KERNEL_STAGES = Stages(
     dispatch_rows=dispatch_rows,
+    expert_gate_up=expert_gate_up,
+    expert_down=expert_down,
     segment_matmul=segment_matmul,
     swiglu=ops.swiglu_forward,
     swiglu_backward=ops.swiglu_backward,
@@ -65,4 +85,8 @@ KERNEL_STAGES = Stages(
     combine=combine,
     pull_route_grads=pull_route_grads,
     route_weight_grads=route_weight_grads,
+)
+
+GROUPED_MM_KERNEL_STAGES = dataclasses.replace(
+    SM90_KERNEL_STAGES, expert_gate_up=grouped_mm_gate_up, expert_down=segment_matmul
 )

@@ -7,6 +7,8 @@ output shapes to torch.compile and meta tensors without running anything.
 
 from __future__ import annotations
 
+import atexit
+import sys
 from typing import Optional
 
 import torch
@@ -23,7 +25,40 @@ def extension_error() -> Optional[str]:
     return _LOAD_ERROR
 
 
+# Names of the bounded waits of each kernel, by (kernel, wait) as csrc/mok_params.h numbers them.
+WAIT_NAMES = {
+    (0, 0): "expert GEMM producer waiting for a free pipeline stage (empty barrier)",
+    (0, 1): "expert GEMM consumer waiting for a loaded pipeline stage (full barrier)",
+}
+
+
+def last_wait_timeout() -> Optional[str]:
+    """Which bounded wait of a kernel timed out in this process (the kernel then trapped), or None."""
+    if _LOAD_ERROR is not None:
+        return None
+    record = torch.ops.megatron_mok.last_wait_timeout()
+    if not record:
+        return None
+    kernel, wait, block = record
+    return f"{WAIT_NAMES.get((kernel, wait), f'wait {wait} of kernel {kernel}')} (block {block})"
+
+
+def _report_wait_timeout_at_exit() -> None:
+    message = last_wait_timeout()
+    if message is not None:
+        print(f"megatron_mok: a kernel trapped after a wait timed out: {message}", file=sys.stderr)
+
+
 if _LOAD_ERROR is None:
+    atexit.register(_report_wait_timeout_at_exit)
+
+    @torch.library.register_fake("megatron_mok::expert_gemm")
+    def _expert_gemm_fake(a, weight, expert_offsets, cluster_m):
+        return a.new_empty((a.shape[0], weight.shape[1]))
+
+    @torch.library.register_fake("megatron_mok::expert_gemm_swiglu")
+    def _expert_gemm_swiglu_fake(a, weight, expert_offsets, cluster_m):
+        return a.new_empty((a.shape[0], weight.shape[1])), a.new_empty((a.shape[0], weight.shape[1] // 2))
 
     @torch.library.register_fake("megatron_mok::build_schedule")
     def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment):
@@ -97,3 +132,24 @@ def swiglu_forward(gate_up: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
 def swiglu_backward(gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(rows, 2F): d gate_up, zero past offsets[-1]. Ref: swiglu_backward_reference."""
     return torch.ops.megatron_mok.swiglu_backward(gate_up, grad_act, offsets)
+
+
+# CTAs per cluster of the sm90 expert GEMM (2: pairs of CTAs share each weight slice through TMA
+# multicast; 1: none). The default is the faster on the H200 (docs/performance.md).
+EXPERT_GEMM_CLUSTER_M = 1
+
+
+def expert_gemm(
+    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, cluster_m: int = EXPERT_GEMM_CLUSTER_M
+) -> torch.Tensor:
+    """(rows, N): a[r] @ weight[e].T for the rows r of segment e; rows past the last segment are not
+    written. bf16, K and N multiples of 8. Ref: segment_matmul_reference."""
+    return torch.ops.megatron_mok.expert_gemm(a, weight, expert_offsets, cluster_m)
+
+
+def expert_gemm_swiglu(
+    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, cluster_m: int = EXPERT_GEMM_CLUSTER_M
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up (rows, 2F), act (rows, F)) with weight (E, 2F, K) gate rows then up rows; rows past the
+    last segment are not written. Ref: expert_gate_up_reference."""
+    return torch.ops.megatron_mok.expert_gemm_swiglu(a, weight, expert_offsets, cluster_m)

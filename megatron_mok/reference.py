@@ -104,6 +104,17 @@ def swiglu_reference(gate_up: torch.Tensor, offsets: Optional[torch.Tensor] = No
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+def expert_gate_up_reference(
+    rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up projection and SwiGLU of every segment: (gate_up (capacity, 2F), act (capacity, F)).
+
+    act is computed from the rounded gate_up, so backward's SwiGLU derivative sees the same values.
+    """
+    gate_up = segment_matmul_reference(rows, fc1, offsets)
+    return gate_up, swiglu_reference(gate_up, offsets)
+
+
 def swiglu_backward_reference(
     gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: Optional[torch.Tensor] = None
 ) -> torch.Tensor:

@@ -5,6 +5,8 @@ each stage. The reference supplies all of them from `reference.py`; the kernel b
 the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
 
     dispatch_rows(x_all, schedule) -> rows (capacity, H)
+    expert_gate_up(rows, fc1 (E, 2F, H), offsets) -> (gate_up (capacity, 2F), act (capacity, F))
+    expert_down(act, fc2 (E, H, F), offsets) -> (capacity, H)
     segment_matmul(rows, weight (E, N, K) any strides, offsets) -> (capacity, N)
     swiglu(gate_up, offsets) -> act (capacity, F)
     swiglu_backward(gate_up, grad_act, offsets) -> grad_gate_up (capacity, 2F)
@@ -13,8 +15,10 @@ the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
     pull_route_grads(grad_y, topk_weights, schedule, workspace) -> (capacity, H)
     route_weight_grads(grad_y, table, index, topk) -> (T, K) float32
 
-Rows at or past offsets[-1] may hold anything after a segment_matmul of the kernel backend; no
-stage reads them.
+The forward's two expert projections are their own stages (expert_gate_up with SwiGLU fused,
+expert_down) so the kernel backend runs them in its persistent sm90 GEMM; segment_matmul serves
+the backward's products with transposed weights. Rows at or past offsets[-1] may hold anything
+after a matmul stage of the kernel backend; no stage reads them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from megatron_mok import reference
 @dataclasses.dataclass(frozen=True)
 class Stages:
     dispatch_rows: Callable
+    expert_gate_up: Callable
+    expert_down: Callable
     segment_matmul: Callable
     swiglu: Callable
     swiglu_backward: Callable
@@ -39,6 +45,8 @@ class Stages:
 
 REFERENCE_STAGES = Stages(
     dispatch_rows=reference.dispatch_rows_reference,
+    expert_gate_up=reference.expert_gate_up_reference,
+    expert_down=reference.segment_matmul_reference,
     segment_matmul=reference.segment_matmul_reference,
     swiglu=reference.swiglu_reference,
     swiglu_backward=reference.swiglu_backward_reference,
@@ -49,11 +57,12 @@ REFERENCE_STAGES = Stages(
 )
 
 
-def stages_for(backend: str) -> Stages:
+def stages_for(backend: str, expert_gemm: str = "grouped_mm") -> Stages:
+    """The stage table of a backend; expert_gemm picks the kernel backend's forward GEMM."""
     if backend == "reference":
         return REFERENCE_STAGES
     if backend == "kernel":
-        from megatron_mok.kernels import KERNEL_STAGES
+        from megatron_mok.kernels import GROUPED_MM_KERNEL_STAGES, SM90_KERNEL_STAGES
 
-        return KERNEL_STAGES
+        return SM90_KERNEL_STAGES if expert_gemm == "sm90" else GROUPED_MM_KERNEL_STAGES
     raise ValueError(f"unknown backend {backend!r}")

@@ -103,17 +103,18 @@ def megatron_alltoall_layer(shape):
     return layer, experts
 
 
-def kernel_forward_stage_ms(s, reps: int = 10) -> dict:
+def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
     """Median time of each stage of the kernel backend's forward (events between stages)."""
     import statistics
 
     from megatron_mok import build_schedule
-    from megatron_mok.kernels import KERNEL_STAGES as st
+    from megatron_mok.stages import stages_for
     from megatron_mok.reference import return_rows_reference, route_index_reference
     from megatron_mok.workspace import get_workspace
 
+    st = stages_for("kernel", expert_gemm)
     workspace = get_workspace(None, s["x"].device)
-    names = ("schedule", "dispatch", "gate_up_gemm", "swiglu", "down_gemm", "combine")
+    names = ("schedule", "dispatch", "gate_up_gemm_swiglu", "down_gemm", "combine")
     samples = {n: [] for n in names}
     for _ in range(reps + 2):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
@@ -122,16 +123,14 @@ def kernel_forward_stage_ms(s, reps: int = 10) -> dict:
         events[1].record()
         rows = st.dispatch_rows(s["x"], schedule)
         events[2].record()
-        gate_up = st.segment_matmul(rows, s["fc1"], schedule.expert_offsets)
+        gate_up, act = st.expert_gate_up(rows, s["fc1"], schedule.expert_offsets)
         events[3].record()
-        act = st.swiglu(gate_up, schedule.expert_offsets)
+        out = st.expert_down(act, s["fc2"], schedule.expert_offsets)
         events[4].record()
-        out = st.segment_matmul(act, s["fc2"], schedule.expert_offsets)
-        events[5].record()
         table = return_rows_reference(out, schedule, workspace)
         index = route_index_reference(schedule, s["ids"])
         st.combine(table, index, s["weights"], schedule.topk, s["x"].dtype)
-        events[6].record()
+        events[5].record()
         events[-1].synchronize()
         for i, n in enumerate(names):
             samples[n].append(events[i].elapsed_time(events[i + 1]))
@@ -145,7 +144,11 @@ def forward_errors(s) -> dict:
     with torch.no_grad():
         exact = mok_moe(s["x"].float(), s["ids"], s["weights"], s["fc1"].float(), s["fc2"].float(), config=C(backend="reference"))
         errors = {}
-        for label, cfg in (("mok_kernel", C(backend="kernel")), ("bf16_reference", C(backend="reference"))):
+        for label, cfg in (
+            ("mok_kernel", C(backend="kernel")),
+            ("mok_kernel_sm90", C(backend="kernel", expert_gemm="sm90")),
+            ("bf16_reference", C(backend="reference")),
+        ):
             y = mok_moe(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"], config=cfg).float()
             errors[label] = float((y - exact).norm() / exact.norm())
     return errors
@@ -158,6 +161,7 @@ def bench_shape(name, shape, results, progress):
     methods = {
         "pytorch": pytorch_pipeline,
         "mok_kernel": mok_layer(MoKConfig(backend="kernel")),
+        "mok_kernel_sm90": mok_layer(MoKConfig(backend="kernel", expert_gemm="sm90")),
         "mok_reference": mok_layer(MoKConfig(backend="reference")),
     }
     row = {"shape": name, "T": t, "H": h, "F": f, "E": e, "K": k}
@@ -200,7 +204,7 @@ def bench_shape(name, shape, results, progress):
             fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9, peak_mb=peak_memory_mb(mfwd_bwd, hidden_sets[0]),
         )
         del layer
-    row["kernel_stages_ms"] = kernel_forward_stage_ms(sets[0])
+    row["kernel_stages_ms"] = {gemm: kernel_forward_stage_ms(sets[0], gemm) for gemm in ("grouped_mm", "sm90")}
     row["forward_error"] = forward_errors(sets[0])
     results.append(row)
     del sets
@@ -217,7 +221,7 @@ def main() -> None:
     except ImportError:
         tqdm = None
     names = args.shapes.split(",")
-    bar = tqdm(total=len(names) * 4 + 1, file=sys.stderr) if tqdm else None
+    bar = tqdm(total=len(names) * 5 + 1, file=sys.stderr) if tqdm else None
 
     def progress(label):
         if bar:
@@ -243,7 +247,7 @@ def main() -> None:
     print(f"{'shape':<12} {'method':<18} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
-        for label in ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel"):
+        for label in ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_sm90", "mok_kernel"):
             r = row.get(label)
             if r is None:
                 print(f"{row['shape']:<12} {label:<18} {'n/a: ' + str(row.get('megatron_experts')):>40}")
@@ -257,14 +261,15 @@ def main() -> None:
 def _print_details(results):
     print("\nkernel backend forward, stage by stage (ms, median):")
     for row in results:
-        stages = row["kernel_stages_ms"]
-        parts = " ".join(f"{k} {v:.2f}" for k, v in stages.items())
-        print(f"  {row['shape']:<12} {parts} | sum {sum(stages.values()):.2f}")
+        for gemm, stages in row["kernel_stages_ms"].items():
+            parts = " ".join(f"{k} {v:.2f}" for k, v in stages.items())
+            print(f"  {row['shape']:<12} {gemm:<10} {parts} | sum {sum(stages.values()):.2f}")
     print("forward error vs fp32 reference (||y - y32|| / ||y32||):")
     for row in results:
         e = row["forward_error"]
-        print(f"  {row['shape']:<12} kernel {e['mok_kernel']:.3e}  bf16 reference {e['bf16_reference']:.3e}  "
-              f"ratio {e['mok_kernel'] / e['bf16_reference']:.3f}")
+        print(f"  {row['shape']:<12} kernel {e['mok_kernel']:.3e} (ratio {e['mok_kernel'] / e['bf16_reference']:.3f})  "
+              f"kernel sm90 {e['mok_kernel_sm90']:.3e} (ratio {e['mok_kernel_sm90'] / e['bf16_reference']:.3f})  "
+              f"bf16 reference {e['bf16_reference']:.3e}")
 
 
 def _plot(results, dense, path):
@@ -275,15 +280,15 @@ def _plot(results, dense, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    labels = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel")
+    labels = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_sm90", "mok_kernel")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward + backward")):
-        width = 0.2
+        width = 0.16
         for i, label in enumerate(labels):
             values = [row[label][key] if row.get(label) else 0 for row in results]
             ax.bar([j + i * width for j in range(len(results))], values, width, label=label)
         ax.axhline(dense, color="k", linestyle="--", label="dense bf16 GEMM")
-        ax.set_xticks([j + 1.5 * width for j in range(len(results))], [r["shape"] for r in results])
+        ax.set_xticks([j + 2 * width for j in range(len(results))], [r["shape"] for r in results])
         ax.set_ylabel("effective TFLOP/s")
         ax.set_title(title)
     axes[0].legend(fontsize=8)

@@ -15,7 +15,10 @@ MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { ta
 echo "build: $(( $(date +%s) - start )) s"
 cuobjdump --dump-sass megatron_mok/_C*.so > "$OUT/sass.txt" 2>/dev/null
 echo "SASS instructions: $(wc -l < "$OUT/sass.txt") lines"
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_reference.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+# The persistent expert GEMM must issue HGMMA (wgmma) fed by UTMALDG (TMA) with register reallocation.
+awk '/Function : .*expert_gemm_kernel/{on=1} /Function : /&&!/expert_gemm_kernel/{on=0} on' "$OUT/sass.txt" \
+    | grep -oE "HGMMA\.[0-9x]+\.[A-Z0-9.]+|UTMALDG\.[0-9A-Z]+|USETMAXREG[.A-Z]*|SYNCS\.[A-Z.]+" | sort | uniq -c
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu_expert_gemm.py tests/test_gpu_kernels.py tests/test_gpu_reference.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
 if [ "${PRETRAIN:-0}" = 1 ]; then
     # The README's main job on the GPU, in bf16 (kernel backend) beside alltoall from the same seed.
     for dispatcher in mok alltoall; do
@@ -27,4 +30,5 @@ if [ "${PRETRAIN:-0}" = 1 ]; then
         grep -i "running the reference backend" "$OUT/pretrain_$dispatcher.log" | head -1
     done
 fi
+[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_expert_gemm.py 2>"$OUT/bench_gemm.err" | tee "$OUT/bench_gemm.log"
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.log"

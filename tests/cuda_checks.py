@@ -1,10 +1,38 @@
-"""Checks of a forward + backward step on a CUDA device: graph replay and sync-free reproducibility."""
+"""Checks of a forward + backward step on a CUDA device (graph replay, sync-free reproducibility) and
+the marks of the tests that need the Hopper kernels."""
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import pytest
 import torch
+
+
+def hopper_kernels_available() -> bool:
+    """A Hopper GPU is present and the megatron_mok CUDA extension loaded."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return False
+    from megatron_mok import ops
+
+    return ops.extension_error() is None
+
+
+# pytestmark of the test modules that run the kernels (skipped cleanly elsewhere).
+NEEDS_HOPPER_KERNELS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not hopper_kernels_available(), reason="needs a Hopper GPU and the built CUDA extension"),
+]
+
+
+def poison_allocator(num_bytes: int = 8 << 30) -> None:
+    """Hands the caching allocator a NaN-filled block, so the outputs of the next call are carved
+    from NaN memory and any element a kernel forgets to write stays NaN."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    block = torch.empty(min(num_bytes, free // 2) // 4, dtype=torch.float32, device="cuda")
+    block.fill_(float("nan"))
+    del block
 
 
 def assert_graph_replays_eager(

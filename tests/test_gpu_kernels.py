@@ -18,19 +18,16 @@ import torch
 
 from megatron_mok import MoKConfig, mok_moe, reference
 from megatron_mok.schedule import build_schedule_from_gathered
-from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_graph_replays_eager
+from megatron_mok import ops
+from cuda_checks import (
+    NEEDS_HOPPER_KERNELS,
+    assert_bitwise_reproducible_without_host_sync,
+    assert_graph_replays_eager,
+    poison_allocator,
+)
 from oracle import Shape, relative_error
 
-HAS_KERNELS = False
-if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-    from megatron_mok import ops
-
-    HAS_KERNELS = ops.extension_error() is None
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_KERNELS, reason="needs a Hopper GPU and the built CUDA extension"),
-]
+pytestmark = NEEDS_HOPPER_KERNELS
 
 
 SHAPES = {
@@ -73,16 +70,6 @@ def make_inputs(s: Shape, routing: str, seed: int):
     return x, ids, w, fc1, fc2, grad
 
 
-def poison_allocator(num_bytes: int = 8 << 30) -> None:
-    """Hands the caching allocator a NaN-filled block, so the outputs of the next call are carved
-    from NaN memory and any element a kernel forgets to write stays NaN."""
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    block = torch.empty(min(num_bytes, free // 2) // 4, dtype=torch.float32, device="cuda")
-    block.fill_(float("nan"))
-    del block
-
-
 def run(config: MoKConfig, x, ids, w, fc1, fc2, grad, dtype=None):
     leaves = [t.detach().clone() for t in (x, w, fc1, fc2)]
     if dtype is not None:
@@ -96,14 +83,17 @@ def run(config: MoKConfig, x, ids, w, fc1, fc2, grad, dtype=None):
 
 KERNEL = MoKConfig(backend="kernel")
 REFERENCE = MoKConfig(backend="reference")
+# The kernel backend with each forward expert GEMM (MoKConfig.expert_gemm).
+KERNELS = {gemm: MoKConfig(backend="kernel", expert_gemm=gemm) for gemm in ("grouped_mm", "sm90")}
 
 
+@pytest.mark.parametrize("expert_gemm", list(KERNELS))
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape_name", list(SHAPES))
-def test_kernel_error_within_twice_the_bf16_reference(shape_name, routing):
+def test_kernel_error_within_twice_the_bf16_reference(shape_name, routing, expert_gemm):
     s = SHAPES[shape_name]
     inputs = make_inputs(s, routing, seed=zlib.crc32(f"{shape_name}/{routing}".encode()) % 1000)
-    y_k, g_k = run(KERNEL, *inputs)
+    y_k, g_k = run(KERNELS[expert_gemm], *inputs)
     y_b, g_b = run(REFERENCE, *inputs)
     y_f, g_f = run(REFERENCE, *inputs, dtype=torch.float32)
     names = ("y", "dx", "dweights", "dfc1", "dfc2")
@@ -229,23 +219,25 @@ def test_op_registration(op_name):
         assert torch.equal(a, b)
 
 
-def test_kernel_backend_bitwise_deterministic_without_host_sync():
+@pytest.mark.parametrize("expert_gemm", list(KERNELS))
+def test_kernel_backend_bitwise_deterministic_without_host_sync(expert_gemm):
     inputs = make_inputs(SHAPES["qwen3_30b"], "skewed", seed=11)
-    assert_bitwise_reproducible_without_host_sync(lambda: run(KERNEL, *inputs))
+    assert_bitwise_reproducible_without_host_sync(lambda: run(KERNELS[expert_gemm], *inputs))
 
 
-def test_kernel_backend_cuda_graph_replay():
+@pytest.mark.parametrize("expert_gemm", list(KERNELS))
+def test_kernel_backend_cuda_graph_replay(expert_gemm):
     x, ids, w, fc1, fc2, grad = make_inputs(SHAPES["odd_tokens"], "dropped", seed=12)
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
 
     def step():
         for leaf in leaves:
             leaf.grad = None
-        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=KERNEL)
+        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=KERNELS[expert_gemm])
         y.backward(grad)
         return y
 
-    eager_y, eager_grads = run(KERNEL, x, ids, w, fc1, fc2, grad)
+    eager_y, eager_grads = run(KERNELS[expert_gemm], x, ids, w, fc1, fc2, grad)
     assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
 
 
@@ -276,13 +268,15 @@ def test_unsupported_call_is_an_error_with_kernel_and_a_warned_reference_with_au
     assert torch.equal(y, want)
 
 
-def test_kernel_backend_under_torch_compile_fullgraph():
+@pytest.mark.parametrize("expert_gemm", list(KERNELS))
+def test_kernel_backend_under_torch_compile_fullgraph(expert_gemm):
     x, ids, w, fc1, fc2, grad = make_inputs(SHAPES["odd_tokens"], "dropped", seed=13)
-    compiled = torch.compile(lambda *a: mok_moe(*a, config=KERNEL), fullgraph=True)
+    config = KERNELS[expert_gemm]
+    compiled = torch.compile(lambda *a: mok_moe(*a, config=config), fullgraph=True)
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
     y = compiled(leaves[0], ids, leaves[1], leaves[2], leaves[3])
     y.backward(grad)
-    eager_y, eager_grads = run(KERNEL, x, ids, w, fc1, fc2, grad)
+    eager_y, eager_grads = run(config, x, ids, w, fc1, fc2, grad)
     assert torch.equal(y, eager_y)
     for leaf, want in zip(leaves, eager_grads):
         assert torch.equal(leaf.grad, want)

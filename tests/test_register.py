@@ -124,3 +124,29 @@ def test_supported_config_builds():
     result = _run(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK mok" in result.stdout
+
+
+def test_mok_flags_reach_the_layer_config():
+    """--mok-backend and --mok-expert-gemm end up in the MoKConfig the MoE layer runs with."""
+    code = """
+    import sys
+    import megatron_mok
+    megatron_mok.register()
+    from megatron.training.arguments import parse_args
+    from megatron.training import global_vars
+    sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "4",
+                "--mok-backend", "kernel", "--mok-expert-gemm", "sm90"]
+    global_vars._GLOBAL_ARGS = parse_args()
+    from megatron_mok.megatron.moe_layer import mok_config_for
+    class Config:
+        pass
+    print("CONFIG", mok_config_for(Config()))
+    """
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert "backend='kernel'" in result.stdout and "expert_gemm='sm90'" in result.stdout, result.stdout
+
+
+def test_bad_expert_gemm_flag_is_rejected():
+    result = _run(PARSE.format(before="import megatron_mok; megatron_mok.register(); sys.argv += ['--mok-expert-gemm', 'cublas']"))
+    assert result.returncode == 2 and "--mok-expert-gemm" in result.stderr, result.stderr

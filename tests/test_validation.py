@@ -68,6 +68,7 @@ def test_bad_input_is_rejected(case, change, error, fragment):
     [
         (dict(backend="fast"), "MoKConfig.backend"),
         (dict(segment_alignment=0), "MoKConfig.segment_alignment"),
+        (dict(expert_gemm="cublas"), "MoKConfig.expert_gemm"),
     ],
 )
 def test_bad_config(kwargs, fragment):

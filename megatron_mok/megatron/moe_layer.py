@@ -24,7 +24,8 @@ from megatron_mok.moe import mok_moe
 
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
-    """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`, else default."""
+    """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend` and
+    `--mok-expert-gemm`, else default."""
     explicit = getattr(config, "mok_config", None)
     if explicit is not None:
         if not isinstance(explicit, MoKConfig):
@@ -36,8 +37,12 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
         args = get_args()
     except (ImportError, AssertionError):
         args = None
-    backend = getattr(args, "mok_backend", None) if args is not None else None
-    return MoKConfig(backend=backend) if backend else MoKConfig()
+    fields = {}
+    for flag, field in (("mok_backend", "backend"), ("mok_expert_gemm", "expert_gemm")):
+        value = getattr(args, flag, None) if args is not None else None
+        if value:
+            fields[field] = value
+    return MoKConfig(**fields)
 
 
 class MoKMoELayer(MoELayer):

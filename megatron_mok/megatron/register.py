@@ -2,7 +2,7 @@
 
 - widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
   parser takes the choices of --moe-token-dispatcher-type;
-- adds MoK's own flags (--mok-backend) to every Megatron argument parser;
+- adds MoK's own flags (--mok-backend, --mok-expert-gemm) to every Megatron argument parser;
 - checks mok's unsupported combinations when a TransformerConfig is built;
 - makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok.
 """
@@ -13,7 +13,7 @@ import argparse
 import functools
 import typing
 
-from megatron_mok.config import BACKENDS
+from megatron_mok.config import BACKENDS, EXPERT_GEMMS
 
 DISPATCHER_TYPE = "mok"
 _registered = False
@@ -38,6 +38,13 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default="auto",
         help="Implementation of the mok dispatcher: auto (fused kernel where it can run, else the "
         "PyTorch reference), reference, or kernel.",
+    )
+    group.add_argument(
+        "--mok-expert-gemm",
+        choices=EXPERT_GEMMS,
+        default="grouped_mm",
+        help="GEMM of the kernel backend's forward expert projections: grouped_mm (torch's CUTLASS "
+        "grouped GEMM + SwiGLU kernel) or sm90 (megatron_mok's TMA + wgmma kernel, SwiGLU fused).",
     )
     return parser
 

@@ -1,0 +1,221 @@
+// Torch bindings of the persistent expert GEMM (expert_gemm_sm90.cuh): ops expert_gemm and
+// expert_gemm_swiglu of the `megatron_mok` library (fake implementations in megatron_mok/ops.py).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <string>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "expert_gemm_sm90.cuh"
+#include "mok_params.h"
+#include "tensor_map.h"
+
+namespace mok {
+namespace {
+
+int device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+
+std::atomic<WaitTimeoutRecord*> g_timeout_record{nullptr};
+
+// The host-mapped record of a timed-out wait, allocated on first use outside graph capture (an
+// allocation is not allowed while capturing; a kernel launched before it exists traps without one).
+WaitTimeoutRecord* timeout_record(cudaStream_t stream) {
+  if (WaitTimeoutRecord* record = g_timeout_record.load()) return record;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  void* host = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(WaitTimeoutRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host, 0, sizeof(WaitTimeoutRecord));
+  WaitTimeoutRecord* expected = nullptr;
+  if (!g_timeout_record.compare_exchange_strong(expected, static_cast<WaitTimeoutRecord*>(host))) {
+    C10_CUDA_CHECK(cudaFreeHost(host));
+  }
+  return g_timeout_record.load();  // with unified addressing the host pointer is the device pointer
+}
+
+// [kernel, wait, block] of the wait that timed out, or [] when none has.
+std::vector<int64_t> last_wait_timeout() {
+  const volatile WaitTimeoutRecord* r = g_timeout_record.load();
+  if (r == nullptr || r->recorded == 0) return {};
+  return {r->kernel, r->wait, r->block};
+}
+
+// How many clusters of `config`'s shape fit on the device at once, cached per kernel, device and
+// shared-memory size (the query costs microseconds; the answer only changes with those).
+template <typename Kernel>
+int resident_clusters(Kernel kernel, cudaLaunchConfig_t config, int cluster_m) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, size_t>, int> cache;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, config.dynamicSmemBytes);
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  config.gridDim = dim3(cluster_m * 1024);
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  TORCH_CHECK(clusters > 0, "expert_gemm: no cluster of ", std::to_string(cluster_m), " CTAs with ",
+              std::to_string(config.dynamicSmemBytes), " bytes of shared memory fits on this GPU");
+  cache.emplace(key, clusters);
+  return clusters;
+}
+
+// Numbers in error messages go through std::to_string: streaming an integer into the message's
+// ostream crashed on the device image, where the extension's libstdc++ is not torch's.
+std::string sizes_str(const at::Tensor& t) {
+  std::string out = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + ")";
+}
+
+// Checks shared by both ops; returns (num_experts, weight rows per expert).
+std::pair<int64_t, int64_t> check_expert_gemm(const at::Tensor& a, const at::Tensor& weight,
+                                              const at::Tensor& expert_offsets) {
+  for (auto [t, name] : {std::pair{&a, "a"}, std::pair{&weight, "weight"}, std::pair{&expert_offsets, "expert_offsets"}}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "expert_gemm: ", name, " must be a contiguous CUDA tensor");
+    TORCH_CHECK(t->device() == a.device(), "expert_gemm: ", name, " is on ", t->device(), ", a on ", a.device());
+  }
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "expert_gemm: a and weight must be bfloat16, got ", a.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3 && weight.size(2) == a.size(1),
+              "expert_gemm: a must be (rows, K) and weight (experts, N, K) with the same K; got ", sizes_str(a), " and ",
+              sizes_str(weight));
+  TORCH_CHECK(expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 &&
+                  expert_offsets.numel() == weight.size(0) + 1,
+              "expert_gemm: expert_offsets must be int32 (experts + 1,), got ", sizes_str(expert_offsets), " ",
+              c10::toString(expert_offsets.scalar_type()));
+  TORCH_CHECK(a.size(1) > 0 && a.size(1) % 8 == 0, "expert_gemm: K must be a positive multiple of 8, got ", std::to_string(a.size(1)));
+  TORCH_CHECK(weight.size(1) % 8 == 0 && weight.size(1) > 0, "expert_gemm: N must be a positive multiple of 8, got ",
+              std::to_string(weight.size(1)));
+  TORCH_CHECK(a.size(0) < (int64_t(1) << 31) && weight.size(0) * weight.size(1) < (int64_t(1) << 31),
+              "expert_gemm: more than 2^31 rows");
+  TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)),
+              "expert_gemm: this GPU has less shared memory per block than the kernel's ",
+              std::to_string(ExpertGemmTile::kSmemBytes), " bytes");
+  return {weight.size(0), weight.size(1)};
+}
+
+// out: the store output or act; gate_up: the SwiGLU pre-activation (undefined for the store).
+template <GemmEpilogue kEpilogue, int kClusterM>
+void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
+                        const at::Tensor& gate_up, const ExpertGemmParams& p) {
+  using Tile = ExpertGemmTile;
+  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
+  const CUtensorMap b_map = bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k,
+                                                  p.k, Tile::kN / 2, "weight");
+  const CUtensorMap out_map =
+      bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, p.n_out, Tile::kStoreBox, "out");
+  CUtensorMap gate_map = out_map, up_map = out_map;
+  if constexpr (kEpilogue == GemmEpilogue::kSwiglu) {
+    // The two halves of each gate_up row as matrices of their own, so a box never spills over
+    // from the gate half into the up half.
+    const auto* base = static_cast<const __nv_bfloat16*>(gate_up.data_ptr());
+    gate_map = bf16_tensor_map_sw128(base, p.num_rows, p.n_out, 2 * int64_t(p.n_out), Tile::kStoreBox, "gate_up");
+    up_map = bf16_tensor_map_sw128(base + p.n_out, p.num_rows, p.n_out, 2 * int64_t(p.n_out), Tile::kStoreBox,
+                                   "gate_up");
+  }
+  const size_t smem = Tile::kSmemBytes;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  ExpertGemmParams params = p;
+  params.timeout_record = timeout_record(stream);
+  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
+  // Enough clusters for the most cluster tiles any routing can make, at most as many as fit on the
+  // GPU at once (persistent: a cluster that had to wait for a free pair of SMs would run its whole
+  // static share of tiles after the others).
+  constexpr int kTileCols = Tile::n_out<kEpilogue>();
+  constexpr int kClusterRows = Tile::kM * kClusterM;
+  const int64_t max_tiles = ((int64_t(p.num_rows) + kClusterRows - 1) / kClusterRows + p.num_experts) *
+                            ((int64_t(p.n_out) + kTileCols - 1) / kTileCols);
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kClusterM;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(Tile::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, resident_clusters(kernel, config, kClusterM))));
+  config.gridDim = dim3(clusters * kClusterM);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, out_map, gate_map, up_map, params));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <GemmEpilogue kEpilogue>
+void launch_with_cluster(int64_t cluster_m, const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
+                         const at::Tensor& gate_up, const ExpertGemmParams& p) {
+  if (cluster_m == 1) {
+    launch_expert_gemm<kEpilogue, 1>(a, weight, out, gate_up, p);
+  } else {
+    launch_expert_gemm<kEpilogue, 2>(a, weight, out, gate_up, p);
+  }
+}
+
+void check_cluster_m(int64_t cluster_m) {
+  TORCH_CHECK(cluster_m == 1 || cluster_m == 2, "expert_gemm: cluster_m must be 1 or 2, got ",
+              std::to_string(cluster_m));
+}
+
+at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& expert_offsets,
+                       int64_t cluster_m) {
+  check_cluster_m(cluster_m);
+  const auto [num_experts, n] = check_expert_gemm(a, weight, expert_offsets);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto out = at::empty({a.size(0), n}, a.options());
+  if (a.size(0) == 0) return out;
+  ExpertGemmParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), nullptr, int32_t(num_experts),
+                     int32_t(a.size(0)), int32_t(n), int32_t(n), int32_t(a.size(1)), nullptr};
+  launch_with_cluster<GemmEpilogue::kStore>(cluster_m, a, weight, out, at::Tensor(), p);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const at::Tensor& weight,
+                                                      const at::Tensor& expert_offsets, int64_t cluster_m) {
+  check_cluster_m(cluster_m);
+  const auto [num_experts, two_ffn] = check_expert_gemm(a, weight, expert_offsets);
+  TORCH_CHECK(two_ffn % 16 == 0, "expert_gemm_swiglu: weight must hold gate and up rows of a multiple of 8 each, got ",
+              std::to_string(two_ffn), " rows");
+  const int64_t ffn = two_ffn / 2;
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto gate_up = at::empty({a.size(0), two_ffn}, a.options());
+  auto act = at::empty({a.size(0), ffn}, a.options());
+  if (a.size(0) == 0) return {gate_up, act};
+  ExpertGemmParams p{expert_offsets.data_ptr<int32_t>(), act.data_ptr(), gate_up.data_ptr(), int32_t(num_experts),
+                     int32_t(a.size(0)), int32_t(ffn), int32_t(two_ffn), int32_t(a.size(1)), nullptr};
+  launch_with_cluster<GemmEpilogue::kSwiglu>(cluster_m, a, weight, act, gate_up, p);
+  return {gate_up, act};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
+  m.def("expert_gemm(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m) -> Tensor");
+  m.def("expert_gemm_swiglu(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m) -> (Tensor, Tensor)");
+  m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
+}
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("expert_gemm", &expert_gemm);
+  m.impl("expert_gemm_swiglu", &expert_gemm_swiglu);
+}
+
+}  // namespace mok

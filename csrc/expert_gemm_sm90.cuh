@@ -1,0 +1,459 @@
+// The persistent, warp-specialized expert GEMM of the MoK forward (sm_90a): TMA loads into a
+// 4-stage mbarrier pipeline, wgmma m64n256k16 from shared memory, TMA-store epilogue.
+// Reference: segment_matmul_reference (store epilogue) and swiglu_reference over it (SwiGLU
+// epilogue) in megatron_mok/reference.py.
+//
+// One CTA per SM, 384 threads, in clusters of kClusterM CTAs (1, or 2 that work on vertically
+// adjacent tiles: same expert, same B slice, m-tiles 2i and 2i + 1):
+//   warpgroup 0, producer: thread 0 walks this CTA's tiles and, per 64-wide K block, waits for a
+//     stage every CTA of the cluster has released, then issues TMA loads completing on the
+//     stage's `full` barrier: its own 128 rows of A and the 256-row B slice — with 2-CTA
+//     clusters only its half of B (CTA 0 the first 128 rows, CTA 1 the second), multicast into
+//     both CTAs, so each B byte leaves L2 once per cluster. It keeps 40 registers (setmaxnreg)
+//     and hands the rest over. Warp 1 is the watchdog of the CTA's bounded waits
+//     (sm90::watch_waits).
+//   warpgroups 1 and 2, consumers: each owns 64 of the tile's 128 rows; per K block it waits on
+//     `full`, issues four wgmma (K = 16 each) into 128 fp32 accumulators per thread, and releases
+//     the stage of the previous K block on `empty` of every CTA of the cluster (a peer multicasts
+//     into it) once at most one wgmma group is in flight.
+//     Epilogue: the accumulators are rounded once to bf16 and written, 128 columns at a time, into
+//     the warpgroup's 16 KB staging buffer (128-byte swizzle, conflict-free), from which one
+//     thread starts TMA stores and the warpgroup goes on to the next tile: the global writes
+//     drain in the background. (When every SM writes its tile at once the epilogue costs 10-15% of
+//     the GEMM; docs/performance.md has what the variants measured.) A warpgroup whose 64 rows are
+//     not all inside the segment stores from registers with a row mask instead (a TMA box cannot
+//     be masked, and those rows belong to the next expert).
+//     Meanwhile the producer already fills the stages of the next tile.
+//
+// Tiles: the schedule's segments (rows of one expert, any alignment) split into cluster tiles of
+// kClusterM 128-row m-tiles; rows past the segment's end (a short last tile, or with 2-CTA
+// clusters a whole one when the segment has an odd number of m-tiles) are computed from the next segment's rows (or
+// TMA zero fill) and not stored. Cluster tile order is expert-major, then groups of kGroupM
+// m-tiles with m fastest inside a group, so the clusters working at the same time share the
+// expert's B slices and A rows in L2. Cluster c takes cluster tiles c, c + clusters, ...: a static
+// schedule read from the device-side segment offsets, so the launch never needs the host to know
+// the routing. Before exiting, each producer waits until every CTA of the cluster released every
+// stage, so no CTA leaves while a peer may still arrive on its barriers.
+//
+// Accumulator layout of wgmma m64nNk16 (fp32), thread t of a consumer warpgroup, warp w = t / 32,
+// lane l: acc[4 * j + 2 * h + c] is row 16 * w + l / 4 + 8 * h, column 8 * j + 2 * (l % 4) + c.
+// In the SwiGLU epilogue B's first 128 rows are gate and the next 128 up, so gate column n sits in
+// acc[4 * j + ...] and its up partner in acc[4 * (j + 16) + ...] of the same thread.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "mok_params.h"
+#include "sm90_primitives.cuh"
+#include "swiglu_sm90.cuh"
+
+namespace mok {
+
+enum class GemmEpilogue { kStore, kSwiglu };
+
+struct ExpertGemmTile {
+  static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
+  static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
+  static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
+  static constexpr int kStages = 4;
+  static constexpr int kGroupM = 16;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static constexpr uint32_t kABytes = kM * kK * 2;
+  static constexpr uint32_t kBHalfBytes = (kN / 2) * kK * 2;
+  static constexpr uint32_t kBBytes = kN * kK * 2;
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr int kStoreBox = 64;  // TMA store boxes: 64 rows x 64 bf16 columns
+  static constexpr uint32_t kStoreBoxBytes = kStoreBox * kStoreBox * 2;
+  static constexpr uint32_t kStagingBytes = 2 * kStoreBoxBytes;  // per consumer: 64 rows x 128 columns
+  static constexpr int kSwizzleAlign = 1024;
+  static constexpr int kRoles = 3;  // producer + two consumers, for the watchdog
+
+  // Output columns per tile.
+  template <GemmEpilogue kEpilogue>
+  __host__ __device__ static constexpr int n_out() {
+    return kEpilogue == GemmEpilogue::kSwiglu ? kN / 2 : kN;
+  }
+
+  // Dynamic shared memory: stages, the consumers' staging buffers, barriers, the wait watch.
+  static constexpr size_t kSmemBytes = kSwizzleAlign + size_t(kStages) * kStageBytes + 2 * kStagingBytes +
+                                       2 * kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+};
+
+struct TileCoord {
+  int expert;
+  int row0;  // first row of this CTA's tile in A and the output
+  int rows;  // rows of the tile inside the segment (<= kM; <= 0 when the tile is past its end)
+  int n0;    // first output column
+};
+
+// Maps increasing linear cluster-tile indices to this CTA's tiles, reading the segment offsets
+// from global memory as it moves forward through the experts (no table, so any expert count).
+// A cluster tile is kClusterM vertically adjacent m-tiles; CTA r of the cluster takes the r-th.
+template <int kClusterM>
+class TileWalker {
+ public:
+  __device__ TileWalker(const int32_t* offsets, int num_experts, int n_tiles, int n_tile_cols, int cta_rank)
+      : offsets_(offsets), num_experts_(num_experts), n_tiles_(n_tiles), n_tile_cols_(n_tile_cols),
+        cta_rank_(cta_rank) {
+    load_expert();
+  }
+
+  // False once `tile` is past the last expert's tiles.
+  __device__ bool at(int64_t tile, TileCoord& c) {
+    using Tile = ExpertGemmTile;
+    constexpr int kGroupPairs = Tile::kGroupM / kClusterM;
+    while (expert_ < num_experts_ && tile >= first_ + int64_t(pairs_) * n_tiles_) {
+      first_ += int64_t(pairs_) * n_tiles_;
+      ++expert_;
+      load_expert();
+    }
+    if (expert_ >= num_experts_) return false;
+    const int local = int(tile - first_);
+    const int group = local / (kGroupPairs * n_tiles_);
+    const int group_first = group * kGroupPairs;
+    const int group_size = min(kGroupPairs, pairs_ - group_first);
+    const int in_group = local - group * kGroupPairs * n_tiles_;
+    const int pair = group_first + in_group % group_size;
+    const int n_tile = in_group / group_size;
+    c.expert = expert_;
+    c.row0 = seg_begin_ + (pair * kClusterM + cta_rank_) * Tile::kM;
+    c.rows = min(Tile::kM, seg_end_ - c.row0);
+    c.n0 = n_tile * n_tile_cols_;
+    return true;
+  }
+
+ private:
+  __device__ void load_expert() {
+    if (expert_ >= num_experts_) return;
+    constexpr int kRows = ExpertGemmTile::kM * kClusterM;
+    seg_begin_ = __ldg(offsets_ + expert_);
+    seg_end_ = __ldg(offsets_ + expert_ + 1);
+    const int rows = seg_end_ - seg_begin_;
+    pairs_ = rows > 0 && seg_begin_ >= 0 ? (rows + kRows - 1) / kRows : 0;
+  }
+
+  const int32_t* offsets_;
+  int num_experts_;
+  int n_tiles_;
+  int n_tile_cols_;
+  int cta_rank_;
+  int expert_ = 0;
+  int64_t first_ = 0;  // cluster tiles of the experts before expert_
+  int seg_begin_ = 0, seg_end_ = 0, pairs_ = 0;
+};
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// act for a pair of gate and up values already rounded to bf16 (so act is exactly
+// swiglu_forward_kernel(gate_up)).
+__device__ __forceinline__ uint32_t swiglu_pair(uint32_t gate, uint32_t up) {
+  const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&gate);
+  const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&up);
+  return pack_bf16x2(swiglu_value(__low2float(g), __low2float(u)), swiglu_value(__high2float(g), __high2float(u)));
+}
+
+// The four lanes of a quad hold one row's bf16 pairs of four 8-column groups: lane s has v[i] =
+// columns 8 * i + 2 * s, + 1 (i = 0..3). A 4x4 transpose across the quad gives lane q all of group
+// q: 16 contiguous bytes, so the row is written with 16-byte stores covering whole sectors
+// instead of 4-byte stores covering halves. In round r lane q reads lane (q - r) & 3, which sends
+// its pair for group q; register indices are selected, never computed, to stay in registers.
+__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int q) {
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int send_index = (q + r) & 3;
+    const uint32_t send = send_index == 0 ? v[0] : send_index == 1 ? v[1] : send_index == 2 ? v[2] : v[3];
+    const int source = (q - r) & 3;
+    const uint32_t got = __shfl_sync(0xffffffffu, send, source, 4);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) w[t] = source == t ? got : w[t];
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+struct EpilogueMaps {
+  const CUtensorMap* out;   // store: (num_rows, n_out); SwiGLU: act (num_rows, n_out)
+  const CUtensorMap* gate;  // SwiGLU: the gate half of gate_up, (num_rows, n_out) with row stride 2 n_out
+  const CUtensorMap* up;    // SwiGLU: the up half
+};
+
+// Visits this thread's share of 128 columns of its two rows: 8-column groups first_group ..
+// first_group + 3, as 16-byte chunks after the quad transpose. pair(j, h) gives the bf16 pair of
+// group j, row half h; write(h, r, column, chunk) gets row r of the warpgroup's 64 and the chunk's
+// first column counted from the first group's.
+template <typename PairFn, typename WriteFn>
+__device__ __forceinline__ void for_each_chunk(int thread, int first_group, PairFn pair, WriteFn write) {
+  const int warp = thread / 32, lane = thread % 32, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 16 * warp + lane / 4 + 8 * h;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      uint32_t v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = pair(4 * (first_group + g) + i, h);
+      write(r, 32 * g + 8 * q, quad_transpose(v, q));
+    }
+  }
+}
+
+// Into the staging buffer: two 64 x 64 boxes with 128-byte swizzle, the layout the TMA store reads
+// (row r's 16-byte chunk c sits at chunk c ^ (r % 8), so a warp's writes spread over all banks).
+template <typename PairFn>
+__device__ __forceinline__ void stage_columns(uint8_t* staging, int thread, int first_group, PairFn pair) {
+  for_each_chunk(thread, first_group, pair, [&](int r, int column, uint4 chunk) {
+    const int box = column / ExpertGemmTile::kStoreBox, column_chunk = (column % ExpertGemmTile::kStoreBox) / 8;
+    uint8_t* dst = staging + box * ExpertGemmTile::kStoreBoxBytes + r * 128 + ((column_chunk ^ (r & 7)) << 4);
+    *reinterpret_cast<uint4*>(dst) = chunk;
+  });
+}
+
+// Straight to global memory, masked to the rows inside the segment and the columns < n_out: the
+// epilogue of a warpgroup whose rows are not all inside the segment (a TMA box cannot be masked,
+// and the rows past the segment belong to the next expert). Every lane runs the shuffles.
+template <typename PairFn>
+__device__ __forceinline__ void write_columns_direct(__nv_bfloat16* base, int64_t row_stride, const TileCoord& c,
+                                                     const ExpertGemmParams& p, int consumer, int thread,
+                                                     int first_group, int col0, PairFn pair) {
+  for_each_chunk(thread, first_group, pair, [&](int r, int column, uint4 chunk) {
+    const int row_in_tile = 64 * consumer + r;
+    const int64_t row = int64_t(c.row0) + row_in_tile;
+    const int col = col0 + column;
+    if (row_in_tile < c.rows && row >= 0 && row < p.num_rows && col < p.n_out) {
+      *reinterpret_cast<uint4*>(base + row * row_stride + col) = chunk;
+    }
+  });
+}
+
+template <GemmEpilogue kEpilogue>
+__device__ __forceinline__ void store_rows_direct(const uint32_t (&packed)[64], const TileCoord& c,
+                                                  const ExpertGemmParams& p, int consumer, int thread) {
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  if constexpr (kEpilogue == GemmEpilogue::kStore) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      write_columns_direct(out, p.n_out, c, p, consumer, thread, 4 * half, c.n0 + 128 * half,
+                           [&](int j, int h) { return packed[2 * j + h]; });
+    }
+  } else {
+    auto* gate = static_cast<__nv_bfloat16*>(p.gate_up);
+    const int64_t stride = 2 * int64_t(p.n_out);
+    write_columns_direct(gate, stride, c, p, consumer, thread, 0, c.n0, [&](int j, int h) { return packed[2 * j + h]; });
+    write_columns_direct(gate + p.n_out, stride, c, p, consumer, thread, 0, c.n0,
+                         [&](int j, int h) { return packed[2 * (j + 16) + h]; });
+    write_columns_direct(out, p.n_out, c, p, consumer, thread, 0, c.n0,
+                         [&](int j, int h) { return swiglu_pair(packed[2 * j + h], packed[2 * (j + 16) + h]); });
+  }
+}
+
+// The staging buffer is free: the previous TMA store of this warpgroup has read it.
+__device__ __forceinline__ void acquire_staging(int consumer, int thread) {
+  if (thread == 0) sm90::bulk_wait_read();
+  sm90::named_barrier_sync(1 + consumer, 128);
+}
+
+// Hands the staged 64 x 128 block to two TMA stores at (col, row) of `map`.
+__device__ __forceinline__ void store_staged(const CUtensorMap* map, const uint8_t* staging, int consumer, int thread,
+                                             int col, int row) {
+  sm90::fence_async_shared();
+  sm90::named_barrier_sync(1 + consumer, 128);
+  if (thread == 0) {
+    sm90::tma_store_2d(map, staging, col, row);
+    sm90::tma_store_2d(map, staging + ExpertGemmTile::kStoreBoxBytes, col + ExpertGemmTile::kStoreBox, row);
+    sm90::bulk_commit_group();
+  }
+}
+
+// The epilogue of a warpgroup whose 64 rows all lie inside the segment, through TMA stores
+// (columns past n_out fall outside the tensor maps and are not written).
+template <GemmEpilogue kEpilogue>
+__device__ __forceinline__ void store_rows_staged(const uint32_t (&packed)[64], const TileCoord& c, const EpilogueMaps& maps,
+                                                  uint8_t* staging, int consumer, int thread) {
+  const int row = c.row0 + 64 * consumer;
+  if constexpr (kEpilogue == GemmEpilogue::kStore) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      acquire_staging(consumer, thread);
+      stage_columns(staging, thread, 4 * half, [&](int j, int h) { return packed[2 * j + h]; });
+      store_staged(maps.out, staging, consumer, thread, c.n0 + 128 * half, row);
+    }
+  } else {
+    acquire_staging(consumer, thread);
+    stage_columns(staging, thread, 0, [&](int j, int h) { return packed[2 * j + h]; });
+    store_staged(maps.gate, staging, consumer, thread, c.n0, row);
+    acquire_staging(consumer, thread);
+    stage_columns(staging, thread, 0, [&](int j, int h) { return packed[2 * (j + 16) + h]; });
+    store_staged(maps.up, staging, consumer, thread, c.n0, row);
+    acquire_staging(consumer, thread);
+    stage_columns(staging, thread, 0, [&](int j, int h) { return swiglu_pair(packed[2 * j + h], packed[2 * (j + 16) + h]); });
+    store_staged(maps.out, staging, consumer, thread, c.n0, row);
+  }
+}
+
+// Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
+enum ExpertGemmWait : int { kWaitFreeStage = 0, kWaitLoadedStage = 1 };
+
+// A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
+template <int kClusterM>
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  if constexpr (kClusterM == 1) {
+    sm90::mbarrier_arrive(empty);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kClusterM; ++r) sm90::mbarrier_arrive_in_cta(empty, r);
+  }
+}
+
+// kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast (see the file comment).
+template <GemmEpilogue kEpilogue, int kClusterM>
+__global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
+    expert_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                       const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap gate_map,
+                       const __grid_constant__ CUtensorMap up_map, const ExpertGemmParams p) {
+  using Tile = ExpertGemmTile;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + Tile::kSwizzleAlign - 1) & ~uintptr_t(Tile::kSwizzleAlign - 1));
+  uint8_t* a_stages = smem;
+  uint8_t* b_stages = a_stages + Tile::kStages * Tile::kABytes;
+  uint8_t* staging_buffers = b_stages + Tile::kStages * Tile::kBBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging_buffers + 2 * Tile::kStagingBytes);
+  uint64_t* empty = full + Tile::kStages;
+  sm90::WaitWatch* watch = reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Tile::kStages; ++s) {
+      sm90::mbarrier_init(&full[s], 1);   // the producer's expect_tx arrival (+ TMA bytes)
+      sm90::mbarrier_init(&empty[s], 2 * kClusterM);  // each consumer warpgroup of the cluster
+    }
+    sm90::fence_barrier_init();
+    watch->failed = 0;
+    watch->finished = 0;
+  }
+  if (threadIdx.x == 32) {
+    sm90::prefetch_tensor_map(&a_map);
+    sm90::prefetch_tensor_map(&b_map);
+    sm90::prefetch_tensor_map(&out_map);
+  }
+  // Both CTAs' barriers exist before either multicasts into or arrives on the other's.
+  sm90::cluster_sync();
+
+  constexpr int kTileCols = Tile::n_out<kEpilogue>();
+  const int n_tiles = (p.n_out + kTileCols - 1) / kTileCols;
+  const int k_blocks = (p.k + Tile::kK - 1) / Tile::kK;
+  const int cta_rank = int(sm90::cluster_cta_rank());
+  const int first_tile = int(sm90::cluster_index()), tile_step = int(sm90::cluster_count());
+  TileWalker<kClusterM> walker(p.expert_offsets, p.num_experts, n_tiles, kTileCols, cta_rank);
+  TileCoord c;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
+    if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertGemmKernel);
+    if (threadIdx.x != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    constexpr uint16_t kClusterMask = (1u << kClusterM) - 1;
+    for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
+      // This CTA's half of B: the first 128 rows of the slice, or the second (SwiGLU: the up rows
+      // partnering gate rows [n0, n0 + 128), n_out rows further).
+      int b_row = c.expert * p.n_weight_rows + c.n0;
+      if (cta_rank == 1) b_row += kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
+        sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
+        sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
+        uint8_t* b = b_stages + stage * Tile::kBBytes;
+        if constexpr (kClusterM == 1) {
+          const int b_row_second = b_row + (kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2);
+          sm90::tma_load_2d(b, &b_map, &full[stage], kb * Tile::kK, b_row);
+          sm90::tma_load_2d(b + Tile::kBHalfBytes, &b_map, &full[stage], kb * Tile::kK, b_row_second);
+        } else {
+          sm90::tma_load_2d_multicast(b + cta_rank * Tile::kBHalfBytes, &b_map, &full[stage], kb * Tile::kK, b_row,
+                                      kClusterMask);
+        }
+        if (++stage == Tile::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    // Every stage released by all consumers of the cluster: no remote arrival is still to come.
+    for (int i = 0; i < Tile::kStages; ++i) {
+      sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
+      if (++stage == Tile::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    sm90::mark_finished(watch);
+    return;
+  }
+
+  sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int thread = threadIdx.x % 128;
+  float acc[128];
+  int stage = 0;
+  uint32_t phase = 0;
+  uint8_t* staging = staging_buffers + consumer * Tile::kStagingBytes;
+  const EpilogueMaps maps{&out_map, &gate_map, &up_map};
+  for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
+    int previous_stage = 0;
+    // Defined afresh per tile (the first wgmma ignores them anyway), so the compiler does not keep
+    // the previous tile's accumulators alive through its epilogue.
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      sm90::mbarrier_wait(&full[stage], phase, kWaitLoadedStage, watch);
+      const uint64_t a_desc = sm90::smem_descriptor_sw128(a_stages + stage * Tile::kABytes + consumer * 64 * 128);
+      const uint64_t b_desc = sm90::smem_descriptor_sw128(b_stages + stage * Tile::kBBytes);
+      sm90::wgmma_fence();
+      sm90::fence_accumulators(acc);
+#pragma unroll
+      for (int kk = 0; kk < Tile::kK / 16; ++kk) {
+        // +32 bytes (2 in descriptor units) per 16 elements of K inside the swizzled row.
+        sm90::wgmma_m64n256k16_bf16(acc, a_desc + 2 * kk, b_desc + 2 * kk, (kb | kk) != 0);
+      }
+      sm90::wgmma_commit_group();
+      sm90::fence_accumulators(acc);
+      // The previous K block's wgmma group has finished reading its stage: hand it back.
+      sm90::wgmma_wait_group<1>();
+      if (kb > 0 && thread == 0) release_stage<kClusterM>(&empty[previous_stage]);
+      previous_stage = stage;
+      if (++stage == Tile::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    sm90::wgmma_wait_group<0>();
+    sm90::fence_accumulators(acc);
+    if (thread == 0) release_stage<kClusterM>(&empty[previous_stage]);
+    // Rounded once to bf16 pairs: packed[2 * j + h] holds columns 8 * j + 2 * (l % 4) + {0, 1} of
+    // row half h; half the registers of the fp32 accumulators for the rest of the epilogue.
+    uint32_t packed[64];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    if (c.rows >= 64 * (consumer + 1)) {
+      store_rows_staged<kEpilogue>(packed, c, maps, staging, consumer, thread);
+    } else if (c.rows > 64 * consumer) {
+      store_rows_direct<kEpilogue>(packed, c, p, consumer, thread);
+    }
+  }
+  if (thread == 0) {
+    sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
+    sm90::mark_finished(watch);
+  }
+}
+
+}  // namespace mok

@@ -1,0 +1,49 @@
+// Host-side TMA tensor maps for the sm90 kernels. The driver's encoder is reached through the
+// runtime's entry-point query, so the extension needs no link against libcuda.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+namespace mok {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "megatron_mok: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12 or newer)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A row-major bf16 matrix of (rows, cols) at `base` with rows `row_stride` elements apart, read or
+// written in boxes of (box_rows, 64) with 128-byte swizzle; out-of-bounds parts of a box read as
+// zeros and are not written. cols and row_stride must be multiples of 8 (16-byte rows).
+inline CUtensorMap bf16_tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t row_stride,
+                                         uint32_t box_rows, const char* name) {
+  TORCH_CHECK(cols % 8 == 0 && row_stride % 8 == 0, name, ": rows must be a multiple of 16 bytes for TMA, got ",
+              std::to_string(cols), " columns");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, name, " must start 16-byte aligned");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(row_stride) * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+                                               strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for ", name, " (CUresult ",
+              std::to_string(int(result)), ")");
+  return map;
+}
+
+}  // namespace mok

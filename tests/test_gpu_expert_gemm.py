@@ -1,0 +1,164 @@
+"""The persistent sm90 expert GEMM (csrc/expert_gemm_sm90.cuh) against fp32 (skipped without a
+Hopper GPU and the built extension; run on the device).
+
+Tolerance, per element: the kernel accumulates the bf16 products in fp32 (in its own order) and
+rounds once to bf16. Against the fp32 product of the same bf16 inputs that is at most one bf16
+rounding, 2^-8 |ref|, plus the fp32 accumulation error of a K-term sum in a different order,
+bounded by K * 2^-23 * (|a| @ |w|^T). act must equal swiglu_forward_kernel(gate_up) bit for bit:
+the epilogue applies the same formula to the same rounded values.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_mok import ops
+from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
+
+pytestmark = NEEDS_HOPPER_KERNELS
+
+# name: (segment rows per expert, K, N). N is the weight's rows (the SwiGLU cases use 2F).
+CASES = {
+    "one_row": ([1], 8, 16),
+    "exact_tiles": ([128, 256], 128, 512),
+    "tails_everywhere": ([37, 0, 129, 5], 72, 208),
+    "empty_experts": ([0, 0, 300, 0], 64, 256),
+    "all_rows_one_expert": ([0, 1000, 0], 192, 272),
+    "many_small_experts": ([3, 17, 0, 64, 65, 127, 128, 1, 0, 250] * 4, 64, 144),
+    "deepseek_v3_gate_up": ([700, 300, 0, 1100], 7168, 4096),
+    "deepseek_v3_down": ([700, 300, 0, 1100], 2048, 7168),
+    "qwen3_30b_gate_up": ([40, 0, 300, 7] * 8, 2048, 1536),
+}
+
+
+def make_case(rows_per_expert, k, n, seed, tail_rows=5):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.tensor(rows_per_expert, dtype=torch.int32)
+    offsets = torch.zeros(len(rows_per_expert) + 1, dtype=torch.int32)
+    offsets[1:] = counts.cumsum(0)
+    num_rows = int(offsets[-1]) + tail_rows  # rows past the last segment: never written
+    a = torch.randn(num_rows, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(len(rows_per_expert), n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    return a, w, offsets.cuda(), offsets.tolist()
+
+
+def fp32_reference_and_bound(a, w, offsets_host):
+    """Per-segment fp32 products of the bf16 inputs and the elementwise error bound (module doc)."""
+    k = a.shape[1]
+    ref = torch.zeros(offsets_host[-1], w.shape[1], device="cuda")
+    bound = torch.zeros_like(ref)
+    for e in range(w.shape[0]):
+        lo, hi = offsets_host[e], offsets_host[e + 1]
+        if hi > lo:
+            ref[lo:hi] = a[lo:hi].float() @ w[e].float().T
+            bound[lo:hi] = 2.0**-8 * ref[lo:hi].abs() + k * 2.0**-23 * (a[lo:hi].float().abs() @ w[e].float().abs().T)
+    return ref, bound
+
+
+def assert_within(got, ref, bound, what):
+    assert torch.isfinite(got).all(), f"{what}: non-finite (unwritten) elements"
+    excess = (got.float() - ref).abs() - bound
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, f"{what}: element {divmod(worst, ref.shape[1])} off by {excess.max():.3e} past its bound"
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_gemm_store_matches_fp32(case, cluster_m):
+    rows, k, n = CASES[case]
+    a, w, offsets, offsets_host = make_case(rows, k, n, seed=zlib.crc32(case.encode()) % 1000)
+    poison_allocator()
+    out = ops.expert_gemm(a, w, offsets, cluster_m)
+    assert out.shape == (a.shape[0], n) and out.dtype == torch.bfloat16
+    ref, bound = fp32_reference_and_bound(a, w, offsets_host)
+    assert_within(out[: offsets_host[-1]], ref, bound, "out")
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_gemm_swiglu_matches_fp32_and_the_swiglu_kernel(case, cluster_m):
+    rows, k, two_ffn = CASES[case]
+    if two_ffn % 16:
+        pytest.skip("SwiGLU needs gate and up halves that are multiples of 8")
+    a, w, offsets, offsets_host = make_case(rows, k, two_ffn, seed=zlib.crc32(case.encode()) % 1000 + 1)
+    poison_allocator()
+    gate_up, act = ops.expert_gemm_swiglu(a, w, offsets, cluster_m)
+    end = offsets_host[-1]
+    ref, bound = fp32_reference_and_bound(a, w, offsets_host)
+    assert_within(gate_up[:end], ref, bound, "gate_up")
+    assert torch.isfinite(act[:end]).all(), "act: non-finite (unwritten) elements"
+    assert torch.equal(act[:end], ops.swiglu_forward(gate_up, offsets)[:end])
+
+
+def test_expert_gemm_is_bitwise_deterministic():
+    a, w, offsets, offsets_host = make_case([300, 0, 900, 77], 1024, 768, seed=3)
+    end = offsets_host[-1]  # rows past it are never written
+    first = ops.expert_gemm(a, w, offsets)[:end]
+    first_gu, first_act = (t[:end] for t in ops.expert_gemm_swiglu(a, w, offsets))
+    for _ in range(2):
+        assert torch.equal(ops.expert_gemm(a, w, offsets)[:end], first)
+        gu, act = ops.expert_gemm_swiglu(a, w, offsets)
+        assert torch.equal(gu[:end], first_gu) and torch.equal(act[:end], first_act)
+
+
+def test_expert_gemm_on_schedule_offsets_with_padding():
+    """Segments padded by the schedule (segment_alignment 8): padding rows are zero rows of A and
+    produce zero rows; every row of a segment is written."""
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    ids = torch.randint(0, 6, (333, 4), device="cuda", generator=gen)
+    schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=6, segment_alignment=8)
+    x = torch.randn(333, 256, device="cuda", generator=gen).bfloat16()
+    rows = ops.dispatch_rows(x, schedule.slot_to_route, 4)
+    w = (torch.randn(6, 320, 256, device="cuda", generator=gen) / 16).bfloat16()
+    offsets_host = schedule.expert_offsets.tolist()
+    poison_allocator()
+    gate_up, act = ops.expert_gemm_swiglu(rows, w, schedule.expert_offsets)
+    ref, bound = fp32_reference_and_bound(rows, w, offsets_host)
+    end = offsets_host[-1]
+    assert_within(gate_up[:end], ref, bound, "gate_up")
+    padding = schedule.slot_to_route[:end] < 0
+    assert padding.any() and torch.equal(act[:end][padding], torch.zeros_like(act[:end][padding]))
+
+
+def test_expert_gemm_with_no_rows_anywhere():
+    a, w, offsets, _ = make_case([0, 0, 0], 64, 128, seed=4, tail_rows=3)
+    out = ops.expert_gemm(a, w, offsets)  # nothing to compute: no tile, no hang
+    torch.cuda.synchronize()
+    assert out.shape == (3, 128)
+    empty = ops.expert_gemm(a[:0], w, offsets)
+    assert empty.shape == (0, 128)
+
+
+BAD = [
+    ("a fp32", lambda a, w, o: (a.float(), w, o), "bfloat16"),
+    ("K not a multiple of 8", lambda a, w, o: (a[:, :60].contiguous(), w[:, :, :60].contiguous(), o), "multiple of 8"),
+    ("K mismatch", lambda a, w, o: (a, w[:, :, :56].contiguous(), o), "same K"),
+    ("offsets int64", lambda a, w, o: (a, w, o.long()), "expert_offsets must be int32"),
+    ("offsets wrong length", lambda a, w, o: (a, w, o[:-1]), "expert_offsets must be int32"),
+    ("weight not contiguous", lambda a, w, o: (a, w.transpose(1, 2), o), "weight must be a contiguous"),
+    ("a on the CPU", lambda a, w, o: (a.cpu(), w, o), "a must be a contiguous CUDA"),
+    ("cluster of 4", lambda a, w, o: (a, w, o, 4), "cluster_m must be 1 or 2"),
+]
+
+
+@pytest.mark.parametrize("case,change,fragment", BAD, ids=[b[0] for b in BAD])
+def test_expert_gemm_bad_input_is_a_clear_error(case, change, fragment):
+    a, w, offsets, _ = make_case([10, 20], 64, 64, seed=5)
+    with pytest.raises(RuntimeError, match=fragment):
+        ops.expert_gemm(*change(a, w, offsets))
+
+
+def test_expert_gemm_ops_registration():
+    a, w, offsets, _ = make_case([10, 0, 20], 64, 64, seed=6)
+    for op in (torch.ops.megatron_mok.expert_gemm.default, torch.ops.megatron_mok.expert_gemm_swiglu.default):
+        torch.library.opcheck(op, (a, w, offsets, 2), test_utils=("test_schema", "test_faketensor"))
+        compiled = torch.compile(lambda *args, op=op: op(*args), fullgraph=True)
+        got, want = compiled(a, w, offsets, 2), op(a, w, offsets, 2)
+        for x, y in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(x[:30], y[:30])
+    assert ops.last_wait_timeout() is None
