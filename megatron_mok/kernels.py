@@ -33,6 +33,8 @@ def segment_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
 
 
 def expert_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # act rows at or past offsets[-1] stay unwritten (swiglu_forward zeroes them); every later
+    # stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
     return ops.expert_gemm_swiglu(rows, fc1.contiguous(), offsets)
 
 

@@ -143,7 +143,8 @@ def expert_gemm(
     a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, cluster_m: int = EXPERT_GEMM_CLUSTER_M
 ) -> torch.Tensor:
     """(rows, N): a[r] @ weight[e].T for the rows r of segment e; rows past the last segment are not
-    written. bf16, K and N multiples of 8. Ref: segment_matmul_reference."""
+    written. bf16, K and N multiples of 8. expert_offsets must be non-decreasing within [0, rows]
+    (as the schedule makes them); that is not checked on the device. Ref: segment_matmul_reference."""
     return torch.ops.megatron_mok.expert_gemm(a, weight, expert_offsets, cluster_m)
 
 
