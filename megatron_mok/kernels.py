@@ -12,9 +12,8 @@ with transposed operands, which the sm90 GEMM does not take yet. Every reduction
 
 from __future__ import annotations
 
-from typing import Optional
-
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
