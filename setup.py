@@ -61,6 +61,8 @@ def _cuda_extension():
         "-Xptxas=--warn-on-spills",
         "--expt-relaxed-constexpr",
     ]
+    # Build-time variants for measurements, e.g. MOK_NVCC_FLAGS=-DMOK_EXPERT_GEMM_STAGES=3.
+    nvcc_flags += os.environ.get("MOK_NVCC_FLAGS", "").split()
     extension = CUDAExtension(
         name="megatron_mok._C",
         sources=sources,

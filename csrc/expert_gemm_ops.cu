@@ -14,19 +14,13 @@
 #include <tuple>
 #include <vector>
 
+#include "device_info.h"
 #include "expert_gemm_sm90.cuh"
 #include "mok_params.h"
 #include "tensor_map.h"
 
 namespace mok {
 namespace {
-
-int device_attribute(cudaDeviceAttr attribute) {
-  int device = 0, value = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
-  return value;
-}
 
 std::atomic<WaitTimeoutRecord*> g_timeout_record{nullptr};
 
@@ -83,41 +77,52 @@ std::string sizes_str(const at::Tensor& t) {
   return out + ")";
 }
 
-// Checks shared by both ops; returns (num_experts, weight rows per expert).
-std::pair<int64_t, int64_t> check_expert_gemm(const at::Tensor& a, const at::Tensor& weight,
-                                              const at::Tensor& expert_offsets) {
-  for (auto [t, name] : {std::pair{&a, "a"}, std::pair{&weight, "weight"}, std::pair{&expert_offsets, "expert_offsets"}}) {
-    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "expert_gemm: ", name, " must be a contiguous CUDA tensor");
-    TORCH_CHECK(t->device() == a.device(), "expert_gemm: ", name, " is on ", t->device(), ", a on ", a.device());
+// Checks shared by the ops (`op` names the op in messages, `a_name` its A operand); returns (num_experts, weight rows per
+// expert). Runs under the op's CUDAGuard (the shared-memory limit is the device's of `a`).
+std::pair<int64_t, int64_t> check_expert_gemm(const char* op, const char* a_name, const at::Tensor& a, const at::Tensor& weight,
+                                              const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m) {
+  const std::string prefix = std::string(op) + ": ";
+  TORCH_CHECK(cluster_m == 1 || cluster_m == 2, prefix, "cluster_m must be 1 or 2, got ", std::to_string(cluster_m));
+  TORCH_CHECK(group_m >= cluster_m && group_m % cluster_m == 0 && group_m <= 1024, prefix,
+              "group_m must be a multiple of cluster_m in [cluster_m, 1024], got ", std::to_string(group_m));
+  for (auto [t, name] : {std::pair{&a, a_name}, std::pair{&weight, "weight"}, std::pair{&expert_offsets, "expert_offsets"}}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), prefix, name, " must be a contiguous CUDA tensor");
+    TORCH_CHECK(t->device() == a.device(), prefix, name, " is on ", t->device().str(), ", ", a_name, " on ", a.device().str());
   }
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "expert_gemm: a and weight must be bfloat16, got ", a.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3 && weight.size(2) == a.size(1),
-              "expert_gemm: a must be (rows, K) and weight (experts, N, K) with the same K; got ", sizes_str(a), " and ",
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, prefix, a_name,
+              " and weight must be bfloat16, got ", c10::toString(a.scalar_type()), " and ",
+              c10::toString(weight.scalar_type()));
+  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3 && weight.size(2) == a.size(1), prefix, a_name,
+              " must be (rows, K) and weight (experts, N, K) with the same K; got ", sizes_str(a), " and ",
               sizes_str(weight));
+  TORCH_CHECK(weight.size(0) > 0, prefix, "weight must hold at least one expert, got ", sizes_str(weight));
   TORCH_CHECK(expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 &&
                   expert_offsets.numel() == weight.size(0) + 1,
-              "expert_gemm: expert_offsets must be int32 (experts + 1,), got ", sizes_str(expert_offsets), " ",
+              prefix, "expert_offsets must be int32 (experts + 1,), got ", sizes_str(expert_offsets), " ",
               c10::toString(expert_offsets.scalar_type()));
-  TORCH_CHECK(a.size(1) > 0 && a.size(1) % 8 == 0, "expert_gemm: K must be a positive multiple of 8, got ", std::to_string(a.size(1)));
-  TORCH_CHECK(weight.size(1) % 8 == 0 && weight.size(1) > 0, "expert_gemm: N must be a positive multiple of 8, got ",
+  TORCH_CHECK(a.size(1) > 0 && a.size(1) % 8 == 0, prefix, "K must be a positive multiple of 8, got ",
+              std::to_string(a.size(1)));
+  TORCH_CHECK(weight.size(1) % 8 == 0 && weight.size(1) > 0, prefix, "N must be a positive multiple of 8, got ",
               std::to_string(weight.size(1)));
-  TORCH_CHECK(a.size(0) < (int64_t(1) << 31) && weight.size(0) * weight.size(1) < (int64_t(1) << 31),
-              "expert_gemm: more than 2^31 rows");
-  TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)),
-              "expert_gemm: this GPU has less shared memory per block than the kernel's ",
-              std::to_string(ExpertGemmTile::kSmemBytes), " bytes");
+  TORCH_CHECK(a.size(0) < (int64_t(1) << 31) && weight.size(0) * weight.size(1) < (int64_t(1) << 31), prefix,
+              "more than 2^31 rows");
+  TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), prefix,
+              "this GPU has less shared memory per block than the kernel's ", std::to_string(ExpertGemmTile::kSmemBytes),
+              " bytes");
   return {weight.size(0), weight.size(1)};
 }
 
 // out: the store output or act; gate_up: the SwiGLU pre-activation (undefined for the store).
-template <GemmEpilogue kEpilogue, int kClusterM>
+// kGatherA: `a` is x; A's rows are picked from it through p.gather.
+template <GemmEpilogue kEpilogue, int kClusterM, bool kGatherA>
 void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
                         const at::Tensor& gate_up, const ExpertGemmParams& p) {
   using Tile = ExpertGemmTile;
-  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
   const CUtensorMap b_map = bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k,
                                                   p.k, Tile::kN / 2, "weight");
+  // Gathered A: `a` is x, loaded one row per TMA box (the gatherers pick the rows).
+  const CUtensorMap a_map = kGatherA ? bf16_tensor_map_sw128(a.data_ptr(), p.gather.x_rows, p.k, p.k, 1, "x")
+                                     : bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
   const CUtensorMap out_map =
       bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, p.n_out, Tile::kStoreBox, "out");
   CUtensorMap gate_map = out_map, up_map = out_map;
@@ -133,7 +138,7 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertGemmParams params = p;
   params.timeout_record = timeout_record(stream);
-  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM>;
+  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kGatherA>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
   // Enough clusters for the most cluster tiles any routing can make, at most as many as fit on the
@@ -160,62 +165,115 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <GemmEpilogue kEpilogue>
+template <GemmEpilogue kEpilogue, bool kGatherA>
 void launch_with_cluster(int64_t cluster_m, const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
                          const at::Tensor& gate_up, const ExpertGemmParams& p) {
   if (cluster_m == 1) {
-    launch_expert_gemm<kEpilogue, 1>(a, weight, out, gate_up, p);
+    launch_expert_gemm<kEpilogue, 1, kGatherA>(a, weight, out, gate_up, p);
   } else {
-    launch_expert_gemm<kEpilogue, 2>(a, weight, out, gate_up, p);
+    launch_expert_gemm<kEpilogue, 2, kGatherA>(a, weight, out, gate_up, p);
   }
 }
 
-void check_cluster_m(int64_t cluster_m) {
-  TORCH_CHECK(cluster_m == 1 || cluster_m == 2, "expert_gemm: cluster_m must be 1 or 2, got ",
-              std::to_string(cluster_m));
+ExpertGemmParams make_params(const at::Tensor& expert_offsets, int64_t num_experts, int64_t rows, int64_t n_out,
+                             int64_t n_weight_rows, int64_t k, int64_t group_m) {
+  ExpertGemmParams p{};
+  p.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  p.num_experts = int32_t(num_experts);
+  p.num_rows = int32_t(rows);
+  p.n_out = int32_t(n_out);
+  p.n_weight_rows = int32_t(n_weight_rows);
+  p.k = int32_t(k);
+  p.group_m = int32_t(group_m);
+  return p;
 }
 
 at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& expert_offsets,
-                       int64_t cluster_m) {
-  check_cluster_m(cluster_m);
-  const auto [num_experts, n] = check_expert_gemm(a, weight, expert_offsets);
+                       int64_t cluster_m, int64_t group_m) {
+  TORCH_CHECK(a.is_cuda(), "expert_gemm: a must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(a.device());
+  const auto [num_experts, n] = check_expert_gemm("expert_gemm", "a", a, weight, expert_offsets, cluster_m, group_m);
   auto out = at::empty({a.size(0), n}, a.options());
   if (a.size(0) == 0) return out;
-  ExpertGemmParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), nullptr, int32_t(num_experts),
-                     int32_t(a.size(0)), int32_t(n), int32_t(n), int32_t(a.size(1)), nullptr};
-  launch_with_cluster<GemmEpilogue::kStore>(cluster_m, a, weight, out, at::Tensor(), p);
+  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
+  p.out = out.data_ptr();
+  launch_with_cluster<GemmEpilogue::kStore, false>(cluster_m, a, weight, out, at::Tensor(), p);
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const at::Tensor& weight,
-                                                      const at::Tensor& expert_offsets, int64_t cluster_m) {
-  check_cluster_m(cluster_m);
-  const auto [num_experts, two_ffn] = check_expert_gemm(a, weight, expert_offsets);
-  TORCH_CHECK(two_ffn % 16 == 0, "expert_gemm_swiglu: weight must hold gate and up rows of a multiple of 8 each, got ",
+int64_t check_swiglu_weight(const char* op, int64_t two_ffn) {
+  TORCH_CHECK(two_ffn % 16 == 0, op, ": weight must hold gate and up rows of a multiple of 8 each, got ",
               std::to_string(two_ffn), " rows");
-  const int64_t ffn = two_ffn / 2;
+  return two_ffn / 2;
+}
+
+std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const at::Tensor& weight,
+                                                      const at::Tensor& expert_offsets, int64_t cluster_m,
+                                                      int64_t group_m) {
+  constexpr const char* kOp = "expert_gemm_swiglu";
+  TORCH_CHECK(a.is_cuda(), kOp, ": a must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(a.device());
+  const auto [num_experts, two_ffn] = check_expert_gemm(kOp, "a", a, weight, expert_offsets, cluster_m, group_m);
+  const int64_t ffn = check_swiglu_weight(kOp, two_ffn);
   auto gate_up = at::empty({a.size(0), two_ffn}, a.options());
   auto act = at::empty({a.size(0), ffn}, a.options());
   if (a.size(0) == 0) return {gate_up, act};
-  ExpertGemmParams p{expert_offsets.data_ptr<int32_t>(), act.data_ptr(), gate_up.data_ptr(), int32_t(num_experts),
-                     int32_t(a.size(0)), int32_t(ffn), int32_t(two_ffn), int32_t(a.size(1)), nullptr};
-  launch_with_cluster<GemmEpilogue::kSwiglu>(cluster_m, a, weight, act, gate_up, p);
+  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), ffn, two_ffn, a.size(1), group_m);
+  p.out = act.data_ptr();
+  p.gate_up = gate_up.data_ptr();
+  launch_with_cluster<GemmEpilogue::kSwiglu, false>(cluster_m, a, weight, act, gate_up, p);
+  return {gate_up, act};
+}
+
+// The gate/up projection of the dispatched rows without dispatching them: row r of the outputs is
+// the SwiGLU projection of x[slot_to_route[r] / topk] (zeros where slot_to_route[r] is -1).
+std::tuple<at::Tensor, at::Tensor> gather_expert_gemm_swiglu(const at::Tensor& x, const at::Tensor& slot_to_route,
+                                                             int64_t topk, const at::Tensor& weight,
+                                                             const at::Tensor& expert_offsets, int64_t cluster_m,
+                                                             int64_t group_m) {
+  constexpr const char* kOp = "gather_expert_gemm_swiglu";
+  TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto [num_experts, two_ffn] = check_expert_gemm(kOp, "x", x, weight, expert_offsets, cluster_m, group_m);
+  const int64_t ffn = check_swiglu_weight(kOp, two_ffn);
+  TORCH_CHECK(slot_to_route.is_cuda() && slot_to_route.is_contiguous() && slot_to_route.device() == x.device() &&
+                  slot_to_route.scalar_type() == at::kLong && slot_to_route.dim() == 1,
+              kOp, ": slot_to_route must be a contiguous int64 (rows,) tensor on x's device, got ",
+              sizes_str(slot_to_route), " ", c10::toString(slot_to_route.scalar_type()));
+  TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31), kOp, ": more than 2^31 rows");
+  TORCH_CHECK(topk > 0 && topk < (int64_t(1) << 31), kOp, ": topk must be positive, got ", std::to_string(topk));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, kOp, ": x must be 16-byte aligned");
+  const int64_t rows = slot_to_route.numel();
+  TORCH_CHECK(rows == 0 || x.size(0) > 0, kOp, ": x has no rows to gather from");
+  auto gate_up = at::empty({rows, two_ffn}, x.options());
+  auto act = at::empty({rows, ffn}, x.options());
+  if (rows == 0) return {gate_up, act};
+  ExpertGemmParams p = make_params(expert_offsets, num_experts, rows, ffn, two_ffn, x.size(1), group_m);
+  p.out = act.data_ptr();
+  p.gate_up = gate_up.data_ptr();
+  // Routes whose token is past x (x_rows) read zeros: a schedule never names one.
+  p.gather = ExpertGemmGather{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), x.size(0), int32_t(topk)};
+  launch_with_cluster<GemmEpilogue::kSwiglu, true>(cluster_m, x, weight, act, gate_up, p);
   return {gate_up, act};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
-  m.def("expert_gemm(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m) -> Tensor");
-  m.def("expert_gemm_swiglu(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m) -> (Tensor, Tensor)");
+  m.def("expert_gemm(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m, int group_m) -> Tensor");
+  m.def(
+      "expert_gemm_swiglu(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m, int group_m) -> (Tensor, "
+      "Tensor)");
+  m.def(
+      "gather_expert_gemm_swiglu(Tensor x, Tensor slot_to_route, int topk, Tensor weight, Tensor expert_offsets, "
+      "int cluster_m, int group_m) -> (Tensor, Tensor)");
   m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm", &expert_gemm);
   m.impl("expert_gemm_swiglu", &expert_gemm_swiglu);
+  m.impl("gather_expert_gemm_swiglu", &gather_expert_gemm_swiglu);
 }
 
 }  // namespace mok

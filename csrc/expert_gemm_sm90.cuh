@@ -24,6 +24,8 @@
 //     not all inside the segment stores from registers with a row mask instead (a TMA box cannot
 //     be masked, and those rows belong to the next expert).
 //     Meanwhile the producer already fills the stages of the next tile.
+//   Gathered A (kGatherA, the pull dispatch folded into the loads): thread 0 loads only B, and warps
+//     2 and 3 copy A's rows from x by cp.async (gather_a_rows); the dispatched rows never exist.
 //
 // Tiles: the schedule's segments (rows of one expert, any alignment) split into cluster tiles of
 // kClusterM 128-row m-tiles; rows past the segment's end (a short last tile, or with 2-CTA
@@ -57,18 +59,34 @@ struct ExpertGemmTile {
   static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
   static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
   static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
-  static constexpr int kStages = 4;
-  static constexpr int kGroupM = 16;
+  // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room
+  // for one 16 KB staging buffer per consumer (each store of an epilogue waits until the TMA
+  // store before it has read the buffer); 3 stages for two (an epilogue's stores alternate, so
+  // they rarely wait). MOK_EXPERT_GEMM_STAGES picks at build time (docs/performance.md compares).
+#ifndef MOK_EXPERT_GEMM_STAGES
+#define MOK_EXPERT_GEMM_STAGES 4
+#endif
+  static constexpr int kStages = MOK_EXPERT_GEMM_STAGES;
+  static_assert(kStages == 3 || kStages == 4, "MOK_EXPERT_GEMM_STAGES must be 3 or 4");
+  static constexpr int kStagingBuffers = kStages == 3 ? 2 : 1;
   static constexpr int kThreads = 384;
+  // Gathered A: warps 2 and 3 of the producer warpgroup copy A's rows (cp.async); each thread's
+  // copies arrive on the stage's `full` barrier when they land.
+  static constexpr int kGatherThreads = 64;
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
+  // setmaxnreg moves registers inside the CTA's launch allocation (384 threads x 168, the most a
+  // thread can have at one CTA per SM, in steps of 8): a consumer's increase waits until the
+  // producer's decrease has freed enough, so asking for more than the allocation hangs.
+  static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= kThreads * ((65536 / kThreads) / 8 * 8),
+                "setmaxnreg budgets exceed the CTA's register allocation");
   static constexpr uint32_t kABytes = kM * kK * 2;
   static constexpr uint32_t kBHalfBytes = (kN / 2) * kK * 2;
   static constexpr uint32_t kBBytes = kN * kK * 2;
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
   static constexpr int kStoreBox = 64;  // TMA store boxes: 64 rows x 64 bf16 columns
   static constexpr uint32_t kStoreBoxBytes = kStoreBox * kStoreBox * 2;
-  static constexpr uint32_t kStagingBytes = 2 * kStoreBoxBytes;  // per consumer: 64 rows x 128 columns
+  static constexpr uint32_t kStagingBytes = 2 * kStoreBoxBytes;  // one buffer: 64 rows x 128 columns
   static constexpr int kSwizzleAlign = 1024;
   static constexpr int kRoles = 3;  // producer + two consumers, for the watchdog
 
@@ -78,9 +96,12 @@ struct ExpertGemmTile {
     return kEpilogue == GemmEpilogue::kSwiglu ? kN / 2 : kN;
   }
 
-  // Dynamic shared memory: stages, the consumers' staging buffers, barriers, the wait watch.
-  static constexpr size_t kSmemBytes = kSwizzleAlign + size_t(kStages) * kStageBytes + 2 * kStagingBytes +
-                                       2 * kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+  // Dynamic shared memory: stages, the consumers' staging buffers, the gatherers' table of the
+  // current tile's source rows, barriers, the wait watch.
+  static constexpr size_t kSmemBytes = kSwizzleAlign + size_t(kStages) * kStageBytes +
+                                       2 * kStagingBuffers * kStagingBytes +
+                                       2 * kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch) +
+                                       kM * sizeof(int32_t);
 };
 
 struct TileCoord {
@@ -96,16 +117,16 @@ struct TileCoord {
 template <int kClusterM>
 class TileWalker {
  public:
-  __device__ TileWalker(const int32_t* offsets, int num_experts, int n_tiles, int n_tile_cols, int cta_rank)
+  __device__ TileWalker(const int32_t* offsets, int num_experts, int n_tiles, int n_tile_cols, int group_m,
+                        int cta_rank)
       : offsets_(offsets), num_experts_(num_experts), n_tiles_(n_tiles), n_tile_cols_(n_tile_cols),
-        cta_rank_(cta_rank) {
+        group_pairs_(max(1, group_m / kClusterM)), cta_rank_(cta_rank) {
     load_expert();
   }
 
   // False once `tile` is past the last expert's tiles.
   __device__ bool at(int64_t tile, TileCoord& c) {
     using Tile = ExpertGemmTile;
-    constexpr int kGroupPairs = Tile::kGroupM / kClusterM;
     while (expert_ < num_experts_ && tile >= first_ + int64_t(pairs_) * n_tiles_) {
       first_ += int64_t(pairs_) * n_tiles_;
       ++expert_;
@@ -113,10 +134,10 @@ class TileWalker {
     }
     if (expert_ >= num_experts_) return false;
     const int local = int(tile - first_);
-    const int group = local / (kGroupPairs * n_tiles_);
-    const int group_first = group * kGroupPairs;
-    const int group_size = min(kGroupPairs, pairs_ - group_first);
-    const int in_group = local - group * kGroupPairs * n_tiles_;
+    const int group = local / (group_pairs_ * n_tiles_);
+    const int group_first = group * group_pairs_;
+    const int group_size = min(group_pairs_, pairs_ - group_first);
+    const int in_group = local - group * group_pairs_ * n_tiles_;
     const int pair = group_first + in_group % group_size;
     const int n_tile = in_group / group_size;
     c.expert = expert_;
@@ -140,6 +161,7 @@ class TileWalker {
   int num_experts_;
   int n_tiles_;
   int n_tile_cols_;
+  int group_pairs_;
   int cta_rank_;
   int expert_ = 0;
   int64_t first_ = 0;  // cluster tiles of the experts before expert_
@@ -253,11 +275,27 @@ __device__ __forceinline__ void store_rows_direct(const uint32_t (&packed)[64], 
   }
 }
 
-// The staging buffer is free: the previous TMA store of this warpgroup has read it.
-__device__ __forceinline__ void acquire_staging(int consumer, int thread) {
-  if (thread == 0) sm90::bulk_wait_read();
-  sm90::named_barrier_sync(1 + consumer, 128);
-}
+// The warpgroup's staging buffers, used in turn; a buffer is free once the TMA store that last read
+// it has read it (with two buffers: every store but the newest).
+class StagingRing {
+ public:
+  __device__ StagingRing(uint8_t* buffers, int consumer, int thread)
+      : buffers_(buffers), consumer_(consumer), thread_(thread) {}
+
+  __device__ uint8_t* acquire() {
+    using Tile = ExpertGemmTile;
+    if (thread_ == 0) sm90::bulk_wait_read<Tile::kStagingBuffers - 1>();
+    sm90::named_barrier_sync(1 + consumer_, 128);
+    uint8_t* buffer = buffers_ + next_ * Tile::kStagingBytes;
+    next_ = (next_ + 1) % Tile::kStagingBuffers;
+    return buffer;
+  }
+
+ private:
+  uint8_t* buffers_;
+  int consumer_, thread_;
+  int next_ = 0;
+};
 
 // Hands the staged 64 x 128 block to two TMA stores at (col, row) of `map`.
 __device__ __forceinline__ void store_staged(const CUtensorMap* map, const uint8_t* staging, int consumer, int thread,
@@ -275,23 +313,23 @@ __device__ __forceinline__ void store_staged(const CUtensorMap* map, const uint8
 // (columns past n_out fall outside the tensor maps and are not written).
 template <GemmEpilogue kEpilogue>
 __device__ __forceinline__ void store_rows_staged(const uint32_t (&packed)[64], const TileCoord& c, const EpilogueMaps& maps,
-                                                  uint8_t* staging, int consumer, int thread) {
+                                                  StagingRing& ring, int consumer, int thread) {
   const int row = c.row0 + 64 * consumer;
   if constexpr (kEpilogue == GemmEpilogue::kStore) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      acquire_staging(consumer, thread);
+      uint8_t* staging = ring.acquire();
       stage_columns(staging, thread, 4 * half, [&](int j, int h) { return packed[2 * j + h]; });
       store_staged(maps.out, staging, consumer, thread, c.n0 + 128 * half, row);
     }
   } else {
-    acquire_staging(consumer, thread);
+    uint8_t* staging = ring.acquire();
     stage_columns(staging, thread, 0, [&](int j, int h) { return packed[2 * j + h]; });
     store_staged(maps.gate, staging, consumer, thread, c.n0, row);
-    acquire_staging(consumer, thread);
+    staging = ring.acquire();
     stage_columns(staging, thread, 0, [&](int j, int h) { return packed[2 * (j + 16) + h]; });
     store_staged(maps.up, staging, consumer, thread, c.n0, row);
-    acquire_staging(consumer, thread);
+    staging = ring.acquire();
     stage_columns(staging, thread, 0, [&](int j, int h) { return swiglu_pair(packed[2 * j + h], packed[2 * (j + 16) + h]); });
     store_staged(maps.out, staging, consumer, thread, c.n0, row);
   }
@@ -311,8 +349,115 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
+#ifndef MOK_GATHER_CP_ASYNC
+#define MOK_GATHER_CP_ASYNC 0
+#endif
+
+// The source row in x of row `row` of the dispatched rows, or -1 for zeros (padding, or outside the
+// tile's segment or the rows).
+__device__ __forceinline__ int32_t gather_source_row(const ExpertGemmParams& p, const TileCoord& c, int r) {
+  const int64_t row = int64_t(c.row0) + r;
+  if (r >= c.rows || row < 0 || row >= p.num_rows) return -1;
+  const int64_t route = p.gather.slot_to_route[row];
+  if (route < 0) return -1;
+  const int64_t token = route / p.gather.topk;
+  return token < p.gather.x_rows ? int32_t(token) : -1;
+}
+
+// The gathered-A producer through TMA (warps 2 and 3 of warpgroup 0): thread g loads rows g and
+// g + 64 of each tile, one 1-row TMA box (128 bytes of K) per row and K block, into the row's place
+// in the stage. The 128-byte swizzle of a TMA write follows the shared-memory address (16-byte
+// chunk c of the 128-byte row at address a lands at chunk c ^ ((a / 128) % 8)), so 1-row boxes at
+// their rows' addresses build the same swizzled tile a 128-row box would. A row with no source
+// loads a box past x's last row: zeros, which still count toward the stage's bytes, so thread 0's
+// expect_tx of the whole stage holds whatever the routing.
+template <int kClusterM>
+__device__ __forceinline__ void gather_a_rows_tma(const CUtensorMap* x_map, const ExpertGemmParams& p,
+                                                  TileWalker<kClusterM>& walker, int64_t first_tile, int tile_step,
+                                                  int k_blocks, uint8_t* a_stages, uint64_t* full, uint64_t* empty,
+                                                  sm90::WaitWatch* watch, int g) {
+  using Tile = ExpertGemmTile;
+  static_assert(Tile::kM == 2 * Tile::kGatherThreads, "two rows per gathering thread");
+  const int32_t past_x = int32_t(p.gather.x_rows);
+  int stage = 0;
+  uint32_t phase = 0;
+  TileCoord c;
+  for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
+    const int32_t source0 = gather_source_row(p, c, g);
+    const int32_t source1 = gather_source_row(p, c, g + Tile::kGatherThreads);
+    const int32_t row0 = source0 >= 0 ? source0 : past_x;
+    const int32_t row1 = source1 >= 0 ? source1 : past_x;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
+      uint8_t* a = a_stages + stage * Tile::kABytes;
+      sm90::tma_load_2d(a + g * 128, x_map, &full[stage], kb * Tile::kK, row0);
+      sm90::tma_load_2d(a + (g + Tile::kGatherThreads) * 128, x_map, &full[stage], kb * Tile::kK, row1);
+      if (++stage == Tile::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// The gathered-A producer (warps 2 and 3 of warpgroup 0): for each of this CTA's tiles, the source
+// row of each of its 128 rows goes into `table` (-1: zeros — padding, or past the segment or the
+// rows), then per K block the 64 threads copy the 128 rows x 128 bytes with 16-byte cp.async into
+// the stage in the 128-byte-swizzled layout TMA would have written. Thread g copies chunk g % 8 of
+// rows g / 8 + 8 i (i = 0..15): eight consecutive threads read one row's 128 contiguous bytes, all
+// its rows share one swizzled chunk position, and the table keeps its 16 source rows together
+// (entry 16 (r % 8) + r / 8 for row r) so four 16-byte shared loads fetch them.
+// Each thread's copies complete on the stage's `full` barrier (cp.async.mbarrier.arrive.noinc: no
+// thread waits for its own loads); the consumers fence before wgmma reads them (async proxy).
+template <int kClusterM>
+__device__ __forceinline__ void gather_a_rows(const ExpertGemmParams& p, TileWalker<kClusterM>& walker, int64_t first_tile,
+                                              int tile_step, int k_blocks, uint8_t* a_stages, uint64_t* full,
+                                              uint64_t* empty, int32_t* table, sm90::WaitWatch* watch, int g) {
+  using Tile = ExpertGemmTile;
+  constexpr int kGatherBarrier = 3;  // named barriers 1 and 2 are the consumers'
+  constexpr int kRowsPerThread = Tile::kM / 8;
+  const auto* x = static_cast<const __nv_bfloat16*>(p.gather.x);
+  const int chunk = g % 8, row_in_atom = g / 8;
+  const uint32_t swizzled_chunk = uint32_t(chunk ^ row_in_atom) << 4;
+  const int32_t* my_sources = table + kRowsPerThread * row_in_atom;
+  int stage = 0;
+  uint32_t phase = 0;
+  TileCoord c;
+  for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
+    sm90::named_barrier_sync(kGatherBarrier, Tile::kGatherThreads);  // the last tile's table is read
+    for (int r = g; r < Tile::kM; r += Tile::kGatherThreads) {
+      sm90::st_shared_s32(table + kRowsPerThread * (r % 8) + r / 8, gather_source_row(p, c, r));
+    }
+    sm90::named_barrier_sync(kGatherBarrier, Tile::kGatherThreads);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
+      const int col = kb * Tile::kK + 8 * chunk;
+      const bool col_valid = col < p.k;
+      uint8_t* dst = a_stages + stage * Tile::kABytes + row_in_atom * 128 + swizzled_chunk;
+#pragma unroll
+      for (int q = 0; q < kRowsPerThread / 4; ++q) {
+        const int4 sources = sm90::ld_shared_v4_s32(my_sources + 4 * q);
+        const int32_t s4[4] = {sources.x, sources.y, sources.z, sources.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool valid = col_valid && s4[j] >= 0;
+          const auto* src = x + (valid ? int64_t(s4[j]) * p.k + col : 0);
+          sm90::cp_async_16(dst + (4 * q + j) * 8 * 128, src, valid);  // row row_in_atom + 8 (4 q + j)
+        }
+      }
+      sm90::cp_async_arrive_noinc(&full[stage]);
+      if (++stage == Tile::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  sm90::cp_async_wait_all();  // no copy of this thread outlives it
+}
+
 // kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast (see the file comment).
-template <GemmEpilogue kEpilogue, int kClusterM>
+// kGatherA: A's rows are gathered from p.gather (ExpertGemmGather) instead of loaded from a_map.
+template <GemmEpilogue kEpilogue, int kClusterM, bool kGatherA>
 __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap gate_map,
@@ -324,13 +469,16 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   uint8_t* a_stages = smem;
   uint8_t* b_stages = a_stages + Tile::kStages * Tile::kABytes;
   uint8_t* staging_buffers = b_stages + Tile::kStages * Tile::kBBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging_buffers + 2 * Tile::kStagingBytes);
+  // The gatherers' table is read with 16-byte loads: it follows the (1024-byte aligned) staging buffers.
+  int32_t* gather_table = reinterpret_cast<int32_t*>(staging_buffers + 2 * Tile::kStagingBuffers * Tile::kStagingBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(gather_table + Tile::kM);
   uint64_t* empty = full + Tile::kStages;
   sm90::WaitWatch* watch = reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Tile::kStages; ++s) {
-      sm90::mbarrier_init(&full[s], 1);   // the producer's expect_tx arrival (+ TMA bytes)
+      // The TMA thread's expect_tx arrival (+ the TMA bytes), and each gatherer's.
+      sm90::mbarrier_init(&full[s], 1 + (kGatherA && MOK_GATHER_CP_ASYNC ? Tile::kGatherThreads : 0));
       sm90::mbarrier_init(&empty[s], 2 * kClusterM);  // each consumer warpgroup of the cluster
     }
     sm90::fence_barrier_init();
@@ -350,13 +498,25 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   const int k_blocks = (p.k + Tile::kK - 1) / Tile::kK;
   const int cta_rank = int(sm90::cluster_cta_rank());
   const int first_tile = int(sm90::cluster_index()), tile_step = int(sm90::cluster_count());
-  TileWalker<kClusterM> walker(p.expert_offsets, p.num_experts, n_tiles, kTileCols, cta_rank);
+  TileWalker<kClusterM> walker(p.expert_offsets, p.num_experts, n_tiles, kTileCols, p.group_m, cta_rank);
   TileCoord c;
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
     if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertGemmKernel);
+    if constexpr (kGatherA) {
+      if (threadIdx.x >= 128 - Tile::kGatherThreads) {
+        const int g = threadIdx.x - (128 - Tile::kGatherThreads);
+#if MOK_GATHER_CP_ASYNC
+        gather_a_rows<kClusterM>(p, walker, first_tile, tile_step, k_blocks, a_stages, full, empty, gather_table,
+                                 watch, g);
+#else
+        gather_a_rows_tma<kClusterM>(&a_map, p, walker, first_tile, tile_step, k_blocks, a_stages, full, empty, watch, g);
+#endif
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
@@ -368,8 +528,14 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
       if (cta_rank == 1) b_row += kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2;
       for (int kb = 0; kb < k_blocks; ++kb) {
         sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
-        sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
-        sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
+        if constexpr (kGatherA && MOK_GATHER_CP_ASYNC) {
+          sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kBBytes);
+        } else if constexpr (kGatherA) {
+          sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);  // the gatherers' A boxes + B
+        } else {
+          sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
+          sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
+        }
         uint8_t* b = b_stages + stage * Tile::kBBytes;
         if constexpr (kClusterM == 1) {
           const int b_row_second = b_row + (kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2);
@@ -403,7 +569,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   float acc[128];
   int stage = 0;
   uint32_t phase = 0;
-  uint8_t* staging = staging_buffers + consumer * Tile::kStagingBytes;
+  StagingRing staging(staging_buffers + consumer * Tile::kStagingBuffers * Tile::kStagingBytes, consumer, thread);
   const EpilogueMaps maps{&out_map, &gate_map, &up_map};
   for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
     int previous_stage = 0;
@@ -413,6 +579,8 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     for (int kb = 0; kb < k_blocks; ++kb) {
       sm90::mbarrier_wait(&full[stage], phase, kWaitLoadedStage, watch);
+      // Gathered A was written by cp.async (generic proxy); wgmma reads through the async proxy.
+      if constexpr (kGatherA && MOK_GATHER_CP_ASYNC) sm90::fence_async_shared();
       const uint64_t a_desc = sm90::smem_descriptor_sw128(a_stages + stage * Tile::kABytes + consumer * 64 * 128);
       const uint64_t b_desc = sm90::smem_descriptor_sw128(b_stages + stage * Tile::kBBytes);
       sm90::wgmma_fence();

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "device_info.h"
 #include "dispatch_combine_sm90.cuh"
 #include "mok_params.h"
 #include "schedule_sm90.cuh"
@@ -39,17 +40,6 @@ void dispatch_dtype(at::ScalarType dtype, bool packs_ok, Fn&& fn) {
   } else {
     TORCH_CHECK(false, "megatron_mok kernels take bfloat16 or float32, got ", dtype);
   }
-}
-
-int multiprocessor_count() {
-  // Read once per device; ATen's CUDAContext.h would pull in cuSPARSE/cuBLAS headers.
-  static int counts[64] = {0};
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (counts[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
-  }
-  return counts[device];
 }
 
 int grid_for(int64_t items) {

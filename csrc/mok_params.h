@@ -89,6 +89,17 @@ enum WaitingKernel : int { kExpertGemmKernel = 0 };
 // writes gate_up (the pre-activation, kept for backward) and act = silu(gate) * up from the
 // bf16-rounded gate and up, the same arithmetic as swiglu_forward_kernel. Rows outside every
 // segment are not written.
+//
+// Gathered A (the pull dispatch folded into the GEMM's loads): A's row r is x[slot_to_route[r] /
+// topk], or zeros where slot_to_route[r] is -1 (padding), read from x by the producer warpgroup
+// straight into the pipeline's shared memory — the dispatched rows never exist in global memory.
+struct ExpertGemmGather {
+  const void* x;                 // (x_rows, k) bf16: every token the schedule's routes name
+  const int64_t* slot_to_route;  // (num_rows,) route per row, -1 for padding
+  int64_t x_rows;
+  int32_t topk;
+};
+
 struct ExpertGemmParams {
   const int32_t* expert_offsets;  // (num_experts + 1,) on the device
   void* out;                      // store: (num_rows, n_out); swiglu: act (num_rows, n_out)
@@ -98,6 +109,8 @@ struct ExpertGemmParams {
   int32_t n_out;          // output columns per expert
   int32_t n_weight_rows;  // rows of B per expert
   int32_t k;              // reduction size
+  int32_t group_m;        // raster: m-tiles per group, m fastest inside (a multiple of the cluster size)
+  ExpertGemmGather gather;  // used by the gathered-A kernels only
   WaitTimeoutRecord* timeout_record;  // host-mapped; null: trap without a record
 };
 

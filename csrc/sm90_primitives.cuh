@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the persistent MoK kernels: mbarriers with bounded waits,
 // TMA tile loads, wgmma descriptors and instructions, register reallocation.
-// Every wait here ends: past kWaitTimeoutNs it prints which wait failed and traps, so a broken
-// pipeline surfaces as a CUDA error instead of a hang.
+// Every wait here ends: past kWaitTimeoutNs the watchdog records which wait failed and traps, so a
+// broken pipeline surfaces as a CUDA error instead of a hang.
 #pragma once
 
 #include <cuda.h>
@@ -102,7 +102,10 @@ __device__ __forceinline__ void watch_waits(WaitWatch* watch, int roles, WaitTim
       }
       asm volatile("trap;");
     }
-    __nanosleep(100000);
+    // Every CTA is resident for the whole launch and the kernel ends when the last one exits, so
+    // this poll interval is added to the kernel's time: keep it short (the sleeping warp costs
+    // no issue slots).
+    __nanosleep(1000);
   }
 }
 
@@ -168,6 +171,39 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
+// 16 bytes from global to shared memory through the L1-bypassing path, asynchronously; with
+// `valid` false nothing is read and the 16 bytes are zeroed (src-size 0). Completion is reported
+// through cp_async_arrive_noinc; a wgmma (async proxy) reading the data runs after the reader's
+// fence_async_shared.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Arrives on `bar` once every cp.async this thread issued before it has landed, without
+// blocking the thread; the arrival is one of the barrier's expected arrivals (noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Shared-memory accesses through 32-bit shared addresses: a pointer into the dynamic shared
+// memory after the kernel's alignment arithmetic is generic to the compiler, which would use
+// generic loads (slow, long scoreboard) on it.
+__device__ __forceinline__ void st_shared_s32(void* ptr, int32_t value) {
+  asm volatile("st.shared.s32 [%0], %1;" ::"r"(smem_u32(ptr)), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int4 ld_shared_v4_s32(const void* ptr) {
+  int4 v;
+  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_u32(ptr))
+               : "memory");
+  return v;
+}
+
 // Stores a box from shared memory to the tensor at (col, row) in the background; out-of-bounds
 // parts of the box are not written. The source must be made visible to the async proxy first
 // (fence_async_shared) and stay untouched until bulk_wait_read says the copy has read it.
@@ -180,8 +216,12 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
 
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// The stores committed by this thread have finished reading shared memory (they may still be writing).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// All but the newest kPending store groups committed by this thread have finished reading shared
+// memory (they may still be writing).
+template <int kPending = 0>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
 
 // The stores committed by this thread are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }

@@ -41,6 +41,7 @@ class ForwardContext:
     route_index: torch.Tensor  # (num_tokens * topk,) int64
     # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
     # with several ranks the capacity is num_ranks times larger, so backward recomputes them.
+    # rows is also None when the forward never made them (the dispatch folded into the GEMM).
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 
@@ -132,8 +133,7 @@ def forward(
     stages = stages_for(backend, config.expert_gemm)
     offsets = schedule.expert_offsets
     x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
-    rows = stages.dispatch_rows(x_all, schedule)
-    gate_up, act = stages.expert_gate_up(rows, fc1, offsets)
+    rows, gate_up, act = stages.dispatch_gate_up(x_all, schedule, fc1)
     slot_out = stages.expert_down(act, fc2, offsets)
     route_index = ref.route_index_reference(schedule, topk_ids)
     route_table = ref.return_rows_reference(slot_out, schedule, workspace)

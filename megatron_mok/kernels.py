@@ -2,10 +2,12 @@
 the forward's expert GEMMs (MoKConfig.expert_gemm):
 
 - SM90_KERNEL_STAGES: megatron_mok's persistent warp-specialized TMA + wgmma expert GEMM
-  (csrc/expert_gemm_sm90.cuh), gate/up with SwiGLU in its epilogue, and down;
+  (csrc/expert_gemm_sm90.cuh): gate/up with the pull dispatch folded into its loads (the
+  dispatched rows are never materialized; backward gathers them again for the weight gradient)
+  and SwiGLU in its epilogue, and down;
 - GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernel.
 
-Both share the schedule kernel, the row gather (pull dispatch), the fixed-order fp32 combine, and
+Both share the schedule kernel, the fixed-order fp32 combine, and
 the backward: the data-movement and SwiGLU kernels around torch's grouped GEMM for the products
 with transposed operands, which the sm90 GEMM does not take yet. Every reduction has a fixed order.
 """
@@ -31,10 +33,14 @@ def segment_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
     return _grouped_mm(rows, weight.transpose(-2, -1), offs=offsets[1:])
 
 
-def expert_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # act rows at or past offsets[-1] stay unwritten (swiglu_forward zeroes them); every later
-    # stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
-    return ops.expert_gemm_swiglu(rows, fc1.contiguous(), offsets)
+def gather_gate_up(x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+    # The dispatch folded into the GEMM: its producer reads each row from x_all. Rows at or past
+    # offsets[-1] stay unwritten; every later stage reads only rows below offsets[-1] (grouped_mm's
+    # offs, the schedule's route index).
+    gate_up, act = ops.gather_expert_gemm_swiglu(
+        x_all, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets
+    )
+    return None, gate_up, act
 
 
 def expert_down(act: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -44,6 +50,13 @@ def expert_down(act: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor) -> 
 def grouped_mm_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gate_up = segment_matmul(rows, fc1, offsets)
     return gate_up, ops.swiglu_forward(gate_up, offsets)
+
+
+def grouped_mm_dispatch_gate_up(
+    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = dispatch_rows(x_all, schedule)
+    return (rows, *grouped_mm_gate_up(rows, fc1, schedule.expert_offsets))
 
 
 def segment_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -77,7 +90,7 @@ def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.T
 
 SM90_KERNEL_STAGES = Stages(
     dispatch_rows=dispatch_rows,
-    expert_gate_up=expert_gate_up,
+    dispatch_gate_up=gather_gate_up,
     expert_down=expert_down,
     segment_matmul=segment_matmul,
     swiglu=ops.swiglu_forward,
@@ -89,5 +102,5 @@ SM90_KERNEL_STAGES = Stages(
 )
 
 GROUPED_MM_KERNEL_STAGES = dataclasses.replace(
-    SM90_KERNEL_STAGES, expert_gate_up=grouped_mm_gate_up, expert_down=segment_matmul
+    SM90_KERNEL_STAGES, dispatch_gate_up=grouped_mm_dispatch_gate_up, expert_down=segment_matmul
 )

@@ -53,12 +53,17 @@ if _LOAD_ERROR is None:
     atexit.register(_report_wait_timeout_at_exit)
 
     @torch.library.register_fake("megatron_mok::expert_gemm")
-    def _expert_gemm_fake(a, weight, expert_offsets, cluster_m):
+    def _expert_gemm_fake(a, weight, expert_offsets, cluster_m, group_m):
         return a.new_empty((a.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("megatron_mok::expert_gemm_swiglu")
-    def _expert_gemm_swiglu_fake(a, weight, expert_offsets, cluster_m):
+    def _expert_gemm_swiglu_fake(a, weight, expert_offsets, cluster_m, group_m):
         return a.new_empty((a.shape[0], weight.shape[1])), a.new_empty((a.shape[0], weight.shape[1] // 2))
+
+    @torch.library.register_fake("megatron_mok::gather_expert_gemm_swiglu")
+    def _gather_expert_gemm_swiglu_fake(x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m):
+        rows = slot_to_route.shape[0]
+        return x.new_empty((rows, weight.shape[1])), x.new_empty((rows, weight.shape[1] // 2))
 
     @torch.library.register_fake("megatron_mok::build_schedule")
     def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment):
@@ -137,20 +142,49 @@ def swiglu_backward(gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: torc
 # CTAs per cluster of the sm90 expert GEMM (2: pairs of CTAs share each weight slice through TMA
 # multicast; 1: none). The default is the faster on the H200 (docs/performance.md).
 EXPERT_GEMM_CLUSTER_M = 1
+# The tile raster of the sm90 expert GEMM: within an expert, groups of this many 128-row m-tiles
+# are walked m fastest, so the CTAs working at once share weight slices and rows in L2.
+EXPERT_GEMM_GROUP_M = 16
 
 
 def expert_gemm(
-    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, cluster_m: int = EXPERT_GEMM_CLUSTER_M
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
+    group_m: int = EXPERT_GEMM_GROUP_M,
 ) -> torch.Tensor:
     """(rows, N): a[r] @ weight[e].T for the rows r of segment e; rows past the last segment are not
     written. bf16, K and N multiples of 8. expert_offsets must be non-decreasing within [0, rows]
     (as the schedule makes them); that is not checked on the device. Ref: segment_matmul_reference."""
-    return torch.ops.megatron_mok.expert_gemm(a, weight, expert_offsets, cluster_m)
+    return torch.ops.megatron_mok.expert_gemm(a, weight, expert_offsets, cluster_m, group_m)
 
 
 def expert_gemm_swiglu(
-    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, cluster_m: int = EXPERT_GEMM_CLUSTER_M
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
+    group_m: int = EXPERT_GEMM_GROUP_M,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up (rows, 2F), act (rows, F)) with weight (E, 2F, K) gate rows then up rows; rows past the
     last segment are not written. Ref: expert_gate_up_reference."""
-    return torch.ops.megatron_mok.expert_gemm_swiglu(a, weight, expert_offsets, cluster_m)
+    return torch.ops.megatron_mok.expert_gemm_swiglu(a, weight, expert_offsets, cluster_m, group_m)
+
+
+def gather_expert_gemm_swiglu(
+    x: torch.Tensor,
+    slot_to_route: torch.Tensor,
+    topk: int,
+    weight: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
+    group_m: int = EXPERT_GEMM_GROUP_M,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_gemm_swiglu(dispatch_rows(x, slot_to_route, topk), weight, expert_offsets) without the
+    dispatched rows: the GEMM's producer reads x[slot_to_route[r] // topk] (zeros for -1) straight
+    into shared memory. Outputs have slot_to_route's rows. Ref: dispatch_rows_reference then
+    expert_gate_up_reference."""
+    return torch.ops.megatron_mok.gather_expert_gemm_swiglu(
+        x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m
+    )

@@ -115,6 +115,17 @@ def expert_gate_up_reference(
     return gate_up, swiglu_reference(gate_up, offsets)
 
 
+def dispatch_gate_up_reference(
+    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act).
+
+    A backend that folds the dispatch into the GEMM's loads returns None for rows (they never exist).
+    """
+    rows = dispatch_rows_reference(x_all, schedule)
+    return (rows, *expert_gate_up_reference(rows, fc1, schedule.expert_offsets))
+
+
 def swiglu_backward_reference(
     gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: Optional[torch.Tensor] = None
 ) -> torch.Tensor:

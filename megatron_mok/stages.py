@@ -5,7 +5,8 @@ each stage. The reference supplies all of them from `reference.py`; the kernel b
 the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
 
     dispatch_rows(x_all, schedule) -> rows (capacity, H)
-    expert_gate_up(rows, fc1 (E, 2F, H), offsets) -> (gate_up (capacity, 2F), act (capacity, F))
+    dispatch_gate_up(x_all, schedule, fc1 (E, 2F, H)) -> (rows (capacity, H) | None, gate_up (capacity, 2F),
+        act (capacity, F)); rows is None where the dispatch is folded into the GEMM's loads
     expert_down(act, fc2 (E, H, F), offsets) -> (capacity, H)
     segment_matmul(rows, weight (E, N, K) any strides, offsets) -> (capacity, N)
     swiglu(gate_up, offsets) -> act (capacity, F)
@@ -15,8 +16,9 @@ the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
     pull_route_grads(grad_y, topk_weights, schedule, workspace) -> (capacity, H)
     route_weight_grads(grad_y, table, index, topk) -> (T, K) float32
 
-The forward's two expert projections are their own stages (expert_gate_up with SwiGLU fused,
-expert_down) so the kernel backend runs them in its persistent sm90 GEMM; segment_matmul serves
+The forward's two expert projections are their own stages (dispatch_gate_up: the pull dispatch and
+the gate/up projection with SwiGLU fused; expert_down) so the kernel backend runs them in its
+persistent sm90 GEMM, which reads the dispatched rows straight from x_all; segment_matmul serves
 the backward's products with transposed weights. Rows at or past offsets[-1] may hold anything
 after a matmul stage of the kernel backend; no stage reads them.
 """
@@ -32,7 +34,7 @@ from megatron_mok import reference
 @dataclasses.dataclass(frozen=True)
 class Stages:
     dispatch_rows: Callable
-    expert_gate_up: Callable
+    dispatch_gate_up: Callable
     expert_down: Callable
     segment_matmul: Callable
     swiglu: Callable
@@ -45,7 +47,7 @@ class Stages:
 
 REFERENCE_STAGES = Stages(
     dispatch_rows=reference.dispatch_rows_reference,
-    expert_gate_up=reference.expert_gate_up_reference,
+    dispatch_gate_up=reference.dispatch_gate_up_reference,
     expert_down=reference.segment_matmul_reference,
     segment_matmul=reference.segment_matmul_reference,
     swiglu=reference.swiglu_reference,

@@ -1,15 +1,20 @@
-"""The sm90 expert GEMM alone (clusters of 1 and of 2 CTAs) against torch's grouped GEMM
-(CUTLASS) on the same inputs.
+"""The sm90 expert GEMM alone against torch's grouped GEMM (CUTLASS) on the same inputs.
 
-    python3 scripts/bench_expert_gemm.py
+    python3 scripts/bench_expert_gemm.py [--clusters 1,2] [--group-m 16] [--shapes deepseek_v3_ep8,...]
 
-For each shape (routed rows split over experts as a uniform top-k routing would): the gate/up
-projection with SwiGLU (mok: one kernel; torch: grouped_mm + the SwiGLU kernel) and the down
-projection. Prints ms and TFLOP/s (2 * rows * N * K) beside a dense cuBLAS bf16 GEMM of the same run.
+For each shape (a uniform random top-k routing through the real schedule) three projections:
+- dispatch+gate_up+swiglu: torch = the dispatch kernel, grouped_mm and the SwiGLU kernel; mok = one
+  sm90 GEMM whose producer gathers the rows from x (the dispatch folded into its loads);
+- gate_up+swiglu: the same from already-dispatched rows (mok: SwiGLU in the GEMM's epilogue);
+- down.
+Each mok column is one (cluster size, raster group) setting. Prints ms and TFLOP/s (2 * routed rows
+* N * K) beside a dense cuBLAS bf16 GEMM of the same run.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import os
 import sys
 
@@ -18,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import dense_gemm_tflops, median_ms  # noqa: E402
 
-from megatron_mok import ops  # noqa: E402
+from megatron_mok import build_schedule, ops  # noqa: E402
 from megatron_mok.kernels import grouped_mm_gate_up, segment_matmul  # noqa: E402
 
 # name: (tokens, hidden, ffn, experts, topk)
@@ -33,48 +38,66 @@ def make_inputs(shape, seed):
     t, h, f, e, k = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
-    counts = torch.bincount(ids.flatten(), minlength=e).int()
-    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
-    offsets[1:] = counts.cumsum(0)
-    rows = t * k
+    schedule = build_schedule(ids, num_local_experts=e)
+    x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+    rows = schedule.slot_to_route.shape[0]
     return dict(
-        x=torch.randn(rows, h, device="cuda", generator=gen).bfloat16(),
+        x=x,
+        schedule=schedule,
+        rows=ops.dispatch_rows(x, schedule.slot_to_route, k),
         act=torch.randn(rows, f, device="cuda", generator=gen).bfloat16(),
         fc1=(torch.randn(e, 2 * f, h, device="cuda", generator=gen) / h**0.5).bfloat16(),
         fc2=(torch.randn(e, h, f, device="cuda", generator=gen) / f**0.5).bfloat16(),
-        offsets=offsets,
+        offsets=schedule.expert_offsets,
     )
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clusters", default="1,2")
+    parser.add_argument("--group-m", default=str(ops.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--projections", default="dispatch+gate_up+swiglu,gate_up+swiglu,down")
+    args = parser.parse_args()
+    settings = [
+        (c, g)
+        for c, g in itertools.product((int(v) for v in args.clusters.split(",")), (int(v) for v in args.group_m.split(",")))
+        if g % c == 0
+    ]
     dense = dense_gemm_tflops()
     print(f"device: {torch.cuda.get_device_name()}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print(f"{'shape':<16} {'projection':<14} {'torch ms':>9} {'TFLOP/s':>8} "
-          f"{'mok c1 ms':>9} {'TFLOP/s':>8} {'mok c2 ms':>9} {'TFLOP/s':>8} {'c1 x':>6} {'c2 x':>6}")
-    for name, shape in SHAPES.items():
-        t, h, f, e, k = shape
+    header = " ".join(f"{f'c{c}g{g} ms':>10} {'TFLOP/s':>7} {'x':>5}" for c, g in settings)
+    print(f"{'shape':<16} {'projection':<24} {'torch ms':>9} {'TFLOP/s':>8} {header}")
+    for name in args.shapes.split(","):
+        t, h, f, e, k = shape = SHAPES[name]
         sets = [make_inputs(shape, seed) for seed in range(2)]
         cases = {
+            "dispatch+gate_up+swiglu": (
+                lambda s: grouped_mm_gate_up(ops.dispatch_rows(s["x"], s["schedule"].slot_to_route, k), s["fc1"], s["offsets"]),
+                lambda s, c, g: ops.gather_expert_gemm_swiglu(
+                    s["x"], s["schedule"].slot_to_route, k, s["fc1"], s["offsets"], c, g
+                ),
+                2 * t * k * 2 * f * h,
+            ),
             "gate_up+swiglu": (
-                lambda s: grouped_mm_gate_up(s["x"], s["fc1"], s["offsets"]),
-                lambda s, c: ops.expert_gemm_swiglu(s["x"], s["fc1"], s["offsets"], c),
+                lambda s: grouped_mm_gate_up(s["rows"], s["fc1"], s["offsets"]),
+                lambda s, c, g: ops.expert_gemm_swiglu(s["rows"], s["fc1"], s["offsets"], c, g),
                 2 * t * k * 2 * f * h,
             ),
             "down": (
                 lambda s: segment_matmul(s["act"], s["fc2"], s["offsets"]),
-                lambda s, c: ops.expert_gemm(s["act"], s["fc2"], s["offsets"], c),
+                lambda s, c, g: ops.expert_gemm(s["act"], s["fc2"], s["offsets"], c, g),
                 2 * t * k * h * f,
             ),
         }
-        for label, (torch_fn, mok_fn, flops) in cases.items():
+        for label in args.projections.split(","):
+            torch_fn, mok_fn, flops = cases[label]
             ms_torch = median_ms(torch_fn, sets)
-            ms_c1 = median_ms(lambda s: mok_fn(s, 1), sets)
-            ms_c2 = median_ms(lambda s: mok_fn(s, 2), sets)
-            print(
-                f"{name:<16} {label:<14} {ms_torch:9.3f} {flops / ms_torch / 1e9:8.0f} {ms_c1:9.3f} "
-                f"{flops / ms_c1 / 1e9:8.0f} {ms_c2:9.3f} {flops / ms_c2 / 1e9:8.0f} "
-                f"{ms_torch / ms_c1:6.2f} {ms_torch / ms_c2:6.2f}"
-            )
+            cells = []
+            for c, g in settings:
+                ms = median_ms(lambda s: mok_fn(s, c, g), sets)
+                cells.append(f"{ms:10.3f} {flops / ms / 1e9:7.0f} {ms_torch / ms:5.2f}")
+            print(f"{name:<16} {label:<24} {ms_torch:9.3f} {flops / ms_torch / 1e9:8.0f} " + " ".join(cells), flush=True)
         del sets
         torch.cuda.empty_cache()
 

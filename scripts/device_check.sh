@@ -30,5 +30,20 @@ if [ "${PRETRAIN:-0}" = 1 ]; then
         grep -i "running the reference backend" "$OUT/pretrain_$dispatcher.log" | head -1
     done
 fi
-[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_expert_gemm.py 2>"$OUT/bench_gemm.err" | tee "$OUT/bench_gemm.log"
-[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.log"
+if [ "${PROFILE:-0}" = 1 ]; then
+    # Warp stall reasons of the sm90 GEMM (from dispatched rows, and gathered) beside torch's CUTLASS one.
+    timeout 300 ncu --clock-control none --kernel-name regex:'expert_gemm|cutlass|Kernel' --launch-skip 3 --launch-count 3 \
+        --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,lts__t_sector_hit_rate.pct' \
+        python3 scripts/profile_expert_gemm.py --projection ${PROFILE_PROJECTION:-gate_up} > "$OUT/stalls.csv" 2>"$OUT/ncu.err"
+    python3 scripts/ncu_stalls.py "$OUT/stalls.csv" || tail -5 "$OUT/ncu.err"
+    python3 - "$OUT/stalls.csv" <<'PY' || true
+import csv, sys
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+h = rows[0]
+for r in rows[2:]:
+    d = dict(zip(h, r))
+    print(d["Kernel Name"][:60], "us", d.get("gpu__time_duration.sum"), "tensor%", d.get("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"), "L2 hit%", d.get("lts__t_sector_hit_rate.pct"))
+PY
+fi
+[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_expert_gemm.py ${GEMM_ARGS:-} 2>"$OUT/bench_gemm.err" | tee "$OUT/bench_gemm.log"
+[ "${SKIP_BENCH:-0}" = 1 ] || [ "${SKIP_LAYER:-0}" = 1 ] || python3 scripts/bench_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.log"

@@ -1,4 +1,5 @@
-"""One launch each of the sm90 expert GEMM and torch's grouped GEMM on a benchmark shape, for ncu.
+"""One launch each of the sm90 expert GEMM (gate/up: from dispatched rows and gathered) and torch's
+grouped GEMM on a benchmark shape, for ncu.
 
     ncu --clock-control none --kernel-name regex:'expert_gemm|cutlass|sm90' --launch-skip 2 \
         --section SpeedOfLight --section WarpStateStats python3 scripts/profile_expert_gemm.py --shape deepseek_v3_ep8
@@ -25,13 +26,15 @@ def main() -> None:
     parser.add_argument("--projection", default="down", choices=("down", "gate_up"))
     args = parser.parse_args()
     s = make_inputs(SHAPES[args.shape], seed=0)
-    a, w = (s["act"], s["fc2"]) if args.projection == "down" else (s["x"], s["fc1"])
+    a, w = (s["act"], s["fc2"]) if args.projection == "down" else (s["rows"], s["fc1"])
     for _ in range(3):  # the first two launches of each are skipped by --launch-skip 2
         segment_matmul(a, w, s["offsets"])
         if args.projection == "down":
             ops.expert_gemm(a, w, s["offsets"])
         else:
             ops.expert_gemm_swiglu(a, w, s["offsets"])
+            k = s["schedule"].topk
+            ops.gather_expert_gemm_swiglu(s["x"], s["schedule"].slot_to_route, k, w, s["offsets"])
     torch.cuda.synchronize()
 
 

@@ -20,7 +20,7 @@ def test_cuda_extension_is_built_and_registers_every_op():
 
     assert extension_error() is None, f"megatron_mok._C did not load: {extension_error()}"
     for name in ("build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward",
-                 "expert_gemm", "expert_gemm_swiglu", "last_wait_timeout"):
+                 "expert_gemm", "expert_gemm_swiglu", "gather_expert_gemm_swiglu", "last_wait_timeout"):
         assert hasattr(torch.ops.megatron_mok, name), name
 
 
@@ -35,15 +35,20 @@ def test_kernel_backend_is_not_chosen_for_cpu_tensors():
 def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setmaxnreg(tmp_path):
     """ptxas's verdict on the persistent GEMM: a function call in the kernel serializes every wgmma
     (C7510) and a register shortfall drops setmaxnreg (C7507), silent performance losses the build
-    log must not show. Spills: none in the store kernel; the SwiGLU kernel spills a few bytes in
-    its epilogue (measured 10-12 with nvcc 13.0), allowed up to 32 so a larger spill fails here."""
+    log must not show. Spills (nvcc 13.0): none in the store kernels; the SwiGLU kernels spill 10
+    bytes in the epilogue, the gathered-A ones 52 (the gatherers live on the producer's 40
+    registers); allowed up to 32 and 64, so a larger spill fails here."""
     source = tmp_path / "expert_gemm_check.cu"
+    instances = [("kStore", 1, "false"), ("kStore", 2, "false"), ("kSwiglu", 1, "false"), ("kSwiglu", 2, "false"),
+                 ("kSwiglu", 1, "true"), ("kSwiglu", 2, "true")]
     source.write_text(
         '#include "expert_gemm_sm90.cuh"\n'
         "#define MAP const __grid_constant__ CUtensorMap\n"
-        "#define INSTANTIATE(E, C) template __global__ void mok::expert_gemm_kernel<mok::GemmEpilogue::E, C>("
-        "MAP, MAP, MAP, MAP, MAP, const mok::ExpertGemmParams);\n"
-        "INSTANTIATE(kStore, 1)\nINSTANTIATE(kStore, 2)\nINSTANTIATE(kSwiglu, 1)\nINSTANTIATE(kSwiglu, 2)\n"
+        + "".join(
+            f"template __global__ void mok::expert_gemm_kernel<mok::GemmEpilogue::{e}, {c}, {g}>("
+            "MAP, MAP, MAP, MAP, MAP, const mok::ExpertGemmParams);\n"
+            for e, c, g in instances
+        )
     )
     result = subprocess.run(
         ["nvcc", "-O3", "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{CSRC}",
@@ -55,5 +60,13 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
     assert "expert_gemm_kernel" in log
     for warning in ("C7510", "C7507"):
         assert warning not in log, log
-    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
-    assert len(spills) == 4 and sorted(spills)[:2] == [0, 0] and max(spills) <= 32, log
+    # ptxas reports each function as it compiles it: "Compiling entry function '<mangled>'" then
+    # its spill line. The mangled name ends in the template arguments: ...Li<C>ELb<G>E...
+    spills = {}
+    for name, spill in re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores", log, re.S):
+        epilogue = "swiglu" if "GemmEpilogueE1" in name else "store"
+        spills[(epilogue, "Lb1E" in name, name)] = int(spill)
+    assert len(spills) == len(instances), log
+    for (epilogue, gather, _), spill in spills.items():
+        limit = 0 if epilogue == "store" else 64 if gather else 32
+        assert spill <= limit, log

@@ -141,8 +141,11 @@ BAD = [
     ("offsets int64", lambda a, w, o: (a, w, o.long()), "expert_offsets must be int32"),
     ("offsets wrong length", lambda a, w, o: (a, w, o[:-1]), "expert_offsets must be int32"),
     ("weight not contiguous", lambda a, w, o: (a, w.transpose(1, 2), o), "weight must be a contiguous"),
-    ("a on the CPU", lambda a, w, o: (a.cpu(), w, o), "a must be a contiguous CUDA"),
+    ("a on the CPU", lambda a, w, o: (a.cpu(), w, o), "a must be a .*CUDA"),
+    ("no experts", lambda a, w, o: (a, w[:0], o[:1]), "at least one expert"),
     ("cluster of 4", lambda a, w, o: (a, w, o, 4), "cluster_m must be 1 or 2"),
+    ("raster group 3 with clusters of 2", lambda a, w, o: (a, w, o, 2, 3), "group_m must be a multiple of cluster_m"),
+    ("raster group 0", lambda a, w, o: (a, w, o, 1, 0), "group_m must be"),
 ]
 
 
@@ -155,10 +158,96 @@ def test_expert_gemm_bad_input_is_a_clear_error(case, change, fragment):
 
 def test_expert_gemm_ops_registration():
     a, w, offsets, _ = make_case([10, 0, 20], 64, 64, seed=6)
-    for op in (torch.ops.megatron_mok.expert_gemm.default, torch.ops.megatron_mok.expert_gemm_swiglu.default):
-        torch.library.opcheck(op, (a, w, offsets, 2), test_utils=("test_schema", "test_faketensor"))
+    slot_to_route = torch.arange(a.shape[0], device="cuda", dtype=torch.int64)  # topk 1: row r is a[r]
+    calls = (
+        (torch.ops.megatron_mok.expert_gemm.default, (a, w, offsets, 2, 4)),
+        (torch.ops.megatron_mok.expert_gemm_swiglu.default, (a, w, offsets, 2, 4)),
+        (torch.ops.megatron_mok.gather_expert_gemm_swiglu.default, (a, slot_to_route, 1, w, offsets, 2, 4)),
+    )
+    for op, args in calls:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         compiled = torch.compile(lambda *args, op=op: op(*args), fullgraph=True)
-        got, want = compiled(a, w, offsets, 2), op(a, w, offsets, 2)
+        got, want = compiled(*args), op(*args)
         for x, y in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert torch.equal(x[:30], y[:30])
     assert ops.last_wait_timeout() is None
+
+
+# The gathered-A GEMM (the pull dispatch folded into the gate/up GEMM's loads) must equal the GEMM
+# of the dispatched rows bit for bit: the same bf16 rows reach the same wgmma sequence.
+# name: (tokens, topk, experts, K, 2F, routing, segment alignment)
+GATHER_CASES = {
+    "uniform": (300, 4, 6, 256, 320, "uniform", 8),
+    "odd_tokens_k_tail": (77, 3, 5, 200, 144, "uniform", 1),
+    "skewed": (512, 8, 8, 128, 256, "skewed", 16),
+    "all_to_one_expert": (400, 2, 4, 64, 528, "one", 8),
+    "dropped_routes": (257, 4, 6, 192, 160, "dropped", 8),
+    "empty_experts": (200, 2, 9, 128, 256, "even_experts_only", 1),
+    "deepseek_v3_like": (1024, 8, 32, 7168, 1024, "uniform", 16),
+}
+
+
+def gather_case(tokens, topk, experts, k, two_ffn, routing, alignment, seed):
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if routing == "skewed":  # expert e drawn with probability ~ 2^-e
+        probs = torch.tensor([2.0**-e for e in range(experts)], device="cuda")
+        ids = torch.multinomial(probs.expand(tokens, -1), topk, generator=gen)
+    elif routing == "one":
+        ids = torch.full((tokens, topk), experts - 1, device="cuda")
+    else:
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(topk, dim=1).indices
+        if routing == "dropped":
+            ids[torch.rand(tokens, topk, device="cuda", generator=gen) < 0.3] = -1
+        if routing == "even_experts_only":
+            ids = (ids // 2) * 2
+    schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=experts, segment_alignment=alignment)
+    x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(experts, two_ffn, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    return schedule, x, w
+
+
+@pytest.mark.parametrize("cluster_m,group_m", [(1, 16), (2, 16), (1, 1), (2, 6)])
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+def test_gathered_gemm_equals_the_gemm_of_dispatched_rows(case, cluster_m, group_m):
+    schedule, x, w = gather_case(*GATHER_CASES[case], seed=zlib.crc32(case.encode()))
+    topk = schedule.topk
+    end = int(schedule.expert_offsets[-1])
+    rows = ops.dispatch_rows(x, schedule.slot_to_route, topk)
+    want_gate_up, want_act = ops.expert_gemm_swiglu(rows, w, schedule.expert_offsets, cluster_m, group_m)
+    poison_allocator()
+    gate_up, act = ops.gather_expert_gemm_swiglu(x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m)
+    assert gate_up.shape == want_gate_up.shape and act.shape == want_act.shape
+    assert torch.equal(gate_up[:end], want_gate_up[:end]) and torch.equal(act[:end], want_act[:end])
+    # And against fp32 directly, so a shared mistake of both paths cannot pass.
+    ref, bound = fp32_reference_and_bound(rows, w, schedule.expert_offsets.tolist())
+    assert_within(gate_up[:end], ref, bound, "gate_up")
+    again = ops.gather_expert_gemm_swiglu(x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m)
+    assert torch.equal(again[0][:end], gate_up[:end]) and torch.equal(again[1][:end], act[:end])
+
+
+@pytest.mark.parametrize("group_m", [1, 2, 5, 16, 64])
+def test_raster_group_does_not_change_the_result(group_m):
+    """The raster only reorders tiles; every tile's arithmetic is the same, so outputs are equal."""
+    a, w, offsets, offsets_host = make_case(CASES["many_small_experts"][0], 64, 144, seed=11)
+    end = offsets_host[-1]
+    want = ops.expert_gemm(a, w, offsets, 1, 16)[:end]
+    assert torch.equal(ops.expert_gemm(a, w, offsets, 1, group_m)[:end], want)
+
+
+GATHER_BAD = [
+    ("slot_to_route int32", lambda x, s, w, o: (x, s.int(), 4, w, o), "slot_to_route must be a contiguous int64"),
+    ("slot_to_route 2-D", lambda x, s, w, o: (x, s.view(-1, 1), 4, w, o), "slot_to_route must be a contiguous int64"),
+    ("topk 0", lambda x, s, w, o: (x, s, 0, w, o), "topk must be positive"),
+    ("x fp32", lambda x, s, w, o: (x.float(), s, 4, w, o), "x and weight must be bfloat16"),
+    ("x on the CPU", lambda x, s, w, o: (x.cpu(), s, 4, w, o), "x must be a CUDA"),
+    ("odd gate/up rows", lambda x, s, w, o: (x, s, 4, w[:, :72].contiguous(), o), "gate and up rows"),
+]
+
+
+@pytest.mark.parametrize("case,change,fragment", GATHER_BAD, ids=[b[0] for b in GATHER_BAD])
+def test_gathered_gemm_bad_input_is_a_clear_error(case, change, fragment):
+    schedule, x, w = gather_case(*GATHER_CASES["uniform"], seed=12)
+    with pytest.raises(RuntimeError, match=fragment):
+        ops.gather_expert_gemm_swiglu(*change(x, schedule.slot_to_route, w, schedule.expert_offsets))
