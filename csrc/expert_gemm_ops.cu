@@ -113,16 +113,14 @@ std::pair<int64_t, int64_t> check_expert_gemm(const char* op, const char* a_name
 }
 
 // out: the store output or act; gate_up: the SwiGLU pre-activation (undefined for the store).
-// kGatherA: `a` is x; A's rows are picked from it through p.gather.
-template <GemmEpilogue kEpilogue, int kClusterM, bool kGatherA>
+// kDispatchA: `a` is the rows buffer the kernel itself fills (p.dispatch).
+template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA>
 void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
                         const at::Tensor& gate_up, const ExpertGemmParams& p) {
   using Tile = ExpertGemmTile;
   const CUtensorMap b_map = bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k,
                                                   p.k, Tile::kN / 2, "weight");
-  // Gathered A: `a` is x, loaded one row per TMA box (the gatherers pick the rows).
-  const CUtensorMap a_map = kGatherA ? bf16_tensor_map_sw128(a.data_ptr(), p.gather.x_rows, p.k, p.k, 1, "x")
-                                     : bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
+  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
   const CUtensorMap out_map =
       bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, p.n_out, Tile::kStoreBox, "out");
   CUtensorMap gate_map = out_map, up_map = out_map;
@@ -138,7 +136,7 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertGemmParams params = p;
   params.timeout_record = timeout_record(stream);
-  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kGatherA>;
+  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
   // Enough clusters for the most cluster tiles any routing can make, at most as many as fit on the
@@ -165,13 +163,13 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <GemmEpilogue kEpilogue, bool kGatherA>
+template <GemmEpilogue kEpilogue, bool kDispatchA>
 void launch_with_cluster(int64_t cluster_m, const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
                          const at::Tensor& gate_up, const ExpertGemmParams& p) {
   if (cluster_m == 1) {
-    launch_expert_gemm<kEpilogue, 1, kGatherA>(a, weight, out, gate_up, p);
+    launch_expert_gemm<kEpilogue, 1, kDispatchA>(a, weight, out, gate_up, p);
   } else {
-    launch_expert_gemm<kEpilogue, 2, kGatherA>(a, weight, out, gate_up, p);
+    launch_expert_gemm<kEpilogue, 2, kDispatchA>(a, weight, out, gate_up, p);
   }
 }
 
@@ -225,13 +223,18 @@ std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const
   return {gate_up, act};
 }
 
-// The gate/up projection of the dispatched rows without dispatching them: row r of the outputs is
-// the SwiGLU projection of x[slot_to_route[r] / topk] (zeros where slot_to_route[r] is -1).
-std::tuple<at::Tensor, at::Tensor> gather_expert_gemm_swiglu(const at::Tensor& x, const at::Tensor& slot_to_route,
-                                                             int64_t topk, const at::Tensor& weight,
-                                                             const at::Tensor& expert_offsets, int64_t cluster_m,
-                                                             int64_t group_m) {
-  constexpr const char* kOp = "gather_expert_gemm_swiglu";
+// Rows per minibatch of the dispatching GEMM: the dispatch's unit of hand-over to the GEMM. Small
+// enough that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough
+// that a tile rarely spans two.
+constexpr int32_t kDispatchMinibatchRows = 1024;
+
+// The pull dispatch and the gate/up projection in one kernel: (rows, gate_up, act) with rows[r] =
+// x[slot_to_route[r] / topk] (zeros where slot_to_route[r] is -1) and gate_up, act those of
+// expert_gemm_swiglu(rows, ...). The GEMM starts on each minibatch of rows once it is dispatched.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
+    const at::Tensor& x, const at::Tensor& slot_to_route, int64_t topk, const at::Tensor& weight,
+    const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m) {
+  constexpr const char* kOp = "dispatch_expert_gemm_swiglu";
   TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [num_experts, two_ffn] = check_expert_gemm(kOp, "x", x, weight, expert_offsets, cluster_m, group_m);
@@ -243,18 +246,22 @@ std::tuple<at::Tensor, at::Tensor> gather_expert_gemm_swiglu(const at::Tensor& x
   TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31), kOp, ": more than 2^31 rows");
   TORCH_CHECK(topk > 0 && topk < (int64_t(1) << 31), kOp, ": topk must be positive, got ", std::to_string(topk));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, kOp, ": x must be 16-byte aligned");
-  const int64_t rows = slot_to_route.numel();
-  TORCH_CHECK(rows == 0 || x.size(0) > 0, kOp, ": x has no rows to gather from");
-  auto gate_up = at::empty({rows, two_ffn}, x.options());
-  auto act = at::empty({rows, ffn}, x.options());
-  if (rows == 0) return {gate_up, act};
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, rows, ffn, two_ffn, x.size(1), group_m);
+  const int64_t num_rows = slot_to_route.numel();
+  auto rows = at::empty({num_rows, x.size(1)}, x.options());
+  auto gate_up = at::empty({num_rows, two_ffn}, x.options());
+  auto act = at::empty({num_rows, ffn}, x.options());
+  if (num_rows == 0) return {rows, gate_up, act};
+  const int64_t minibatches = (num_rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  auto counters = at::zeros({2 * minibatches}, x.options().dtype(at::kInt));
+  ExpertGemmParams p = make_params(expert_offsets, num_experts, num_rows, ffn, two_ffn, x.size(1), group_m);
   p.out = act.data_ptr();
   p.gate_up = gate_up.data_ptr();
-  // Routes whose token is past x (x_rows) read zeros: a schedule never names one.
-  p.gather = ExpertGemmGather{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), x.size(0), int32_t(topk)};
-  launch_with_cluster<GemmEpilogue::kSwiglu, true>(cluster_m, x, weight, act, gate_up, p);
-  return {gate_up, act};
+  // Routes whose token is past x read zeros: a schedule never names one.
+  p.dispatch = ExpertGemmDispatch{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), rows.data_ptr(),
+                                  counters.data_ptr<int32_t>(), x.size(0), int32_t(topk), kDispatchMinibatchRows,
+                                  int32_t(minibatches)};
+  launch_with_cluster<GemmEpilogue::kSwiglu, true>(cluster_m, rows, weight, act, gate_up, p);
+  return {rows, gate_up, act};
 }
 
 }  // namespace
@@ -265,15 +272,15 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "expert_gemm_swiglu(Tensor a, Tensor weight, Tensor expert_offsets, int cluster_m, int group_m) -> (Tensor, "
       "Tensor)");
   m.def(
-      "gather_expert_gemm_swiglu(Tensor x, Tensor slot_to_route, int topk, Tensor weight, Tensor expert_offsets, "
-      "int cluster_m, int group_m) -> (Tensor, Tensor)");
+      "dispatch_expert_gemm_swiglu(Tensor x, Tensor slot_to_route, int topk, Tensor weight, Tensor expert_offsets, "
+      "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");
   m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm", &expert_gemm);
   m.impl("expert_gemm_swiglu", &expert_gemm_swiglu);
-  m.impl("gather_expert_gemm_swiglu", &gather_expert_gemm_swiglu);
+  m.impl("dispatch_expert_gemm_swiglu", &dispatch_expert_gemm_swiglu);
 }
 
 }  // namespace mok

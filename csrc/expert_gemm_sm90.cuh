@@ -1,5 +1,6 @@
 // The persistent, warp-specialized expert GEMM of the MoK forward (sm_90a): TMA loads into a
-// 4-stage mbarrier pipeline, wgmma m64n256k16 from shared memory, TMA-store epilogue.
+// 4-stage (or 3-stage, MOK_EXPERT_GEMM_STAGES) mbarrier pipeline, wgmma m64n256k16 from shared
+// memory, TMA-store epilogue; the gate/up instance also runs the pull dispatch.
 // Reference: segment_matmul_reference (store epilogue) and swiglu_reference over it (SwiGLU
 // epilogue) in megatron_mok/reference.py.
 //
@@ -17,21 +18,26 @@
 //     the stage of the previous K block on `empty` of every CTA of the cluster (a peer multicasts
 //     into it) once at most one wgmma group is in flight.
 //     Epilogue: the accumulators are rounded once to bf16 and written, 128 columns at a time, into
-//     the warpgroup's 16 KB staging buffer (128-byte swizzle, conflict-free), from which one
-//     thread starts TMA stores and the warpgroup goes on to the next tile: the global writes
-//     drain in the background. (When every SM writes its tile at once the epilogue costs 10-15% of
-//     the GEMM; docs/performance.md has what the variants measured.) A warpgroup whose 64 rows are
+//     the warpgroup's 16 KB staging buffer (two with 3 stages, used in turn; 128-byte swizzle,
+//     conflict-free), from which one thread starts TMA stores and the warpgroup goes on to the
+//     next tile: the global writes drain in the background. (When every SM writes its tile at
+//     once the epilogue costs 10-15% of the GEMM; docs/performance.md has what the variants
+//     measured.) A warpgroup whose 64 rows are
 //     not all inside the segment stores from registers with a row mask instead (a TMA box cannot
 //     be masked, and those rows belong to the next expert).
 //     Meanwhile the producer already fills the stages of the next tile.
-//   Gathered A (kGatherA, the pull dispatch folded into the loads): thread 0 loads only B, and warps
-//     2 and 3 copy A's rows from x by cp.async (gather_a_rows); the dispatched rows never exist.
+//   Dispatching kernel (kDispatchA, the gate/up projection): warps 2 and 3 of warpgroup 0 run the
+//     pull dispatch into the rows buffer, minibatch by minibatch, counting each minibatch's chunks
+//     done (dispatch_rows_ahead); thread 0 waits for a tile's minibatches before loading its rows,
+//     so the dispatch overlaps the GEMM instead of preceding it. (Gathering the rows straight into
+//     the stages instead — cp.async, or one TMA box per row — was measured 1.4-2.4x slower: every
+//     row is read once per n-tile through the load path, docs/performance.md.)
 //
 // Tiles: the schedule's segments (rows of one expert, any alignment) split into cluster tiles of
 // kClusterM 128-row m-tiles; rows past the segment's end (a short last tile, or with 2-CTA
 // clusters a whole one when the segment has an odd number of m-tiles) are computed from the next segment's rows (or
-// TMA zero fill) and not stored. Cluster tile order is expert-major, then groups of kGroupM
-// m-tiles with m fastest inside a group, so the clusters working at the same time share the
+// TMA zero fill) and not stored. Cluster tile order is expert-major, then groups of group_m
+// m-tiles (a launch argument) with m fastest inside a group, so the clusters working at the same time share the
 // expert's B slices and A rows in L2. Cluster c takes cluster tiles c, c + clusters, ...: a static
 // schedule read from the device-side segment offsets, so the launch never needs the host to know
 // the routing. Before exiting, each producer waits until every CTA of the cluster released every
@@ -70,9 +76,10 @@ struct ExpertGemmTile {
   static_assert(kStages == 3 || kStages == 4, "MOK_EXPERT_GEMM_STAGES must be 3 or 4");
   static constexpr int kStagingBuffers = kStages == 3 ? 2 : 1;
   static constexpr int kThreads = 384;
-  // Gathered A: warps 2 and 3 of the producer warpgroup copy A's rows (cp.async); each thread's
-  // copies arrive on the stage's `full` barrier when they land.
-  static constexpr int kGatherThreads = 64;
+  // Dispatching kernels: warps 2 and 3 of the producer warpgroup copy the dispatched rows, in
+  // chunks of kDispatchChunkRows claimed from a counter (dispatch_rows_ahead).
+  static constexpr int kDispatchThreads = 64;
+  static constexpr int kDispatchChunkRows = 8;
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
   // setmaxnreg moves registers inside the CTA's launch allocation (384 threads x 168, the most a
@@ -96,12 +103,11 @@ struct ExpertGemmTile {
     return kEpilogue == GemmEpilogue::kSwiglu ? kN / 2 : kN;
   }
 
-  // Dynamic shared memory: stages, the consumers' staging buffers, the gatherers' table of the
-  // current tile's source rows, barriers, the wait watch.
+  // Dynamic shared memory: stages, the consumers' staging buffers, barriers, the wait watch, the
+  // dispatchers' claimed chunk.
   static constexpr size_t kSmemBytes = kSwizzleAlign + size_t(kStages) * kStageBytes +
                                        2 * kStagingBuffers * kStagingBytes +
-                                       2 * kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch) +
-                                       kM * sizeof(int32_t);
+                                       2 * kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch) + sizeof(int32_t);
 };
 
 struct TileCoord {
@@ -336,7 +342,7 @@ __device__ __forceinline__ void store_rows_staged(const uint32_t (&packed)[64], 
 }
 
 // Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
-enum ExpertGemmWait : int { kWaitFreeStage = 0, kWaitLoadedStage = 1 };
+enum ExpertGemmWait : int { kWaitFreeStage = 0, kWaitLoadedStage = 1, kWaitDispatchedRows = 2 };
 
 // A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
 template <int kClusterM>
@@ -349,115 +355,101 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
-#ifndef MOK_GATHER_CP_ASYNC
-#define MOK_GATHER_CP_ASYNC 0
-#endif
-
-// The source row in x of row `row` of the dispatched rows, or -1 for zeros (padding, or outside the
-// tile's segment or the rows).
-__device__ __forceinline__ int32_t gather_source_row(const ExpertGemmParams& p, const TileCoord& c, int r) {
-  const int64_t row = int64_t(c.row0) + r;
-  if (r >= c.rows || row < 0 || row >= p.num_rows) return -1;
-  const int64_t route = p.gather.slot_to_route[row];
-  if (route < 0) return -1;
-  const int64_t token = route / p.gather.topk;
-  return token < p.gather.x_rows ? int32_t(token) : -1;
+// Copies one dispatched row (`units` 16-byte units; zeros when src is null) with the 64 dispatch
+// threads, four loads in flight per thread.
+__device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int units, int g) {
+  constexpr int kThreads = ExpertGemmTile::kDispatchThreads, kUnroll = 4;
+  for (int u0 = g; u0 < units; u0 += kUnroll * kThreads) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int u = u0 + j * kThreads;
+      v[j] = src != nullptr && u < units ? __ldg(src + u) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int u = u0 + j * kThreads;
+      if (u < units) dst[u] = v[j];
+    }
+  }
 }
 
-// The gathered-A producer through TMA (warps 2 and 3 of warpgroup 0): thread g loads rows g and
-// g + 64 of each tile, one 1-row TMA box (128 bytes of K) per row and K block, into the row's place
-// in the stage. The 128-byte swizzle of a TMA write follows the shared-memory address (16-byte
-// chunk c of the 128-byte row at address a lands at chunk c ^ ((a / 128) % 8)), so 1-row boxes at
-// their rows' addresses build the same swizzled tile a 128-row box would. A row with no source
-// loads a box past x's last row: zeros, which still count toward the stage's bytes, so thread 0's
-// expect_tx of the whole stage holds whatever the routing.
-template <int kClusterM>
-__device__ __forceinline__ void gather_a_rows_tma(const CUtensorMap* x_map, const ExpertGemmParams& p,
-                                                  TileWalker<kClusterM>& walker, int64_t first_tile, int tile_step,
-                                                  int k_blocks, uint8_t* a_stages, uint64_t* full, uint64_t* empty,
-                                                  sm90::WaitWatch* watch, int g) {
+// The dispatch threads (warps 2 and 3 of warpgroup 0) of every CTA: minibatch after minibatch,
+// claim a chunk of kDispatchChunkRows rows, copy them (the pull dispatch: rows[r] = x[slot_to_route[r]
+// / topk], zeros for -1), and count the chunk done. Chunks are claimed, not assigned: a CTA waiting for
+// a minibatch only ever waits for chunks that running CTAs claimed, so the kernel cannot hang on a
+// CTA that has not started (this launch need not be co-resident). Only rows below the last segment's
+// end are written; no tile stores a row past it.
+__device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, int32_t* claimed_chunk, int g) {
   using Tile = ExpertGemmTile;
-  static_assert(Tile::kM == 2 * Tile::kGatherThreads, "two rows per gathering thread");
-  const int32_t past_x = int32_t(p.gather.x_rows);
-  int stage = 0;
-  uint32_t phase = 0;
-  TileCoord c;
-  for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
-    const int32_t source0 = gather_source_row(p, c, g);
-    const int32_t source1 = gather_source_row(p, c, g + Tile::kGatherThreads);
-    const int32_t row0 = source0 >= 0 ? source0 : past_x;
-    const int32_t row1 = source1 >= 0 ? source1 : past_x;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
-      uint8_t* a = a_stages + stage * Tile::kABytes;
-      sm90::tma_load_2d(a + g * 128, x_map, &full[stage], kb * Tile::kK, row0);
-      sm90::tma_load_2d(a + (g + Tile::kGatherThreads) * 128, x_map, &full[stage], kb * Tile::kK, row1);
-      if (++stage == Tile::kStages) {
-        stage = 0;
-        phase ^= 1;
+  constexpr int kDispatchBarrier = 3;  // named barriers 1 and 2 are the consumers'
+  const ExpertGemmDispatch& d = p.dispatch;
+  // Row indices fit in 32 bits (the op checks rows < 2^31).
+  const int rows_end = min(p.num_rows, max(0, __ldg(p.expert_offsets + p.num_experts)));
+  const int units = p.k / 8;
+  const auto* x = static_cast<const uint4*>(d.x);
+  auto* rows = static_cast<uint4*>(d.rows);
+  volatile int32_t* claimed = claimed_chunk;
+  for (int m = 0; m < d.num_minibatches; ++m) {
+    const int begin = m * d.minibatch_rows;
+    const int end = min(begin + d.minibatch_rows, rows_end);
+    const int chunks = end > begin ? (end - begin + Tile::kDispatchChunkRows - 1) / Tile::kDispatchChunkRows : 0;
+    while (true) {
+      if (g == 0) *claimed = atomicAdd(d.counters + m, 1);
+      sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
+      const int chunk = *claimed;
+      sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);  // read before the next claim
+      if (chunk >= chunks) break;
+      const int first = begin + chunk * Tile::kDispatchChunkRows;
+      const int last = min(first + Tile::kDispatchChunkRows, end);
+      // Every source row of the chunk in flight to L2 at once; the copy below then reads from L2
+      // (64 threads with a few loads each in flight could not keep DRAM busy on their own).
+      if (g < last - first) {
+        const int64_t route = d.slot_to_route[first + g];
+        const int64_t token = route >= 0 ? route / d.topk : -1;
+        if (token >= 0 && token < d.x_rows) sm90::prefetch_l2_bulk(x + token * units, uint32_t(units) * 16);
+      }
+      for (int row = first; row < last; ++row) {
+        const int64_t route = d.slot_to_route[row];
+        const int64_t token = route >= 0 ? route / d.topk : -1;
+        const bool valid = token >= 0 && token < d.x_rows;
+        copy_row(valid ? x + token * units : nullptr, rows + int64_t(row) * units, units, g);
+      }
+      // Other SMs read these rows with TMA (async proxy) once the chunk is counted.
+      sm90::fence_proxy_async_global();
+      sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
+      if (g == 0) {
+        __threadfence();
+        sm90::red_release_gpu_add(d.counters + d.num_minibatches + m, 1);
       }
     }
   }
 }
 
-// The gathered-A producer (warps 2 and 3 of warpgroup 0): for each of this CTA's tiles, the source
-// row of each of its 128 rows goes into `table` (-1: zeros — padding, or past the segment or the
-// rows), then per K block the 64 threads copy the 128 rows x 128 bytes with 16-byte cp.async into
-// the stage in the 128-byte-swizzled layout TMA would have written. Thread g copies chunk g % 8 of
-// rows g / 8 + 8 i (i = 0..15): eight consecutive threads read one row's 128 contiguous bytes, all
-// its rows share one swizzled chunk position, and the table keeps its 16 source rows together
-// (entry 16 (r % 8) + r / 8 for row r) so four 16-byte shared loads fetch them.
-// Each thread's copies complete on the stage's `full` barrier (cp.async.mbarrier.arrive.noinc: no
-// thread waits for its own loads); the consumers fence before wgmma reads them (async proxy).
-template <int kClusterM>
-__device__ __forceinline__ void gather_a_rows(const ExpertGemmParams& p, TileWalker<kClusterM>& walker, int64_t first_tile,
-                                              int tile_step, int k_blocks, uint8_t* a_stages, uint64_t* full,
-                                              uint64_t* empty, int32_t* table, sm90::WaitWatch* watch, int g) {
+// The producer's wait before loading a tile's rows: every minibatch up to the one holding the tile's
+// last stored row is done (rows past the segment are loaded but never stored, so need not be).
+// `ready` counts the minibatches already seen done; they complete in order of minibatch almost
+// always, and waiting in order costs nothing otherwise.
+__device__ __forceinline__ void wait_for_dispatched_rows(const ExpertGemmParams& p, const TileCoord& c, int& ready,
+                                                         sm90::WaitWatch* watch) {
   using Tile = ExpertGemmTile;
-  constexpr int kGatherBarrier = 3;  // named barriers 1 and 2 are the consumers'
-  constexpr int kRowsPerThread = Tile::kM / 8;
-  const auto* x = static_cast<const __nv_bfloat16*>(p.gather.x);
-  const int chunk = g % 8, row_in_atom = g / 8;
-  const uint32_t swizzled_chunk = uint32_t(chunk ^ row_in_atom) << 4;
-  const int32_t* my_sources = table + kRowsPerThread * row_in_atom;
-  int stage = 0;
-  uint32_t phase = 0;
-  TileCoord c;
-  for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
-    sm90::named_barrier_sync(kGatherBarrier, Tile::kGatherThreads);  // the last tile's table is read
-    for (int r = g; r < Tile::kM; r += Tile::kGatherThreads) {
-      sm90::st_shared_s32(table + kRowsPerThread * (r % 8) + r / 8, gather_source_row(p, c, r));
-    }
-    sm90::named_barrier_sync(kGatherBarrier, Tile::kGatherThreads);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
-      const int col = kb * Tile::kK + 8 * chunk;
-      const bool col_valid = col < p.k;
-      uint8_t* dst = a_stages + stage * Tile::kABytes + row_in_atom * 128 + swizzled_chunk;
-#pragma unroll
-      for (int q = 0; q < kRowsPerThread / 4; ++q) {
-        const int4 sources = sm90::ld_shared_v4_s32(my_sources + 4 * q);
-        const int32_t s4[4] = {sources.x, sources.y, sources.z, sources.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const bool valid = col_valid && s4[j] >= 0;
-          const auto* src = x + (valid ? int64_t(s4[j]) * p.k + col : 0);
-          sm90::cp_async_16(dst + (4 * q + j) * 8 * 128, src, valid);  // row row_in_atom + 8 (4 q + j)
-        }
-      }
-      sm90::cp_async_arrive_noinc(&full[stage]);
-      if (++stage == Tile::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
+  if (c.rows <= 0) return;
+  const ExpertGemmDispatch& d = p.dispatch;
+  const int last = (c.row0 + c.rows - 1) / d.minibatch_rows;
+  if (last < ready) return;
+  const int rows_end = min(p.num_rows, max(0, __ldg(p.expert_offsets + p.num_experts)));
+  for (; ready <= last; ++ready) {
+    const int begin = ready * d.minibatch_rows;
+    const int end = min(begin + d.minibatch_rows, rows_end);
+    const int chunks = end > begin ? (end - begin + Tile::kDispatchChunkRows - 1) / Tile::kDispatchChunkRows : 0;
+    sm90::wait_counter_at_least(d.counters + d.num_minibatches + ready, chunks, kWaitDispatchedRows, watch);
   }
-  sm90::cp_async_wait_all();  // no copy of this thread outlives it
+  sm90::fence_proxy_async_global();
 }
 
 // kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast (see the file comment).
-// kGatherA: A's rows are gathered from p.gather (ExpertGemmGather) instead of loaded from a_map.
-template <GemmEpilogue kEpilogue, int kClusterM, bool kGatherA>
+// kDispatchA: the kernel also dispatches A's rows (p.dispatch) and loads each tile's once they are written.
+template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA>
 __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap gate_map,
@@ -469,16 +461,14 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   uint8_t* a_stages = smem;
   uint8_t* b_stages = a_stages + Tile::kStages * Tile::kABytes;
   uint8_t* staging_buffers = b_stages + Tile::kStages * Tile::kBBytes;
-  // The gatherers' table is read with 16-byte loads: it follows the (1024-byte aligned) staging buffers.
-  int32_t* gather_table = reinterpret_cast<int32_t*>(staging_buffers + 2 * Tile::kStagingBuffers * Tile::kStagingBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(gather_table + Tile::kM);
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging_buffers + 2 * Tile::kStagingBuffers * Tile::kStagingBytes);
   uint64_t* empty = full + Tile::kStages;
   sm90::WaitWatch* watch = reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages);
+  int32_t* claimed_chunk = reinterpret_cast<int32_t*>(watch + 1);  // the dispatchers' claim, broadcast
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Tile::kStages; ++s) {
-      // The TMA thread's expect_tx arrival (+ the TMA bytes), and each gatherer's.
-      sm90::mbarrier_init(&full[s], 1 + (kGatherA && MOK_GATHER_CP_ASYNC ? Tile::kGatherThreads : 0));
+      sm90::mbarrier_init(&full[s], 1);  // the producer's expect_tx arrival (+ TMA bytes)
       sm90::mbarrier_init(&empty[s], 2 * kClusterM);  // each consumer warpgroup of the cluster
     }
     sm90::fence_barrier_init();
@@ -505,15 +495,9 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
     if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertGemmKernel);
-    if constexpr (kGatherA) {
-      if (threadIdx.x >= 128 - Tile::kGatherThreads) {
-        const int g = threadIdx.x - (128 - Tile::kGatherThreads);
-#if MOK_GATHER_CP_ASYNC
-        gather_a_rows<kClusterM>(p, walker, first_tile, tile_step, k_blocks, a_stages, full, empty, gather_table,
-                                 watch, g);
-#else
-        gather_a_rows_tma<kClusterM>(&a_map, p, walker, first_tile, tile_step, k_blocks, a_stages, full, empty, watch, g);
-#endif
+    if constexpr (kDispatchA) {
+      if (threadIdx.x >= 128 - Tile::kDispatchThreads) {
+        dispatch_rows_ahead(p, claimed_chunk, threadIdx.x - (128 - Tile::kDispatchThreads));
         return;
       }
     }
@@ -521,21 +505,17 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     constexpr uint16_t kClusterMask = (1u << kClusterM) - 1;
+    int dispatched_minibatches = 0;
     for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
+      if constexpr (kDispatchA) wait_for_dispatched_rows(p, c, dispatched_minibatches, watch);
       // This CTA's half of B: the first 128 rows of the slice, or the second (SwiGLU: the up rows
       // partnering gate rows [n0, n0 + 128), n_out rows further).
       int b_row = c.expert * p.n_weight_rows + c.n0;
       if (cta_rank == 1) b_row += kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2;
       for (int kb = 0; kb < k_blocks; ++kb) {
         sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
-        if constexpr (kGatherA && MOK_GATHER_CP_ASYNC) {
-          sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kBBytes);
-        } else if constexpr (kGatherA) {
-          sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);  // the gatherers' A boxes + B
-        } else {
-          sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
-          sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
-        }
+        sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
+        sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
         uint8_t* b = b_stages + stage * Tile::kBBytes;
         if constexpr (kClusterM == 1) {
           const int b_row_second = b_row + (kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2);
@@ -579,8 +559,6 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     for (int kb = 0; kb < k_blocks; ++kb) {
       sm90::mbarrier_wait(&full[stage], phase, kWaitLoadedStage, watch);
-      // Gathered A was written by cp.async (generic proxy); wgmma reads through the async proxy.
-      if constexpr (kGatherA && MOK_GATHER_CP_ASYNC) sm90::fence_async_shared();
       const uint64_t a_desc = sm90::smem_descriptor_sw128(a_stages + stage * Tile::kABytes + consumer * 64 * 128);
       const uint64_t b_desc = sm90::smem_descriptor_sw128(b_stages + stage * Tile::kBBytes);
       sm90::wgmma_fence();

@@ -90,14 +90,20 @@ enum WaitingKernel : int { kExpertGemmKernel = 0 };
 // bf16-rounded gate and up, the same arithmetic as swiglu_forward_kernel. Rows outside every
 // segment are not written.
 //
-// Gathered A (the pull dispatch folded into the GEMM's loads): A's row r is x[slot_to_route[r] /
-// topk], or zeros where slot_to_route[r] is -1 (padding), read from x by the producer warpgroup
-// straight into the pipeline's shared memory — the dispatched rows never exist in global memory.
-struct ExpertGemmGather {
+// Dispatching kernel (the gate/up projection): the pull dispatch runs inside the GEMM. Warps 2-3 of
+// every CTA copy the dispatched rows, rows[r] = x[slot_to_route[r] / topk] (zeros where
+// slot_to_route[r] is -1), minibatch after minibatch in chunks claimed from a counter; each
+// minibatch's `done` counter says how many of its chunks are written. The GEMM loads a tile's rows
+// (TMA, from `rows`) once every minibatch they touch is done, so the dispatch overlaps the GEMM.
+struct ExpertGemmDispatch {
   const void* x;                 // (x_rows, k) bf16: every token the schedule's routes name
   const int64_t* slot_to_route;  // (num_rows,) route per row, -1 for padding
+  void* rows;                    // (num_rows, k) bf16 out: the dispatched rows, A of the GEMM
+  int32_t* counters;             // (2 * num_minibatches,) zeroed: chunks claimed, then chunks done
   int64_t x_rows;
   int32_t topk;
+  int32_t minibatch_rows;
+  int32_t num_minibatches;
 };
 
 struct ExpertGemmParams {
@@ -110,7 +116,7 @@ struct ExpertGemmParams {
   int32_t n_weight_rows;  // rows of B per expert
   int32_t k;              // reduction size
   int32_t group_m;        // raster: m-tiles per group, m fastest inside (a multiple of the cluster size)
-  ExpertGemmGather gather;  // used by the gathered-A kernels only
+  ExpertGemmDispatch dispatch;  // used by the dispatching kernels only
   WaitTimeoutRecord* timeout_record;  // host-mapped; null: trap without a record
 };
 

@@ -69,19 +69,56 @@ struct WaitWatch {
   int finished;  // roles that have finished their work
 };
 
+// A wait past its timeout tells the watchdog which wait failed, then traps.
+__device__ __forceinline__ void fail_if_timed_out(int wait_id, WaitWatch* watch, uint64_t start) {
+  if (global_timer_ns() - start > kWaitTimeoutNs) {
+    *reinterpret_cast<volatile int*>(&watch->failed) = 1 + wait_id;
+    // The watchdog traps within a microsecond or so; should it not, trap here.
+    while (global_timer_ns() - start < 2 * kWaitTimeoutNs) __nanosleep(1000000);
+    asm volatile("trap;");
+  }
+}
+
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity, int wait_id, WaitWatch* watch) {
   const uint32_t addr = smem_u32(bar);
   if (mbarrier_try_wait(addr, parity)) return;
   const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait(addr, parity)) {
-    if (global_timer_ns() - start > kWaitTimeoutNs) {
-      *reinterpret_cast<volatile int*>(&watch->failed) = 1 + wait_id;
-      // The watchdog traps within a millisecond; should it not, trap here.
-      while (global_timer_ns() - start < 2 * kWaitTimeoutNs) __nanosleep(1000000);
-      asm volatile("trap;");
-    }
+  while (!mbarrier_try_wait(addr, parity)) fail_if_timed_out(wait_id, watch, start);
+}
+
+// ---- counters between CTAs (global memory, GPU scope) -----------------------------------------
+
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {
+  int32_t value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+// Adds to a counter, ordered after this thread's earlier writes (and what it observed before them).
+__device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// Waits until *counter >= target; the writes released before the counter reached it are visible.
+__device__ __forceinline__ void wait_counter_at_least(const int32_t* counter, int32_t target, int wait_id,
+                                                      WaitWatch* watch) {
+  if (ld_acquire_gpu(counter) >= target) return;
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_gpu(counter) < target) {
+    __nanosleep(128);
+    fail_if_timed_out(wait_id, watch, start);
   }
 }
+
+// Starts fetching `bytes` (a multiple of 16) at a 16-byte aligned global address into L2, in the
+// background: one instruction puts a whole row's reads in flight.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
+}
+
+// Orders this thread's generic global-memory accesses with its later async-proxy ones (TMA): after
+// observing rows another SM wrote with ordinary stores, before loading them with TMA.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 __device__ __forceinline__ void mark_finished(WaitWatch* watch) { atomicAdd(&watch->finished, 1); }
 
@@ -169,39 +206,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(col), "r"(row), "h"(cta_mask)
       : "memory");
-}
-
-// 16 bytes from global to shared memory through the L1-bypassing path, asynchronously; with
-// `valid` false nothing is read and the 16 bytes are zeroed (src-size 0). Completion is reported
-// through cp_async_arrive_noinc; a wgmma (async proxy) reading the data runs after the reader's
-// fence_async_shared.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// Arrives on `bar` once every cp.async this thread issued before it has landed, without
-// blocking the thread; the arrival is one of the barrier's expected arrivals (noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// Shared-memory accesses through 32-bit shared addresses: a pointer into the dynamic shared
-// memory after the kernel's alignment arithmetic is generic to the compiler, which would use
-// generic loads (slow, long scoreboard) on it.
-__device__ __forceinline__ void st_shared_s32(void* ptr, int32_t value) {
-  asm volatile("st.shared.s32 [%0], %1;" ::"r"(smem_u32(ptr)), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ int4 ld_shared_v4_s32(const void* ptr) {
-  int4 v;
-  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_u32(ptr))
-               : "memory");
-  return v;
 }
 
 // Stores a box from shared memory to the tensor at (col, row) in the background; out-of-bounds

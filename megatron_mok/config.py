@@ -23,9 +23,10 @@ class MoKConfig:
             multiple of this many rows (padding rows are marked -1). 1 for the reference;
             kernels set their M tile so a tile never straddles two experts.
         expert_gemm: which GEMM runs the kernel backend's forward expert projections:
-            "grouped_mm", torch's grouped GEMM (CUTLASS) followed by the SwiGLU kernel; or "sm90",
-            megatron_mok's persistent warp-specialized TMA + wgmma kernel with SwiGLU fused into
-            its epilogue (csrc/expert_gemm_sm90.cuh). The default is the faster of the two as
+            "grouped_mm", the dispatch kernel, torch's grouped GEMM (CUTLASS) and the SwiGLU
+            kernel; or "sm90", megatron_mok's persistent warp-specialized TMA + wgmma kernel that
+            also runs the dispatch (handed over minibatch by minibatch) and fuses SwiGLU into its
+            epilogue (csrc/expert_gemm_sm90.cuh). The default is the faster of the two as
             measured on the H200 (docs/performance.md); both give results within the same bound.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA the check is a device-side assert

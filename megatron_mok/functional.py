@@ -41,7 +41,6 @@ class ForwardContext:
     route_index: torch.Tensor  # (num_tokens * topk,) int64
     # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
     # with several ranks the capacity is num_ranks times larger, so backward recomputes them.
-    # rows is also None when the forward never made them (the dispatch folded into the GEMM).
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 

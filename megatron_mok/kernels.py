@@ -2,9 +2,9 @@
 the forward's expert GEMMs (MoKConfig.expert_gemm):
 
 - SM90_KERNEL_STAGES: megatron_mok's persistent warp-specialized TMA + wgmma expert GEMM
-  (csrc/expert_gemm_sm90.cuh): gate/up with the pull dispatch folded into its loads (the
-  dispatched rows are never materialized; backward gathers them again for the weight gradient)
-  and SwiGLU in its epilogue, and down;
+  (csrc/expert_gemm_sm90.cuh): gate/up with the pull dispatch inside the same kernel (dispatch
+  warps hand minibatches of rows to the GEMM through ready counters) and SwiGLU in its epilogue,
+  and down;
 - GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernel.
 
 Both share the schedule kernel, the fixed-order fp32 combine, and
@@ -33,14 +33,13 @@ def segment_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
     return _grouped_mm(rows, weight.transpose(-2, -1), offs=offsets[1:])
 
 
-def gather_gate_up(x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
-    # The dispatch folded into the GEMM: its producer reads each row from x_all. Rows at or past
+def dispatch_gate_up(x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch. Rows at or past
     # offsets[-1] stay unwritten; every later stage reads only rows below offsets[-1] (grouped_mm's
     # offs, the schedule's route index).
-    gate_up, act = ops.gather_expert_gemm_swiglu(
+    return ops.dispatch_expert_gemm_swiglu(
         x_all, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets
     )
-    return None, gate_up, act
 
 
 def expert_down(act: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -90,7 +89,7 @@ def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.T
 
 SM90_KERNEL_STAGES = Stages(
     dispatch_rows=dispatch_rows,
-    dispatch_gate_up=gather_gate_up,
+    dispatch_gate_up=dispatch_gate_up,
     expert_down=expert_down,
     segment_matmul=segment_matmul,
     swiglu=ops.swiglu_forward,

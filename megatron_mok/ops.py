@@ -29,6 +29,7 @@ def extension_error() -> Optional[str]:
 WAIT_NAMES = {
     (0, 0): "expert GEMM producer waiting for a free pipeline stage (empty barrier)",
     (0, 1): "expert GEMM consumer waiting for a loaded pipeline stage (full barrier)",
+    (0, 2): "expert GEMM producer waiting for a minibatch of dispatched rows (ready counter)",
 }
 
 
@@ -60,10 +61,14 @@ if _LOAD_ERROR is None:
     def _expert_gemm_swiglu_fake(a, weight, expert_offsets, cluster_m, group_m):
         return a.new_empty((a.shape[0], weight.shape[1])), a.new_empty((a.shape[0], weight.shape[1] // 2))
 
-    @torch.library.register_fake("megatron_mok::gather_expert_gemm_swiglu")
-    def _gather_expert_gemm_swiglu_fake(x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m):
+    @torch.library.register_fake("megatron_mok::dispatch_expert_gemm_swiglu")
+    def _dispatch_expert_gemm_swiglu_fake(x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m):
         rows = slot_to_route.shape[0]
-        return x.new_empty((rows, weight.shape[1])), x.new_empty((rows, weight.shape[1] // 2))
+        return (
+            x.new_empty((rows, x.shape[1])),
+            x.new_empty((rows, weight.shape[1])),
+            x.new_empty((rows, weight.shape[1] // 2)),
+        )
 
     @torch.library.register_fake("megatron_mok::build_schedule")
     def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment):
@@ -172,7 +177,7 @@ def expert_gemm_swiglu(
     return torch.ops.megatron_mok.expert_gemm_swiglu(a, weight, expert_offsets, cluster_m, group_m)
 
 
-def gather_expert_gemm_swiglu(
+def dispatch_expert_gemm_swiglu(
     x: torch.Tensor,
     slot_to_route: torch.Tensor,
     topk: int,
@@ -180,11 +185,11 @@ def gather_expert_gemm_swiglu(
     expert_offsets: torch.Tensor,
     cluster_m: int = EXPERT_GEMM_CLUSTER_M,
     group_m: int = EXPERT_GEMM_GROUP_M,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert_gemm_swiglu(dispatch_rows(x, slot_to_route, topk), weight, expert_offsets) without the
-    dispatched rows: the GEMM's producer reads x[slot_to_route[r] // topk] (zeros for -1) straight
-    into shared memory. Outputs have slot_to_route's rows. Ref: dispatch_rows_reference then
-    expert_gate_up_reference."""
-    return torch.ops.megatron_mok.gather_expert_gemm_swiglu(
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, gate_up, act) = (dispatch_rows(x, slot_to_route, topk), *expert_gemm_swiglu(rows, weight,
+    expert_offsets)) in one kernel: warps of every CTA dispatch the rows minibatch by minibatch and the
+    GEMM starts on each minibatch once it is written (per-minibatch ready counters), so the dispatch
+    overlaps the GEMM. Rows at or past expert_offsets[-1] are not written. Ref: dispatch_gate_up_reference."""
+    return torch.ops.megatron_mok.dispatch_expert_gemm_swiglu(
         x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m
     )

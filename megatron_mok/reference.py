@@ -117,11 +117,8 @@ def expert_gate_up_reference(
 
 def dispatch_gate_up_reference(
     x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor
-) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act).
-
-    A backend that folds the dispatch into the GEMM's loads returns None for rows (they never exist).
-    """
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act)."""
     rows = dispatch_rows_reference(x_all, schedule)
     return (rows, *expert_gate_up_reference(rows, fc1, schedule.expert_offsets))
 

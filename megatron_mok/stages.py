@@ -5,8 +5,8 @@ each stage. The reference supplies all of them from `reference.py`; the kernel b
 the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
 
     dispatch_rows(x_all, schedule) -> rows (capacity, H)
-    dispatch_gate_up(x_all, schedule, fc1 (E, 2F, H)) -> (rows (capacity, H) | None, gate_up (capacity, 2F),
-        act (capacity, F)); rows is None where the dispatch is folded into the GEMM's loads
+    dispatch_gate_up(x_all, schedule, fc1 (E, 2F, H)) -> (rows (capacity, H), gate_up (capacity, 2F),
+        act (capacity, F))
     expert_down(act, fc2 (E, H, F), offsets) -> (capacity, H)
     segment_matmul(rows, weight (E, N, K) any strides, offsets) -> (capacity, N)
     swiglu(gate_up, offsets) -> act (capacity, F)
@@ -18,7 +18,7 @@ the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
 
 The forward's two expert projections are their own stages (dispatch_gate_up: the pull dispatch and
 the gate/up projection with SwiGLU fused; expert_down) so the kernel backend runs them in its
-persistent sm90 GEMM, which reads the dispatched rows straight from x_all; segment_matmul serves
+persistent sm90 GEMM, which dispatches the rows itself, overlapped with the GEMM; segment_matmul serves
 the backward's products with transposed weights. Rows at or past offsets[-1] may hold anything
 after a matmul stage of the kernel backend; no stage reads them.
 """

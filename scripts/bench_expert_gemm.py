@@ -4,7 +4,7 @@
 
 For each shape (a uniform random top-k routing through the real schedule) three projections:
 - dispatch+gate_up+swiglu: torch = the dispatch kernel, grouped_mm and the SwiGLU kernel; mok = one
-  sm90 GEMM whose producer gathers the rows from x (the dispatch folded into its loads);
+  sm90 kernel in which dispatch warps hand minibatches of rows to the GEMM through ready counters;
 - gate_up+swiglu: the same from already-dispatched rows (mok: SwiGLU in the GEMM's epilogue);
 - down.
 Each mok column is one (cluster size, raster group) setting. Prints ms and TFLOP/s (2 * routed rows
@@ -74,7 +74,7 @@ def main() -> None:
         cases = {
             "dispatch+gate_up+swiglu": (
                 lambda s: grouped_mm_gate_up(ops.dispatch_rows(s["x"], s["schedule"].slot_to_route, k), s["fc1"], s["offsets"]),
-                lambda s, c, g: ops.gather_expert_gemm_swiglu(
+                lambda s, c, g: ops.dispatch_expert_gemm_swiglu(
                     s["x"], s["schedule"].slot_to_route, k, s["fc1"], s["offsets"], c, g
                 ),
                 2 * t * k * 2 * f * h,

@@ -1,4 +1,4 @@
-"""One launch each of the sm90 expert GEMM (gate/up: from dispatched rows and gathered) and torch's
+"""One launch each of the sm90 expert GEMM (gate/up: from dispatched rows, and dispatching) and torch's
 grouped GEMM on a benchmark shape, for ncu.
 
     ncu --clock-control none --kernel-name regex:'expert_gemm|cutlass|sm90' --launch-skip 2 \
@@ -34,7 +34,7 @@ def main() -> None:
         else:
             ops.expert_gemm_swiglu(a, w, s["offsets"])
             k = s["schedule"].topk
-            ops.gather_expert_gemm_swiglu(s["x"], s["schedule"].slot_to_route, k, w, s["offsets"])
+            ops.dispatch_expert_gemm_swiglu(s["x"], s["schedule"].slot_to_route, k, w, s["offsets"])
     torch.cuda.synchronize()
 
 

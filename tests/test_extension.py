@@ -20,7 +20,7 @@ def test_cuda_extension_is_built_and_registers_every_op():
 
     assert extension_error() is None, f"megatron_mok._C did not load: {extension_error()}"
     for name in ("build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward",
-                 "expert_gemm", "expert_gemm_swiglu", "gather_expert_gemm_swiglu", "last_wait_timeout"):
+                 "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "last_wait_timeout"):
         assert hasattr(torch.ops.megatron_mok, name), name
 
 
@@ -36,7 +36,7 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
     """ptxas's verdict on the persistent GEMM: a function call in the kernel serializes every wgmma
     (C7510) and a register shortfall drops setmaxnreg (C7507), silent performance losses the build
     log must not show. Spills (nvcc 13.0): none in the store kernels; the SwiGLU kernels spill 10
-    bytes in the epilogue, the gathered-A ones 52 (the gatherers live on the producer's 40
+    bytes in the epilogue, the dispatching ones 52 (the dispatch warps live on the producer's 40
     registers); allowed up to 32 and 64, so a larger spill fails here."""
     source = tmp_path / "expert_gemm_check.cu"
     instances = [("kStore", 1, "false"), ("kStore", 2, "false"), ("kSwiglu", 1, "false"), ("kSwiglu", 2, "false"),
@@ -67,6 +67,6 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
         epilogue = "swiglu" if "GemmEpilogueE1" in name else "store"
         spills[(epilogue, "Lb1E" in name, name)] = int(spill)
     assert len(spills) == len(instances), log
-    for (epilogue, gather, _), spill in spills.items():
-        limit = 0 if epilogue == "store" else 64 if gather else 32
+    for (epilogue, dispatching, _), spill in spills.items():
+        limit = 0 if epilogue == "store" else 64 if dispatching else 32
         assert spill <= limit, log

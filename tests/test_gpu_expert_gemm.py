@@ -162,7 +162,7 @@ def test_expert_gemm_ops_registration():
     calls = (
         (torch.ops.megatron_mok.expert_gemm.default, (a, w, offsets, 2, 4)),
         (torch.ops.megatron_mok.expert_gemm_swiglu.default, (a, w, offsets, 2, 4)),
-        (torch.ops.megatron_mok.gather_expert_gemm_swiglu.default, (a, slot_to_route, 1, w, offsets, 2, 4)),
+        (torch.ops.megatron_mok.dispatch_expert_gemm_swiglu.default, (a, slot_to_route, 1, w, offsets, 2, 4)),
     )
     for op, args in calls:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -173,21 +173,23 @@ def test_expert_gemm_ops_registration():
     assert ops.last_wait_timeout() is None
 
 
-# The gathered-A GEMM (the pull dispatch folded into the gate/up GEMM's loads) must equal the GEMM
-# of the dispatched rows bit for bit: the same bf16 rows reach the same wgmma sequence.
+# The dispatching GEMM (dispatch warps hand minibatches of rows to the GEMM through ready counters)
+# must write the dispatch kernel's rows and the GEMM of those rows, bit for bit: the same bf16 rows
+# reach the same wgmma sequence. Rows at or past offsets[-1] are not written.
 # name: (tokens, topk, experts, K, 2F, routing, segment alignment)
-GATHER_CASES = {
+DISPATCH_CASES = {
     "uniform": (300, 4, 6, 256, 320, "uniform", 8),
     "odd_tokens_k_tail": (77, 3, 5, 200, 144, "uniform", 1),
     "skewed": (512, 8, 8, 128, 256, "skewed", 16),
     "all_to_one_expert": (400, 2, 4, 64, 528, "one", 8),
     "dropped_routes": (257, 4, 6, 192, 160, "dropped", 8),
     "empty_experts": (200, 2, 9, 128, 256, "even_experts_only", 1),
+    "many_minibatches": (1500, 8, 16, 64, 256, "uniform", 8),
     "deepseek_v3_like": (1024, 8, 32, 7168, 1024, "uniform", 16),
 }
 
 
-def gather_case(tokens, topk, experts, k, two_ffn, routing, alignment, seed):
+def dispatch_case(tokens, topk, experts, k, two_ffn, routing, alignment, seed):
     from megatron_mok.schedule import build_schedule_from_gathered
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -209,22 +211,47 @@ def gather_case(tokens, topk, experts, k, two_ffn, routing, alignment, seed):
 
 
 @pytest.mark.parametrize("cluster_m,group_m", [(1, 16), (2, 16), (1, 1), (2, 6)])
-@pytest.mark.parametrize("case", list(GATHER_CASES))
-def test_gathered_gemm_equals_the_gemm_of_dispatched_rows(case, cluster_m, group_m):
-    schedule, x, w = gather_case(*GATHER_CASES[case], seed=zlib.crc32(case.encode()))
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_dispatching_gemm_equals_dispatch_then_gemm(case, cluster_m, group_m):
+    schedule, x, w = dispatch_case(*DISPATCH_CASES[case], seed=zlib.crc32(case.encode()))
     topk = schedule.topk
     end = int(schedule.expert_offsets[-1])
-    rows = ops.dispatch_rows(x, schedule.slot_to_route, topk)
-    want_gate_up, want_act = ops.expert_gemm_swiglu(rows, w, schedule.expert_offsets, cluster_m, group_m)
+    want_rows = ops.dispatch_rows(x, schedule.slot_to_route, topk)
+    want_gate_up, want_act = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets, cluster_m, group_m)
     poison_allocator()
-    gate_up, act = ops.gather_expert_gemm_swiglu(x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m)
-    assert gate_up.shape == want_gate_up.shape and act.shape == want_act.shape
+    rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
+        x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m
+    )
+    assert rows.shape == want_rows.shape and gate_up.shape == want_gate_up.shape and act.shape == want_act.shape
+    assert torch.equal(rows[:end], want_rows[:end])
     assert torch.equal(gate_up[:end], want_gate_up[:end]) and torch.equal(act[:end], want_act[:end])
-    # And against fp32 directly, so a shared mistake of both paths cannot pass.
-    ref, bound = fp32_reference_and_bound(rows, w, schedule.expert_offsets.tolist())
+    # And against fp32 directly, so a mistake shared by both paths cannot pass.
+    ref, bound = fp32_reference_and_bound(want_rows, w, schedule.expert_offsets.tolist())
     assert_within(gate_up[:end], ref, bound, "gate_up")
-    again = ops.gather_expert_gemm_swiglu(x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m)
-    assert torch.equal(again[0][:end], gate_up[:end]) and torch.equal(again[1][:end], act[:end])
+    again = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m)
+    for first, second in zip((rows, gate_up, act), again):
+        assert torch.equal(first[:end], second[:end])
+    assert ops.last_wait_timeout() is None
+
+
+def test_dispatching_gemm_beside_a_kernel_that_holds_sms():
+    """The dispatch chunks are claimed, not assigned, so the kernel must finish (and be right) when
+    another stream's kernel holds SMs and not all of its CTAs can start at once."""
+    schedule, x, w = dispatch_case(*DISPATCH_CASES["many_minibatches"], seed=13)
+    end = int(schedule.expert_offsets[-1])
+    want_rows = ops.dispatch_rows(x, schedule.slot_to_route, schedule.topk)
+    want = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets)
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    other = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(other):
+        for _ in range(4):
+            big @ big
+    got = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0][:end], want_rows[:end])
+    assert torch.equal(got[1][:end], want[0][:end]) and torch.equal(got[2][:end], want[1][:end])
+    assert ops.last_wait_timeout() is None
 
 
 @pytest.mark.parametrize("group_m", [1, 2, 5, 16, 64])
@@ -236,7 +263,7 @@ def test_raster_group_does_not_change_the_result(group_m):
     assert torch.equal(ops.expert_gemm(a, w, offsets, 1, group_m)[:end], want)
 
 
-GATHER_BAD = [
+DISPATCH_BAD = [
     ("slot_to_route int32", lambda x, s, w, o: (x, s.int(), 4, w, o), "slot_to_route must be a contiguous int64"),
     ("slot_to_route 2-D", lambda x, s, w, o: (x, s.view(-1, 1), 4, w, o), "slot_to_route must be a contiguous int64"),
     ("topk 0", lambda x, s, w, o: (x, s, 0, w, o), "topk must be positive"),
@@ -246,8 +273,8 @@ GATHER_BAD = [
 ]
 
 
-@pytest.mark.parametrize("case,change,fragment", GATHER_BAD, ids=[b[0] for b in GATHER_BAD])
-def test_gathered_gemm_bad_input_is_a_clear_error(case, change, fragment):
-    schedule, x, w = gather_case(*GATHER_CASES["uniform"], seed=12)
+@pytest.mark.parametrize("case,change,fragment", DISPATCH_BAD, ids=[b[0] for b in DISPATCH_BAD])
+def test_dispatching_gemm_bad_input_is_a_clear_error(case, change, fragment):
+    schedule, x, w = dispatch_case(*DISPATCH_CASES["uniform"], seed=12)
     with pytest.raises(RuntimeError, match=fragment):
-        ops.gather_expert_gemm_swiglu(*change(x, schedule.slot_to_route, w, schedule.expert_offsets))
+        ops.dispatch_expert_gemm_swiglu(*change(x, schedule.slot_to_route, w, schedule.expert_offsets))
