@@ -243,7 +243,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
                   slot_to_route.scalar_type() == at::kLong && slot_to_route.dim() == 1,
               kOp, ": slot_to_route must be a contiguous int64 (rows,) tensor on x's device, got ",
               sizes_str(slot_to_route), " ", c10::toString(slot_to_route.scalar_type()));
-  TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31), kOp, ": more than 2^31 rows");
+  // (Minibatch bounds are computed in 32 bits on the device.)
+  TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31) - kDispatchMinibatchRows, kOp, ": more than 2^31 rows");
   TORCH_CHECK(topk > 0 && topk < (int64_t(1) << 31), kOp, ": topk must be positive, got ", std::to_string(topk));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, kOp, ": x must be 16-byte aligned");
   const int64_t num_rows = slot_to_route.numel();

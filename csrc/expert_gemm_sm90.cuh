@@ -435,7 +435,9 @@ __device__ __forceinline__ void wait_for_dispatched_rows(const ExpertGemmParams&
   using Tile = ExpertGemmTile;
   if (c.rows <= 0) return;
   const ExpertGemmDispatch& d = p.dispatch;
-  const int last = (c.row0 + c.rows - 1) / d.minibatch_rows;
+  // (Clamped: offsets past the rows are a caller's bug the op does not check on the device; they
+  // must not send this wait past the counters.)
+  const int last = min((c.row0 + c.rows - 1) / d.minibatch_rows, d.num_minibatches - 1);
   if (last < ready) return;
   const int rows_end = min(p.num_rows, max(0, __ldg(p.expert_offsets + p.num_experts)));
   for (; ready <= last; ++ready) {

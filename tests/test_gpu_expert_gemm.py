@@ -278,3 +278,42 @@ def test_dispatching_gemm_bad_input_is_a_clear_error(case, change, fragment):
     schedule, x, w = dispatch_case(*DISPATCH_CASES["uniform"], seed=12)
     with pytest.raises(RuntimeError, match=fragment):
         ops.dispatch_expert_gemm_swiglu(*change(x, schedule.slot_to_route, w, schedule.expert_offsets))
+
+
+_FIRST_CALL_IN_CAPTURE = r"""
+import torch
+from megatron_mok import ops
+from megatron_mok.schedule import build_schedule_from_gathered
+
+torch.manual_seed(0)
+ids = torch.rand(300, 6, device="cuda").topk(4, dim=1).indices
+schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=6, segment_alignment=8)
+x = torch.randn(300, 256, device="cuda").bfloat16()
+w1 = (torch.randn(6, 320, 256, device="cuda") / 16).bfloat16()
+w2 = (torch.randn(6, 256, 160, device="cuda") / 16).bfloat16()
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # the extension's first launches happen while capturing
+    rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, 4, w1, schedule.expert_offsets)
+    out = ops.expert_gemm(act, w2, schedule.expert_offsets)
+graph.replay()
+torch.cuda.synchronize()
+end = int(schedule.expert_offsets[-1])
+want_rows = ops.dispatch_rows(x, schedule.slot_to_route, 4)
+want_gate_up, want_act = ops.expert_gemm_swiglu(want_rows, w1, schedule.expert_offsets)
+assert torch.equal(rows[:end], want_rows[:end]) and torch.equal(act[:end], want_act[:end])
+assert torch.equal(out[:end], ops.expert_gemm(want_act, w2, schedule.expert_offsets)[:end])
+print("ok")
+"""
+
+
+def test_first_call_inside_a_graph_capture():
+    """The ops' one-time host work (tensor-map encoder lookup, function attributes, occupancy query,
+    the timeout record) must not break a capture that makes the process's first launch."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", _FIRST_CALL_IN_CAPTURE], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
