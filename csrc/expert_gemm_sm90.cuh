@@ -355,6 +355,19 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
+// The rows the dispatch writes: those below the last segment's end (no tile stores a row past it).
+// Row indices fit in 32 bits (the op checks rows < 2^31).
+__device__ __forceinline__ int dispatched_rows_end(const ExpertGemmParams& p) {
+  return min(p.num_rows, max(0, __ldg(p.expert_offsets + p.num_experts)));
+}
+
+// Chunks of minibatch m: its rows below rows_end, in kDispatchChunkRows-row pieces.
+__device__ __forceinline__ int minibatch_chunks(const ExpertGemmDispatch& d, int m, int rows_end) {
+  const int begin = m * d.minibatch_rows;
+  const int end = min(begin + d.minibatch_rows, rows_end);
+  return end > begin ? (end - begin + ExpertGemmTile::kDispatchChunkRows - 1) / ExpertGemmTile::kDispatchChunkRows : 0;
+}
+
 // Copies one dispatched row (`units` 16-byte units; zeros when src is null) with the 64 dispatch
 // threads, four loads in flight per thread.
 __device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int units, int g) {
@@ -384,8 +397,7 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
   using Tile = ExpertGemmTile;
   constexpr int kDispatchBarrier = 3;  // named barriers 1 and 2 are the consumers'
   const ExpertGemmDispatch& d = p.dispatch;
-  // Row indices fit in 32 bits (the op checks rows < 2^31).
-  const int rows_end = min(p.num_rows, max(0, __ldg(p.expert_offsets + p.num_experts)));
+  const int rows_end = dispatched_rows_end(p);
   const int units = p.k / 8;
   const auto* x = static_cast<const uint4*>(d.x);
   auto* rows = static_cast<uint4*>(d.rows);
@@ -393,7 +405,7 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
   for (int m = 0; m < d.num_minibatches; ++m) {
     const int begin = m * d.minibatch_rows;
     const int end = min(begin + d.minibatch_rows, rows_end);
-    const int chunks = end > begin ? (end - begin + Tile::kDispatchChunkRows - 1) / Tile::kDispatchChunkRows : 0;
+    const int chunks = minibatch_chunks(d, m, rows_end);
     while (true) {
       if (g == 0) *claimed = atomicAdd(d.counters + m, 1);
       sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
@@ -432,19 +444,16 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
 // always, and waiting in order costs nothing otherwise.
 __device__ __forceinline__ void wait_for_dispatched_rows(const ExpertGemmParams& p, const TileCoord& c, int& ready,
                                                          sm90::WaitWatch* watch) {
-  using Tile = ExpertGemmTile;
   if (c.rows <= 0) return;
   const ExpertGemmDispatch& d = p.dispatch;
   // (Clamped: offsets past the rows are a caller's bug the op does not check on the device; they
   // must not send this wait past the counters.)
   const int last = min((c.row0 + c.rows - 1) / d.minibatch_rows, d.num_minibatches - 1);
   if (last < ready) return;
-  const int rows_end = min(p.num_rows, max(0, __ldg(p.expert_offsets + p.num_experts)));
+  const int rows_end = dispatched_rows_end(p);
   for (; ready <= last; ++ready) {
-    const int begin = ready * d.minibatch_rows;
-    const int end = min(begin + d.minibatch_rows, rows_end);
-    const int chunks = end > begin ? (end - begin + Tile::kDispatchChunkRows - 1) / Tile::kDispatchChunkRows : 0;
-    sm90::wait_counter_at_least(d.counters + d.num_minibatches + ready, chunks, kWaitDispatchedRows, watch);
+    sm90::wait_counter_at_least(d.counters + d.num_minibatches + ready, minibatch_chunks(d, ready, rows_end),
+                                kWaitDispatchedRows, watch);
   }
   sm90::fence_proxy_async_global();
 }
