@@ -7,8 +7,9 @@ For each shape (a uniform random top-k routing through the real schedule) three 
   sm90 kernel in which dispatch warps hand minibatches of rows to the GEMM through ready counters;
 - gate_up+swiglu: the same from already-dispatched rows (mok: SwiGLU in the GEMM's epilogue);
 - down.
-Each mok column is one (cluster size, raster group) setting. Prints ms and TFLOP/s (2 * routed rows
-* N * K) beside a dense cuBLAS bf16 GEMM of the same run.
+Each mok column is one (cluster size, raster group) setting. torch and every setting are timed in
+turn, rep by rep (timing.median_ms_interleaved), so drift during the run does not favour the first.
+Prints ms and TFLOP/s (2 * routed rows * N * K) beside a dense cuBLAS bf16 GEMM of the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import dense_gemm_tflops, median_ms  # noqa: E402
+from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
 from megatron_mok import build_schedule, ops  # noqa: E402
 from megatron_mok.kernels import grouped_mm_gate_up, segment_matmul  # noqa: E402
@@ -92,10 +93,13 @@ def main() -> None:
         }
         for label in args.projections.split(","):
             torch_fn, mok_fn, flops = cases[label]
-            ms_torch = median_ms(torch_fn, sets)
+            fns = {"torch": torch_fn}
+            fns.update({(c, g): (lambda s, c=c, g=g: mok_fn(s, c, g)) for c, g in settings})
+            ms_by = median_ms_interleaved(fns, sets)
+            ms_torch = ms_by["torch"]
             cells = []
             for c, g in settings:
-                ms = median_ms(lambda s: mok_fn(s, c, g), sets)
+                ms = ms_by[(c, g)]
                 cells.append(f"{ms:10.3f} {flops / ms / 1e9:7.0f} {ms_torch / ms:5.2f}")
             print(f"{name:<16} {label:<24} {ms_torch:9.3f} {flops / ms_torch / 1e9:8.0f} " + " ".join(cells), flush=True)
         del sets

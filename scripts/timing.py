@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -12,19 +12,30 @@ _L2_FLUSH_BYTES = 256 * 1024 * 1024  # several times the H200's 60 MB L2
 
 def median_ms(fn: Callable[[object], object], inputs: Sequence[object], warmup: int = 3, reps: int = 10) -> float:
     """Median time of fn(input) in ms, cycling through `inputs`, L2 flushed before each rep."""
+    return median_ms_interleaved({None: fn}, inputs, warmup, reps)[None]
+
+
+def median_ms_interleaved(
+    fns: Mapping[Hashable, Callable[[object], object]], inputs: Sequence[object], warmup: int = 3, reps: int = 10
+) -> dict:
+    """Median time in ms of each of `fns` on the same inputs, their reps taken in turn (rep i of
+    every function before rep i + 1 of any): clock and temperature drift over the run then falls on
+    all of them alike instead of on whichever ran last. L2 flushed before each rep."""
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for i in range(warmup):
-        fn(inputs[i % len(inputs)])
-    times = []
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(inputs[i % len(inputs)])
+    times = {name: [] for name in fns}
     for i in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(inputs[i % len(inputs)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(inputs[i % len(inputs)])
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def peak_memory_mb(fn: Callable[[object], object], arg: object) -> float:
