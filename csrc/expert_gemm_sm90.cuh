@@ -368,8 +368,15 @@ __device__ __forceinline__ int minibatch_chunks(const ExpertGemmDispatch& d, int
   return end > begin ? (end - begin + ExpertGemmTile::kDispatchChunkRows - 1) / ExpertGemmTile::kDispatchChunkRows : 0;
 }
 
+// The token whose row x holds for dispatched row `row`, or -1 (padding, or a route past x).
+__device__ __forceinline__ int64_t dispatched_token(const ExpertGemmDispatch& d, int row) {
+  const int64_t route = d.slot_to_route[row];
+  const int64_t token = route >= 0 ? route / d.topk : -1;
+  return token < d.x_rows ? token : -1;
+}
+
 // Copies one dispatched row (`units` 16-byte units; zeros when src is null) with the 64 dispatch
-// threads, four loads in flight per thread.
+// threads, unrolled four deep (at the producer's 40 registers ptxas keeps two loads in flight).
 __device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int units, int g) {
   constexpr int kThreads = ExpertGemmTile::kDispatchThreads, kUnroll = 4;
   for (int u0 = g; u0 < units; u0 += kUnroll * kThreads) {
@@ -417,15 +424,12 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
       // Every source row of the chunk in flight to L2 at once; the copy below then reads from L2
       // (64 threads with a few loads each in flight could not keep DRAM busy on their own).
       if (g < last - first) {
-        const int64_t route = d.slot_to_route[first + g];
-        const int64_t token = route >= 0 ? route / d.topk : -1;
-        if (token >= 0 && token < d.x_rows) sm90::prefetch_l2_bulk(x + token * units, uint32_t(units) * 16);
+        const int64_t token = dispatched_token(d, first + g);
+        if (token >= 0) sm90::prefetch_l2_bulk(x + token * units, uint32_t(units) * 16);
       }
       for (int row = first; row < last; ++row) {
-        const int64_t route = d.slot_to_route[row];
-        const int64_t token = route >= 0 ? route / d.topk : -1;
-        const bool valid = token >= 0 && token < d.x_rows;
-        copy_row(valid ? x + token * units : nullptr, rows + int64_t(row) * units, units, g);
+        const int64_t token = dispatched_token(d, row);
+        copy_row(token >= 0 ? x + token * units : nullptr, rows + int64_t(row) * units, units, g);
       }
       // Other SMs read these rows with TMA (async proxy) once the chunk is counted.
       sm90::fence_proxy_async_global();
