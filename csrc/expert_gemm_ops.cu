@@ -16,6 +16,7 @@
 
 #include "device_info.h"
 #include "expert_gemm_sm90.cuh"
+#include "expert_wgrad_sm90.cuh"
 #include "mok_params.h"
 #include "tensor_map.h"
 
@@ -79,8 +80,11 @@ std::string sizes_str(const at::Tensor& t) {
 
 // Checks shared by the ops (`op` names the op in messages, `a_name` its A operand); returns (num_experts, weight rows per
 // expert). Runs under the op's CUDAGuard (the shared-memory limit is the device's of `a`).
+// weight_mn_major: weight is (experts, K, N) (the dgrad GEMMs) instead of (experts, N, K).
 std::pair<int64_t, int64_t> check_expert_gemm(const char* op, const char* a_name, const at::Tensor& a, const at::Tensor& weight,
-                                              const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m) {
+                                              const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m,
+                                              bool weight_mn_major = false) {
+  const int k_dim = weight_mn_major ? 1 : 2, n_dim = weight_mn_major ? 2 : 1;
   const std::string prefix = std::string(op) + ": ";
   TORCH_CHECK(cluster_m == 1 || cluster_m == 2, prefix, "cluster_m must be 1 or 2, got ", std::to_string(cluster_m));
   TORCH_CHECK(group_m >= cluster_m && group_m % cluster_m == 0 && group_m <= 1024, prefix,
@@ -92,9 +96,9 @@ std::pair<int64_t, int64_t> check_expert_gemm(const char* op, const char* a_name
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, prefix, a_name,
               " and weight must be bfloat16, got ", c10::toString(a.scalar_type()), " and ",
               c10::toString(weight.scalar_type()));
-  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3 && weight.size(2) == a.size(1), prefix, a_name,
-              " must be (rows, K) and weight (experts, N, K) with the same K; got ", sizes_str(a), " and ",
-              sizes_str(weight));
+  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3 && weight.size(k_dim) == a.size(1), prefix, a_name,
+              " must be (rows, K) and weight ", weight_mn_major ? "(experts, K, N)" : "(experts, N, K)",
+              " with the same K; got ", sizes_str(a), " and ", sizes_str(weight));
   TORCH_CHECK(weight.size(0) > 0, prefix, "weight must hold at least one expert, got ", sizes_str(weight));
   TORCH_CHECK(expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 &&
                   expert_offsets.numel() == weight.size(0) + 1,
@@ -102,27 +106,32 @@ std::pair<int64_t, int64_t> check_expert_gemm(const char* op, const char* a_name
               c10::toString(expert_offsets.scalar_type()));
   TORCH_CHECK(a.size(1) > 0 && a.size(1) % 8 == 0, prefix, "K must be a positive multiple of 8, got ",
               std::to_string(a.size(1)));
-  TORCH_CHECK(weight.size(1) % 8 == 0 && weight.size(1) > 0, prefix, "N must be a positive multiple of 8, got ",
-              std::to_string(weight.size(1)));
+  TORCH_CHECK(weight.size(n_dim) % 8 == 0 && weight.size(n_dim) > 0, prefix, "N must be a positive multiple of 8, got ",
+              std::to_string(weight.size(n_dim)));
   TORCH_CHECK(a.size(0) < (int64_t(1) << 31) && weight.size(0) * weight.size(1) < (int64_t(1) << 31), prefix,
               "more than 2^31 rows");
   TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), prefix,
               "this GPU has less shared memory per block than the kernel's ", std::to_string(ExpertGemmTile::kSmemBytes),
               " bytes");
-  return {weight.size(0), weight.size(1)};
+  return {weight.size(0), weight.size(n_dim)};
 }
 
 // out: the store output or act; gate_up: the SwiGLU pre-activation (undefined for the store).
 // kDispatchA: `a` is the rows buffer the kernel itself fills (p.dispatch).
-template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA>
+// kTransB: weight is (experts, K, N), loaded MN-major through a 3-D map.
+template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA, bool kTransB = false>
 void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
                         const at::Tensor& gate_up, const ExpertGemmParams& p) {
   using Tile = ExpertGemmTile;
-  const CUtensorMap b_map = bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k,
-                                                  p.k, Tile::kN / 2, "weight");
+  const CUtensorMap b_map =
+      kTransB ? bf16_tensor_map_3d_sw128(weight.data_ptr(), p.num_experts, p.k, p.n_out, Tile::kK, "weight")
+              : bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k, p.k,
+                                      Tile::kN / 2, "weight");
   const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
+  // (The SwiGLU-backward epilogue writes grad_gate_up, rows of 2 n_out, with plain stores.)
+  const int64_t out_stride = kEpilogue == GemmEpilogue::kSwigluBackward ? 2 * int64_t(p.n_out) : p.n_out;
   const CUtensorMap out_map =
-      bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, p.n_out, Tile::kStoreBox, "out");
+      bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, out_stride, Tile::kStoreBox, "out");
   CUtensorMap gate_map = out_map, up_map = out_map;
   if constexpr (kEpilogue == GemmEpilogue::kSwiglu) {
     // The two halves of each gate_up row as matrices of their own, so a box never spills over
@@ -136,7 +145,7 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertGemmParams params = p;
   params.timeout_record = timeout_record(stream);
-  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA>;
+  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA, kTransB>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
   // Enough clusters for the most cluster tiles any routing can make, at most as many as fit on the
@@ -265,6 +274,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   return {rows, gate_up, act};
 }
 
+// The dgrad GEMMs: out = a @ weight[e] for the rows of segment e, weight (experts, K, N) as stored
+// (fc2 for d act, fc1 for d rows), no transposed copy.
+at::Tensor expert_gemm_dgrad(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& expert_offsets,
+                             int64_t group_m) {
+  constexpr const char* kOp = "expert_gemm_dgrad";
+  TORCH_CHECK(a.is_cuda(), kOp, ": a must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [num_experts, n] = check_expert_gemm(kOp, "a", a, weight, expert_offsets, 1, group_m, true);
+  auto out = at::empty({a.size(0), n}, a.options());
+  if (a.size(0) == 0) return out;
+  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, weight.size(1), a.size(1), group_m);
+  p.out = out.data_ptr();
+  launch_expert_gemm<GemmEpilogue::kStore, 1, false, true>(a, weight, out, at::Tensor(), p);
+  return out;
+}
+
+// The dgrad of the down projection with the SwiGLU backward in its epilogue: grad_gate_up =
+// swiglu_backward(gate_up, grad_out @ fc2[e]) for the rows of segment e; grad_act itself is never
+// written. fc2 (experts, H, F) as stored.
+at::Tensor expert_gemm_dgrad_swiglu(const at::Tensor& grad_out, const at::Tensor& fc2, const at::Tensor& expert_offsets,
+                                    const at::Tensor& gate_up, int64_t group_m) {
+  constexpr const char* kOp = "expert_gemm_dgrad_swiglu";
+  TORCH_CHECK(grad_out.is_cuda(), kOp, ": grad_out must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  const auto [num_experts, ffn] = check_expert_gemm(kOp, "grad_out", grad_out, fc2, expert_offsets, 1, group_m, true);
+  TORCH_CHECK(gate_up.is_cuda() && gate_up.is_contiguous() && gate_up.device() == grad_out.device() &&
+                  gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(0) == grad_out.size(0) &&
+                  gate_up.size(1) == 2 * ffn,
+              kOp, ": gate_up must be a contiguous bfloat16 (rows, 2F) tensor beside grad_out, got ", sizes_str(gate_up));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(gate_up.data_ptr()) % 16 == 0, kOp,
+              ": gate_up must be 16-byte aligned (the epilogue reads it in 16-byte chunks)");
+  auto grad_gate_up = at::empty({grad_out.size(0), 2 * ffn}, grad_out.options());
+  if (grad_out.size(0) == 0) return grad_gate_up;
+  ExpertGemmParams p =
+      make_params(expert_offsets, num_experts, grad_out.size(0), ffn, fc2.size(1), grad_out.size(1), group_m);
+  p.out = grad_gate_up.data_ptr();
+  p.gate_up = const_cast<void*>(gate_up.data_ptr());  // read by the epilogue
+  launch_expert_gemm<GemmEpilogue::kSwigluBackward, 1, false, true>(grad_out, fc2, grad_gate_up, at::Tensor(), p);
+  return grad_gate_up;
+}
+
+// Weight gradients per expert: out[e] = grad[rows of e]^T @ inputs[rows of e], (experts, m, n),
+// tokens as the reduction dimension in row order (bitwise reproducible); zeros for an expert with
+// no rows. grad (rows, m) and inputs (rows, n) as stored.
+at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, const at::Tensor& expert_offsets) {
+  constexpr const char* kOp = "expert_gemm_wgrad";
+  TORCH_CHECK(grad.is_cuda(), kOp, ": grad must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  for (auto [t, name] : {std::pair{&grad, "grad"}, std::pair{&inputs, "inputs"}, std::pair{&expert_offsets, "expert_offsets"}}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == grad.device(), kOp, ": ", name,
+                " must be a contiguous CUDA tensor on grad's device");
+  }
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && inputs.scalar_type() == at::kBFloat16, kOp,
+              ": grad and inputs must be bfloat16, got ", c10::toString(grad.scalar_type()), " and ",
+              c10::toString(inputs.scalar_type()));
+  TORCH_CHECK(grad.dim() == 2 && inputs.dim() == 2 && grad.size(0) == inputs.size(0), kOp,
+              ": grad (rows, m) and inputs (rows, n) must have the same rows, got ", sizes_str(grad), " and ",
+              sizes_str(inputs));
+  TORCH_CHECK(grad.size(1) > 0 && grad.size(1) % 8 == 0 && inputs.size(1) > 0 && inputs.size(1) % 8 == 0, kOp,
+              ": m and n must be positive multiples of 8, got ", std::to_string(grad.size(1)), " and ",
+              std::to_string(inputs.size(1)));
+  TORCH_CHECK(expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 && expert_offsets.numel() >= 2, kOp,
+              ": expert_offsets must be int32 (experts + 1,) with at least one expert, got ", sizes_str(expert_offsets));
+  const int64_t experts = expert_offsets.numel() - 1, m = grad.size(1), n = inputs.size(1), rows = grad.size(0);
+  TORCH_CHECK(rows < (int64_t(1) << 31) && experts * m < (int64_t(1) << 31), kOp, ": more than 2^31 rows");
+  TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
+              ": this GPU has less shared memory per block than the kernel's ", std::to_string(ExpertGemmTile::kSmemBytes),
+              " bytes");
+  if (rows == 0) return at::zeros({experts, m, n}, grad.options());
+  auto out = at::empty({experts, m, n}, grad.options());
+  using Tile = ExpertGemmTile;
+  const CUtensorMap grad_map = bf16_tensor_map_sw128(grad.data_ptr(), rows, m, m, Tile::kK, "grad");
+  const CUtensorMap inputs_map = bf16_tensor_map_sw128(inputs.data_ptr(), rows, n, n, Tile::kK, "inputs");
+  const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), experts * m, n, n, Tile::kStoreBox, "out");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  ExpertWgradParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), int32_t(experts), int32_t(rows), int32_t(m),
+                      int32_t(n), timeout_record(stream)};
+  C10_CUDA_CHECK(cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(Tile::kSmemBytes)));
+  const int64_t tiles = experts * ((m + Tile::kM - 1) / Tile::kM) * ((n + Tile::kN - 1) / Tile::kN);
+  const int grid = int(std::min<int64_t>(tiles, multiprocessor_count()));  // one CTA per SM (shared memory)
+  expert_wgrad_kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(grad_map, inputs_map, out_map, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
@@ -275,6 +370,11 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "dispatch_expert_gemm_swiglu(Tensor x, Tensor slot_to_route, int topk, Tensor weight, Tensor expert_offsets, "
       "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");
+  m.def("expert_gemm_dgrad(Tensor a, Tensor weight, Tensor expert_offsets, int group_m) -> Tensor");
+  m.def(
+      "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "
+      "Tensor");
+  m.def("expert_gemm_wgrad(Tensor grad, Tensor inputs, Tensor expert_offsets) -> Tensor");
   m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
 }
 
@@ -282,6 +382,9 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm", &expert_gemm);
   m.impl("expert_gemm_swiglu", &expert_gemm_swiglu);
   m.impl("dispatch_expert_gemm_swiglu", &dispatch_expert_gemm_swiglu);
+  m.impl("expert_gemm_dgrad", &expert_gemm_dgrad);
+  m.impl("expert_gemm_dgrad_swiglu", &expert_gemm_dgrad_swiglu);
+  m.impl("expert_gemm_wgrad", &expert_gemm_wgrad);
 }
 
 }  // namespace mok

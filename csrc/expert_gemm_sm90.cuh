@@ -59,7 +59,10 @@
 
 namespace mok {
 
-enum class GemmEpilogue { kStore, kSwiglu };
+// kStore: out = the product. kSwiglu (gate/up forward): the product is gate_up; writes gate_up and
+// act = silu(gate) * up. kSwigluBackward (dgrad of down): the product is grad_act; reads gate_up
+// and writes grad_gate_up = swiglu_backward(gate_up, grad_act) (never grad_act itself).
+enum class GemmEpilogue { kStore, kSwiglu, kSwigluBackward };
 
 struct ExpertGemmTile {
   static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
@@ -90,6 +93,9 @@ struct ExpertGemmTile {
   static constexpr uint32_t kABytes = kM * kK * 2;
   static constexpr uint32_t kBHalfBytes = (kN / 2) * kK * 2;
   static constexpr uint32_t kBBytes = kN * kK * 2;
+  // MN-major B (the dgrad GEMMs: weight stored (K, N), N contiguous): four TMA boxes of 64 N x 64 K,
+  // each K row 128 bytes, the boxes kBBoxBytes apart along N.
+  static constexpr uint32_t kBBoxBytes = 64 * kK * 2;
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
   static constexpr int kStoreBox = 64;  // TMA store boxes: 64 rows x 64 bf16 columns
   static constexpr uint32_t kStoreBoxBytes = kStoreBox * kStoreBox * 2;
@@ -204,6 +210,20 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int q) {
     for (int t = 0; t < 4; ++t) w[t] = source == t ? got : w[t];
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// d gate and d up of a pair of columns, from grad_act rounded to bf16 (so the result is exactly
+// swiglu_backward_kernel(gate_up, grad_act)) and the gate and up pairs read from gate_up.
+__device__ __forceinline__ void swiglu_backward_pair(uint32_t grad_act, uint32_t gate, uint32_t up, uint32_t& grad_gate,
+                                                     uint32_t& grad_up) {
+  const __nv_bfloat162 d = *reinterpret_cast<const __nv_bfloat162*>(&grad_act);
+  const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&gate);
+  const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&up);
+  float dg[2], du[2];
+  swiglu_backward_value(__low2float(g), __low2float(u), __low2float(d), dg[0], du[0]);
+  swiglu_backward_value(__high2float(g), __high2float(u), __high2float(d), dg[1], du[1]);
+  grad_gate = pack_bf16x2(dg[0], dg[1]);
+  grad_up = pack_bf16x2(du[0], du[1]);
 }
 
 struct EpilogueMaps {
@@ -341,6 +361,50 @@ __device__ __forceinline__ void store_rows_staged(const uint32_t (&packed)[64], 
   }
 }
 
+// The SwiGLU-backward epilogue (dgrad of down): grad_gate_up = swiglu_backward(gate_up, grad_act)
+// for the warpgroup's rows inside the segment. Per 128 columns the rounded grad_act goes through
+// the staging buffer, so each thread then takes whole 16-byte chunks of a row: grad_act from shared
+// memory, gate and up with 16-byte loads, d gate and d up with 16-byte stores (16 threads cover
+// 256 contiguous bytes of a row). Rows past the segment or the rows, and columns past n_out, are
+// neither read nor written.
+__device__ __forceinline__ void swiglu_backward_epilogue(const uint32_t (&packed)[64], const TileCoord& c,
+                                                         const ExpertGemmParams& p, StagingRing& ring, int consumer,
+                                                         int thread) {
+  using Tile = ExpertGemmTile;
+  constexpr int kChunksPerRow = 128 / 8;
+  const auto* gate_up = static_cast<const __nv_bfloat16*>(p.gate_up);
+  auto* grad_gate_up = static_cast<__nv_bfloat16*>(p.out);
+  const int64_t row_stride = 2 * int64_t(p.n_out);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint8_t* staging = ring.acquire();  // also: every thread is done with the previous half's block
+    stage_columns(staging, thread, 4 * half, [&](int j, int h) { return packed[2 * j + h]; });
+    sm90::named_barrier_sync(1 + consumer, 128);
+#pragma unroll 2
+    for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
+      const int chunk = thread + 128 * i;
+      const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
+      const int64_t row = int64_t(c.row0) + 64 * consumer + r;
+      const int col = c.n0 + 128 * half + 8 * cc;
+      if (64 * consumer + r >= c.rows || row >= p.num_rows || col >= p.n_out) continue;
+      const int box = cc / 8, box_chunk = cc % 8;
+      const uint4 d = *reinterpret_cast<const uint4*>(staging + box * Tile::kStoreBoxBytes + r * 128 +
+                                                      ((box_chunk ^ (r & 7)) << 4));
+      const auto* source = gate_up + row * row_stride + col;
+      const uint4 g = __ldg(reinterpret_cast<const uint4*>(source));
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(source + p.n_out));
+      uint4 dg, du;
+      swiglu_backward_pair(d.x, g.x, u.x, dg.x, du.x);
+      swiglu_backward_pair(d.y, g.y, u.y, dg.y, du.y);
+      swiglu_backward_pair(d.z, g.z, u.z, dg.z, du.z);
+      swiglu_backward_pair(d.w, g.w, u.w, dg.w, du.w);
+      auto* target = grad_gate_up + row * row_stride + col;
+      *reinterpret_cast<uint4*>(target) = dg;
+      *reinterpret_cast<uint4*>(target + p.n_out) = du;
+    }
+  }
+}
+
 // Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
 enum ExpertGemmWait : int { kWaitFreeStage = 0, kWaitLoadedStage = 1, kWaitDispatchedRows = 2 };
 
@@ -464,12 +528,16 @@ __device__ __forceinline__ void wait_for_dispatched_rows(const ExpertGemmParams&
 
 // kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast (see the file comment).
 // kDispatchA: the kernel also dispatches A's rows (p.dispatch) and loads each tile's once they are written.
-template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA>
+// kTransB: B is MN-major, (experts, K, N) with N contiguous, through a 3-D tensor map (the dgrad
+// GEMMs: d act = d out . fc2[e], d rows = d gate_up . fc1[e]); clusters of 1 only.
+template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA, bool kTransB = false>
 __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap gate_map,
                        const __grid_constant__ CUtensorMap up_map, const ExpertGemmParams p) {
   using Tile = ExpertGemmTile;
+  static_assert(!kTransB || (kClusterM == 1 && !kDispatchA && kEpilogue != GemmEpilogue::kSwiglu),
+                "MN-major B: the dgrad GEMMs, clusters of 1");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + Tile::kSwizzleAlign - 1) & ~uintptr_t(Tile::kSwizzleAlign - 1));
@@ -532,7 +600,13 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
         sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
         sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
         uint8_t* b = b_stages + stage * Tile::kBBytes;
-        if constexpr (kClusterM == 1) {
+        if constexpr (kTransB) {
+          // Boxes of 64 N x 64 K at (n, k, expert); K rows past the expert's are zeros.
+#pragma unroll
+          for (int j = 0; j < Tile::kN / 64; ++j) {
+            sm90::tma_load_3d(b + j * Tile::kBBoxBytes, &b_map, &full[stage], c.n0 + 64 * j, kb * Tile::kK, c.expert);
+          }
+        } else if constexpr (kClusterM == 1) {
           const int b_row_second = b_row + (kEpilogue == GemmEpilogue::kSwiglu ? p.n_out : Tile::kN / 2);
           sm90::tma_load_2d(b, &b_map, &full[stage], kb * Tile::kK, b_row);
           sm90::tma_load_2d(b + Tile::kBHalfBytes, &b_map, &full[stage], kb * Tile::kK, b_row_second);
@@ -575,13 +649,17 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     for (int kb = 0; kb < k_blocks; ++kb) {
       sm90::mbarrier_wait(&full[stage], phase, kWaitLoadedStage, watch);
       const uint64_t a_desc = sm90::smem_descriptor_sw128(a_stages + stage * Tile::kABytes + consumer * 64 * 128);
-      const uint64_t b_desc = sm90::smem_descriptor_sw128(b_stages + stage * Tile::kBBytes);
+      const uint64_t b_desc = kTransB ? sm90::smem_descriptor_sw128_mn(b_stages + stage * Tile::kBBytes, Tile::kBBoxBytes)
+                                      : sm90::smem_descriptor_sw128(b_stages + stage * Tile::kBBytes);
+      // +16 K per wgmma, in 16-byte descriptor units: 32 bytes inside a K-major row, 16 rows of
+      // 128 bytes in an MN-major box.
+      constexpr uint64_t kBStep = kTransB ? 2048 / 16 : 2;
       sm90::wgmma_fence();
       sm90::fence_accumulators(acc);
 #pragma unroll
       for (int kk = 0; kk < Tile::kK / 16; ++kk) {
         // +32 bytes (2 in descriptor units) per 16 elements of K inside the swizzled row.
-        sm90::wgmma_m64n256k16_bf16(acc, a_desc + 2 * kk, b_desc + 2 * kk, (kb | kk) != 0);
+        sm90::wgmma_m64n256k16_bf16<kTransB ? 1 : 0>(acc, a_desc + 2 * kk, b_desc + kBStep * kk, (kb | kk) != 0);
       }
       sm90::wgmma_commit_group();
       sm90::fence_accumulators(acc);
@@ -605,7 +683,9 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
-    if (c.rows >= 64 * (consumer + 1)) {
+    if constexpr (kEpilogue == GemmEpilogue::kSwigluBackward) {
+      if (c.rows > 64 * consumer) swiglu_backward_epilogue(packed, c, p, staging, consumer, thread);
+    } else if (c.rows >= 64 * (consumer + 1)) {
       store_rows_staged<kEpilogue>(packed, c, maps, staging, consumer, thread);
     } else if (c.rows > 64 * consumer) {
       store_rows_direct<kEpilogue>(packed, c, p, consumer, thread);

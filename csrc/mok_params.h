@@ -79,7 +79,7 @@ struct WaitTimeoutRecord {
   int block;
 };
 
-enum WaitingKernel : int { kExpertGemmKernel = 0 };
+enum WaitingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1 };
 
 // Grouped GEMM over the schedule's expert segments (expert_gemm_sm90.cuh): for each row r of
 // expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with
@@ -109,7 +109,7 @@ struct ExpertGemmDispatch {
 struct ExpertGemmParams {
   const int32_t* expert_offsets;  // (num_experts + 1,) on the device
   void* out;                      // store: (num_rows, n_out); swiglu: act (num_rows, n_out)
-  void* gate_up;                  // swiglu: (num_rows, 2 * n_out); store: null
+  void* gate_up;                  // swiglu: out (num_rows, 2 * n_out); swiglu backward: in, same shape; store: null
   int32_t num_experts;
   int32_t num_rows;
   int32_t n_out;          // output columns per expert
@@ -118,6 +118,20 @@ struct ExpertGemmParams {
   int32_t group_m;        // raster: m-tiles per group, m fastest inside (a multiple of the cluster size)
   ExpertGemmDispatch dispatch;  // used by the dispatching kernels only
   WaitTimeoutRecord* timeout_record;  // host-mapped; null: trap without a record
+};
+
+// Weight gradients per expert, tokens as the reduction dimension (expert_wgrad_sm90.cuh):
+// out[e] (m, n) = grad[rows of e]^T . inputs[rows of e], grad (num_rows, m) and inputs (num_rows, n)
+// reaching the kernel as TMA tensor maps; every element of out is written (zeros for an expert
+// with no rows).
+struct ExpertWgradParams {
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device
+  void* out;                      // (num_experts, m, n)
+  int32_t num_experts;
+  int32_t num_rows;
+  int32_t m;
+  int32_t n;
+  WaitTimeoutRecord* timeout_record;
 };
 
 }  // namespace mok

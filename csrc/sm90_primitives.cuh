@@ -197,6 +197,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// Loads the box at (c0, c1, c2) of a 3-D tensor map (c0 the contiguous dimension).
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                                            int32_t c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // The same box into the same shared-memory offset of every CTA in `cta_mask`, each completing on
 // its own barrier at `bar`'s offset: one L2 read feeds several SMs.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t col,
@@ -266,8 +276,24 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// wgmma.mma_async m64n256k16, bf16 x bf16 -> fp32, A and B K-major in shared memory.
+// Shared-memory matrix descriptor for an MN-major tile (N contiguous) written by TMA boxes of 64
+// MN-elements x K rows with 128-byte swizzle: each K row of a box is 128 bytes, 8-row atoms 1024 B
+// apart (stride byte offset), boxes `mn_block_bytes` apart along MN (leading byte offset). The
+// canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) of the PTX ISA. Advancing K by 16
+// elements adds 16 rows = 2048 bytes to the start.
+__device__ __forceinline__ uint64_t smem_descriptor_sw128_mn(const void* tile, uint32_t mn_block_bytes) {
+  const uint64_t addr = smem_u32(tile);
+  uint64_t desc = (addr & 0x3FFFF) >> 4;
+  desc |= uint64_t((mn_block_bytes >> 4) & 0x3FFF) << 16;  // leading byte offset: next 64 MN-elements
+  desc |= uint64_t(1024 >> 4) << 32;                         // stride byte offset: next 8 K rows
+  desc |= uint64_t(1) << 62;                                 // 128-byte swizzle
+  return desc;
+}
+
+// wgmma.mma_async m64n256k16, bf16 x bf16 -> fp32, A and B in shared memory, each K-major
+// (kTrans = 0) or MN-major (kTrans = 1).
 // d: this thread's 128 accumulators (layout in expert_gemm_sm90.cuh); scale_d = 0 zeroes them first.
+template <int kTransB = 0, int kTransA = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
       "{\n"
@@ -275,7 +301,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       "setp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n"
+      "%128, %129, p, 1, 1, %132, %131;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -293,7 +319,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));
 }
 
 // ---- register reallocation between warpgroups -------------------------------------------------

@@ -14,6 +14,16 @@ __device__ __forceinline__ float swiglu_value(float gate, float up) {
   return __fmul_rn(gate / (1.f + expf(-gate)), up);
 }
 
+// d gate and d up of one element in fp32, the one formula of every SwiGLU backward (the fused
+// dgrad epilogue too). Same association as the reference: (da * up) * (s + silu * (1 - s)).
+__device__ __forceinline__ void swiglu_backward_value(float gate, float up, float grad_act, float& grad_gate,
+                                                      float& grad_up) {
+  const float s = sigmoid(gate);
+  const float silu = __fmul_rn(gate, s);
+  grad_gate = __fmul_rn(__fmul_rn(grad_act, up), __fadd_rn(s, __fmul_rn(silu, __fsub_rn(1.f, s))));
+  grad_up = __fmul_rn(grad_act, silu);
+}
+
 template <typename T, int kVec>
 __global__ void swiglu_forward_kernel(const SwigluParams p) {
   using P = Pack<T, kVec>;
@@ -64,12 +74,10 @@ __global__ void swiglu_backward_kernel(const SwigluParams p) {
       P dg, du;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float x = to_float(g.v[j]), y = to_float(u.v[j]), da = to_float(d.v[j]);
-        const float s = sigmoid(x);
-        const float silu = __fmul_rn(x, s);
-        // Same association as the reference: (da * up) * (s + silu * (1 - s)).
-        dg.v[j] = from_float<T>(__fmul_rn(__fmul_rn(da, y), __fadd_rn(s, __fmul_rn(silu, __fsub_rn(1.f, s)))));
-        du.v[j] = from_float<T>(__fmul_rn(da, silu));
+        float grad_gate, grad_up;
+        swiglu_backward_value(to_float(g.v[j]), to_float(u.v[j]), to_float(d.v[j]), grad_gate, grad_up);
+        dg.v[j] = from_float<T>(grad_gate);
+        du.v[j] = from_float<T>(grad_up);
       }
       grad_gate[i] = dg;
       grad_up[i] = du;

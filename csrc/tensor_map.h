@@ -46,4 +46,25 @@ inline CUtensorMap bf16_tensor_map_sw128(const void* base, int64_t rows, int64_t
   return map;
 }
 
+// A (batches, rows, cols) bf16 tensor, contiguous, as a 3-D map with 64 x box_rows x 1 boxes and
+// 128-byte swizzle: a box never crosses into the next batch (rows past a batch's end are zeros).
+inline CUtensorMap bf16_tensor_map_3d_sw128(const void* base, int64_t batches, int64_t rows, int64_t cols,
+                                            uint32_t box_rows, const char* name) {
+  TORCH_CHECK(cols % 8 == 0, name, ": rows must be a multiple of 16 bytes for TMA, got ", std::to_string(cols),
+              " columns");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, name, " must start 16-byte aligned");
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(rows), cuuint64_t(batches)};
+  const cuuint64_t strides[2] = {cuuint64_t(cols) * 2, cuuint64_t(rows * cols) * 2};
+  const cuuint32_t box[3] = {64, box_rows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims,
+                                               strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for ", name, " (CUresult ",
+              std::to_string(int(result)), ")");
+  return map;
+}
+
 }  // namespace mok

@@ -31,6 +31,7 @@ class ForwardContext:
     schedule: Schedule
     workspace: Workspace
     backend: str
+    expert_gemm: str  # MoKConfig.expert_gemm: backward runs the same GEMM family as forward
     topk_ids: torch.Tensor  # (num_tokens, topk) int
     topk_weights: torch.Tensor  # (num_tokens, topk) float32
     x_all: torch.Tensor  # (num_ranks * num_tokens, hidden): the group's rows, re-pulled in backward
@@ -141,6 +142,7 @@ def forward(
         schedule=schedule,
         workspace=workspace,
         backend=backend,
+        expert_gemm=config.expert_gemm,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
         x_all=x_all,
@@ -192,25 +194,24 @@ def backward(
     grad_y = grad_y.to(ctx.x_all.dtype).contiguous()
     offsets = schedule.expert_offsets
 
-    stages = stages_for(ctx.backend)
+    stages = stages_for(ctx.backend, ctx.expert_gemm)
     topk = schedule.topk
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
     grad_slot_out = stages.pull_route_grads(grad_y, ctx.topk_weights, schedule, workspace)
-    act = ctx.act if ctx.act is not None else stages.swiglu(ctx.gate_up, offsets)
-    grad_act = stages.segment_matmul(grad_slot_out, fc2.transpose(1, 2), offsets)
-    grad_gate_up = stages.swiglu_backward(ctx.gate_up, grad_act, offsets)
+    grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, ctx.gate_up, offsets)
 
     d_x = None
     if need_input_grads:
-        grad_rows = stages.segment_matmul(grad_gate_up, fc1.transpose(1, 2), offsets)
+        grad_rows = stages.dgrad_rows(grad_gate_up, fc1, offsets)
         table = ref.return_rows_reference(grad_rows, schedule, workspace)
         d_x = stages.combine(table, ctx.route_index, None, topk, grad_y.dtype)
 
     d_fc1 = d_fc2 = None
     if need_weight_grads:
         rows = ctx.rows if ctx.rows is not None else stages.dispatch_rows(ctx.x_all, schedule)
+        act = ctx.act if ctx.act is not None else stages.swiglu(ctx.gate_up, offsets)
         d_fc1 = stages.segment_weight_grad(grad_gate_up, rows, offsets)
         d_fc2 = stages.segment_weight_grad(grad_slot_out, act, offsets)
     return Grads(x=d_x, topk_weights=d_weights, fc1=d_fc1, fc2=d_fc2)

@@ -1,15 +1,18 @@
-"""The kernel backend's stages (megatron_mok.ops over csrc/), in two tables that differ only in
-the forward's expert GEMMs (MoKConfig.expert_gemm):
+"""The kernel backend's stages (megatron_mok.ops over csrc/), in two tables that differ in the
+expert GEMMs (MoKConfig.expert_gemm):
 
 - SM90_KERNEL_STAGES: megatron_mok's persistent warp-specialized TMA + wgmma expert GEMM
   (csrc/expert_gemm_sm90.cuh): gate/up with the pull dispatch inside the same kernel (dispatch
-  warps hand minibatches of rows to the GEMM through ready counters) and SwiGLU in its epilogue,
-  and down;
-- GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernel.
+  warps hand minibatches of rows to the GEMM through ready counters) and SwiGLU in its epilogue;
+  down; and in backward the two dgrad GEMMs reading fc1 and fc2 as stored (MN-major B), the
+  down one with the SwiGLU backward in its epilogue;
+- GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernels.
 
-Both share the schedule kernel, the fixed-order fp32 combine, and
-the backward: the data-movement and SwiGLU kernels around torch's grouped GEMM for the products
-with transposed operands, which the sm90 GEMM does not take yet. Every reduction has a fixed order.
+  The weight gradients too (csrc/expert_wgrad_sm90.cuh: tokens as the reduction dimension, both
+  operands MN-major).
+
+Both share the schedule kernel, the fixed-order fp32 combine and the data-movement kernels of the
+backward. Every reduction has a fixed order.
 """
 
 from __future__ import annotations
@@ -58,8 +61,33 @@ def grouped_mm_dispatch_gate_up(
     return (rows, *grouped_mm_gate_up(rows, fc1, schedule.expert_offsets))
 
 
+def grouped_mm_dgrad_swiglu(
+    grad_out: torch.Tensor, fc2: torch.Tensor, gate_up: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    return ops.swiglu_backward(gate_up, segment_matmul(grad_out, fc2.transpose(1, 2), offsets), offsets)
+
+
+def grouped_mm_dgrad_rows(grad_gate_up: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return segment_matmul(grad_gate_up, fc1.transpose(1, 2), offsets)
+
+
+def dgrad_swiglu(grad_out: torch.Tensor, fc2: torch.Tensor, gate_up: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # The sm90 GEMM reads fc2 as stored (MN-major B) and applies the SwiGLU backward in its
+    # epilogue; grad_act never reaches global memory. Rows at or past offsets[-1] stay unwritten.
+    return ops.expert_gemm_dgrad_swiglu(grad_out, fc2.contiguous(), offsets, gate_up)
+
+
+def dgrad_rows(grad_gate_up: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return ops.expert_gemm_dgrad(grad_gate_up, fc1.contiguous(), offsets)
+
+
 def segment_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return _grouped_mm(grad_out.t(), inputs, offs=offsets[1:])
+
+
+def expert_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # Both operands as stored (MN-major), the segment's rows in order; zeros for an empty expert.
+    return ops.expert_gemm_wgrad(grad_out, inputs, offsets)
 
 
 def dispatch_rows(x_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
@@ -94,12 +122,19 @@ SM90_KERNEL_STAGES = Stages(
     segment_matmul=segment_matmul,
     swiglu=ops.swiglu_forward,
     swiglu_backward=ops.swiglu_backward,
-    segment_weight_grad=segment_weight_grad,
+    segment_weight_grad=expert_weight_grad,
+    dgrad_swiglu=dgrad_swiglu,
+    dgrad_rows=dgrad_rows,
     combine=combine,
     pull_route_grads=pull_route_grads,
     route_weight_grads=route_weight_grads,
 )
 
 GROUPED_MM_KERNEL_STAGES = dataclasses.replace(
-    SM90_KERNEL_STAGES, dispatch_gate_up=grouped_mm_dispatch_gate_up, expert_down=segment_matmul
+    SM90_KERNEL_STAGES,
+    dispatch_gate_up=grouped_mm_dispatch_gate_up,
+    expert_down=segment_matmul,
+    segment_weight_grad=segment_weight_grad,
+    dgrad_swiglu=grouped_mm_dgrad_swiglu,
+    dgrad_rows=grouped_mm_dgrad_rows,
 )

@@ -30,6 +30,8 @@ WAIT_NAMES = {
     (0, 0): "expert GEMM producer waiting for a free pipeline stage (empty barrier)",
     (0, 1): "expert GEMM consumer waiting for a loaded pipeline stage (full barrier)",
     (0, 2): "expert GEMM producer waiting for a minibatch of dispatched rows (ready counter)",
+    (1, 0): "expert weight-gradient producer waiting for a free pipeline stage (empty barrier)",
+    (1, 1): "expert weight-gradient consumer waiting for a loaded pipeline stage (full barrier)",
 }
 
 
@@ -69,6 +71,18 @@ if _LOAD_ERROR is None:
             x.new_empty((rows, weight.shape[1])),
             x.new_empty((rows, weight.shape[1] // 2)),
         )
+
+    @torch.library.register_fake("megatron_mok::expert_gemm_dgrad")
+    def _expert_gemm_dgrad_fake(a, weight, expert_offsets, group_m):
+        return a.new_empty((a.shape[0], weight.shape[2]))
+
+    @torch.library.register_fake("megatron_mok::expert_gemm_dgrad_swiglu")
+    def _expert_gemm_dgrad_swiglu_fake(grad_out, fc2, expert_offsets, gate_up, group_m):
+        return grad_out.new_empty((grad_out.shape[0], 2 * fc2.shape[2]))
+
+    @torch.library.register_fake("megatron_mok::expert_gemm_wgrad")
+    def _expert_gemm_wgrad_fake(grad, inputs, expert_offsets):
+        return grad.new_empty((expert_offsets.shape[0] - 1, grad.shape[1], inputs.shape[1]))
 
     @torch.library.register_fake("megatron_mok::build_schedule")
     def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment):
@@ -193,3 +207,33 @@ def dispatch_expert_gemm_swiglu(
     return torch.ops.megatron_mok.dispatch_expert_gemm_swiglu(
         x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m
     )
+
+
+def expert_gemm_dgrad(
+    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int = EXPERT_GEMM_GROUP_M
+) -> torch.Tensor:
+    """(rows, N): a[r] @ weight[e] for the rows r of segment e, weight (E, K, N) as stored (the dgrad
+    GEMMs: d rows = d gate_up @ fc1[e]); rows past the last segment are not written.
+    Ref: segment_matmul_reference(a, weight.transpose(1, 2), offsets)."""
+    return torch.ops.megatron_mok.expert_gemm_dgrad(a, weight, expert_offsets, group_m)
+
+
+def expert_gemm_dgrad_swiglu(
+    grad_out: torch.Tensor,
+    fc2: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    group_m: int = EXPERT_GEMM_GROUP_M,
+) -> torch.Tensor:
+    """(rows, 2F) d gate_up = swiglu_backward(gate_up, grad_out[r] @ fc2[e]) for the rows r of segment
+    e, grad_act rounded to bf16 first (as the unfused pipeline does) and never written; fc2 (E, H, F)
+    as stored. Rows past the last segment are not written. Ref: swiglu_backward_reference over
+    segment_matmul_reference(grad_out, fc2.transpose(1, 2), offsets)."""
+    return torch.ops.megatron_mok.expert_gemm_dgrad_swiglu(grad_out, fc2, expert_offsets, gate_up, group_m)
+
+
+def expert_gemm_wgrad(grad: torch.Tensor, inputs: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """(E, m, n): grad[rows of e].T @ inputs[rows of e] per expert, tokens as the reduction dimension
+    in row order (bitwise reproducible), zeros for an expert with no rows; grad (rows, m) and inputs
+    (rows, n) bf16. Ref: segment_weight_grad_reference."""
+    return torch.ops.megatron_mok.expert_gemm_wgrad(grad, inputs, expert_offsets)

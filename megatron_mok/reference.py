@@ -231,3 +231,17 @@ def route_weight_grads_reference(
     route_rows = gather_route_rows_reference(table, index, topk)
     grads = torch.einsum("th,tkh->tk", grad_y.float(), route_rows.float())
     return torch.where(index.view(-1, topk) >= 0, grads, 0.0)
+
+
+def dgrad_swiglu_reference(
+    grad_out: torch.Tensor, fc2: torch.Tensor, gate_up: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """d gate_up (capacity, 2F) from d out (capacity, H): the down projection's dgrad, grad_act =
+    grad_out @ fc2[e] per segment (rounded like every matmul stage), then the SwiGLU backward."""
+    grad_act = segment_matmul_reference(grad_out, fc2.transpose(1, 2), offsets)
+    return swiglu_backward_reference(gate_up, grad_act, offsets)
+
+
+def dgrad_rows_reference(grad_gate_up: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """d rows (capacity, H) = d gate_up @ fc1[e] per segment: the gate/up projection's dgrad."""
+    return segment_matmul_reference(grad_gate_up, fc1.transpose(1, 2), offsets)

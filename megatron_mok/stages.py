@@ -12,6 +12,8 @@ the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
     swiglu(gate_up, offsets) -> act (capacity, F)
     swiglu_backward(gate_up, grad_act, offsets) -> grad_gate_up (capacity, 2F)
     segment_weight_grad(grad_out, inputs, offsets) -> (E, N, K)
+    dgrad_swiglu(grad_out, fc2 (E, H, F), gate_up, offsets) -> grad_gate_up (capacity, 2F)
+    dgrad_rows(grad_gate_up, fc1 (E, 2F, H), offsets) -> grad_rows (capacity, H)
     combine(table, index, topk_weights | None, topk, dtype) -> (T, H) in dtype
     pull_route_grads(grad_y, topk_weights, schedule, workspace) -> (capacity, H)
     route_weight_grads(grad_y, table, index, topk) -> (T, K) float32
@@ -40,6 +42,8 @@ class Stages:
     swiglu: Callable
     swiglu_backward: Callable
     segment_weight_grad: Callable
+    dgrad_swiglu: Callable
+    dgrad_rows: Callable
     combine: Callable
     pull_route_grads: Callable
     route_weight_grads: Callable
@@ -53,6 +57,8 @@ REFERENCE_STAGES = Stages(
     swiglu=reference.swiglu_reference,
     swiglu_backward=reference.swiglu_backward_reference,
     segment_weight_grad=reference.segment_weight_grad_reference,
+    dgrad_swiglu=reference.dgrad_swiglu_reference,
+    dgrad_rows=reference.dgrad_rows_reference,
     combine=reference.combine_reference,
     pull_route_grads=reference.pull_route_grads_reference,
     route_weight_grads=reference.route_weight_grads_reference,

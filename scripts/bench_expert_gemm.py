@@ -2,11 +2,14 @@
 
     python3 scripts/bench_expert_gemm.py [--clusters 1,2] [--group-m 16] [--shapes deepseek_v3_ep8,...]
 
-For each shape (a uniform random top-k routing through the real schedule) three projections:
+For each shape (a uniform random top-k routing through the real schedule), the projections:
 - dispatch+gate_up+swiglu: torch = the dispatch kernel, grouped_mm and the SwiGLU kernel; mok = one
   sm90 kernel in which dispatch warps hand minibatches of rows to the GEMM through ready counters;
 - gate_up+swiglu: the same from already-dispatched rows (mok: SwiGLU in the GEMM's epilogue);
-- down.
+- down;
+- dgrad_down+swiglu_bwd: d gate_up from d out (torch: grouped_mm with fc2 transposed + the SwiGLU
+  backward kernel; mok: one GEMM reading fc2 as stored, SwiGLU backward in its epilogue);
+- dgrad_gate_up: d rows = d gate_up @ fc1[e] (mok: fc1 as stored).
 Each mok column is one (cluster size, raster group) setting. torch and every setting are timed in
 turn, rep by rep (timing.median_ms_interleaved), so drift during the run does not favour the first.
 Prints ms and TFLOP/s (2 * routed rows * N * K) beside a dense cuBLAS bf16 GEMM of the same run.
@@ -25,7 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
 from megatron_mok import build_schedule, ops  # noqa: E402
-from megatron_mok.kernels import grouped_mm_gate_up, segment_matmul  # noqa: E402
+from megatron_mok.kernels import (  # noqa: E402
+    grouped_mm_dgrad_rows,
+    grouped_mm_dgrad_swiglu,
+    grouped_mm_gate_up,
+    segment_matmul,
+)
 
 # name: (tokens, hidden, ffn, experts, topk)
 SHAPES = {
@@ -47,6 +55,8 @@ def make_inputs(shape, seed):
         schedule=schedule,
         rows=ops.dispatch_rows(x, schedule.slot_to_route, k),
         act=torch.randn(rows, f, device="cuda", generator=gen).bfloat16(),
+        grad_out=torch.randn(rows, h, device="cuda", generator=gen).bfloat16(),
+        gate_up=torch.randn(rows, 2 * f, device="cuda", generator=gen).bfloat16(),
         fc1=(torch.randn(e, 2 * f, h, device="cuda", generator=gen) / h**0.5).bfloat16(),
         fc2=(torch.randn(e, h, f, device="cuda", generator=gen) / f**0.5).bfloat16(),
         offsets=schedule.expert_offsets,
@@ -58,7 +68,9 @@ def main() -> None:
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--group-m", default=str(ops.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--projections", default="dispatch+gate_up+swiglu,gate_up+swiglu,down")
+    parser.add_argument(
+        "--projections", default="dispatch+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up"
+    )
     args = parser.parse_args()
     settings = [
         (c, g)
@@ -89,6 +101,17 @@ def main() -> None:
                 lambda s: segment_matmul(s["act"], s["fc2"], s["offsets"]),
                 lambda s, c, g: ops.expert_gemm(s["act"], s["fc2"], s["offsets"], c, g),
                 2 * t * k * h * f,
+            ),
+            # Backward (the sm90 dgrad GEMMs take clusters of 1 only; c > 1 runs them the same).
+            "dgrad_down+swiglu_bwd": (
+                lambda s: grouped_mm_dgrad_swiglu(s["grad_out"], s["fc2"], s["gate_up"], s["offsets"]),
+                lambda s, c, g: ops.expert_gemm_dgrad_swiglu(s["grad_out"], s["fc2"], s["offsets"], s["gate_up"], g),
+                2 * t * k * h * f,
+            ),
+            "dgrad_gate_up": (
+                lambda s: grouped_mm_dgrad_rows(s["gate_up"], s["fc1"], s["offsets"]),
+                lambda s, c, g: ops.expert_gemm_dgrad(s["gate_up"], s["fc1"], s["offsets"], g),
+                2 * t * k * 2 * f * h,
             ),
         }
         for label in args.projections.split(","):

@@ -317,3 +317,92 @@ def test_first_call_inside_a_graph_capture():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-c", _FIRST_CALL_IN_CAPTURE], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+# The dgrad GEMMs take the weight as stored, (E, K, N) with N contiguous (MN-major B through a 3-D
+# tensor map and transposed wgmma): same bound as the forward GEMM against fp32.
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_gemm_dgrad_matches_fp32(case):
+    rows, k, n = CASES[case]
+    a, w, offsets, offsets_host = make_case(rows, k, n, seed=zlib.crc32(case.encode()) % 1000 + 2)
+    w_kn = w.transpose(1, 2).contiguous()  # (E, K, N): what fc1 and fc2 are for the dgrad products
+    poison_allocator()
+    out = ops.expert_gemm_dgrad(a, w_kn, offsets)
+    assert out.shape == (a.shape[0], n) and out.dtype == torch.bfloat16
+    ref, bound = fp32_reference_and_bound(a, w, offsets_host)
+    assert_within(out[: offsets_host[-1]], ref, bound, "out")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_gemm_dgrad_swiglu_equals_dgrad_then_swiglu_backward(case):
+    """d gate_up from the fused epilogue is the SwiGLU-backward kernel applied to the dgrad GEMM's
+    rounded output, bit for bit (same rounding, same formula)."""
+    rows, hidden, ffn = CASES[case]
+    grad_out, w, offsets, offsets_host = make_case(rows, hidden, ffn, seed=zlib.crc32(case.encode()) % 1000 + 3)
+    fc2 = w.transpose(1, 2).contiguous()  # (E, H, F)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    gate_up = torch.randn(grad_out.shape[0], 2 * ffn, device="cuda", generator=gen).bfloat16()
+    end = offsets_host[-1]
+    grad_act = ops.expert_gemm_dgrad(grad_out, fc2, offsets)
+    want = ops.swiglu_backward(gate_up, grad_act, offsets)
+    poison_allocator()
+    got = ops.expert_gemm_dgrad_swiglu(grad_out, fc2, offsets, gate_up)
+    assert got.shape == want.shape
+    assert torch.isfinite(got[:end]).all(), "unwritten elements"
+    assert torch.equal(got[:end], want[:end])
+
+
+def test_expert_gemm_dgrad_ops_registration_and_bad_input():
+    a, w, offsets, _ = make_case([10, 0, 20], 64, 64, seed=8)
+    w_kn = w.transpose(1, 2).contiguous()
+    gate_up = torch.randn(a.shape[0], 128, device="cuda").bfloat16()
+    calls = (
+        (torch.ops.megatron_mok.expert_gemm_dgrad.default, (a, w_kn, offsets, 4)),
+        (torch.ops.megatron_mok.expert_gemm_dgrad_swiglu.default, (a, w_kn, offsets, gate_up, 4)),
+    )
+    for op, args in calls:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match=r"weight \(experts, K, N\)"):
+        ops.expert_gemm_dgrad(a, w_kn[:, :32].contiguous(), offsets)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        ops.expert_gemm_dgrad_swiglu(a, w_kn, offsets, gate_up[:, :64].contiguous())
+    assert ops.last_wait_timeout() is None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_gemm_wgrad_matches_fp32(case):
+    """Weight gradients, tokens as the reduction dimension: each expert's rows only (the rows past
+    the last segment are NaN here, so a last K block that read past its segment would show), zeros
+    for an expert with no rows, bitwise reproducible."""
+    rows, m, n = CASES[case]
+    seed = zlib.crc32(case.encode()) % 1000 + 4
+    grad, _, offsets, offsets_host = make_case(rows, m, 8, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = torch.randn(grad.shape[0], n, device="cuda", generator=gen).bfloat16()
+    end = offsets_host[-1]
+    grad[end:] = float("nan")
+    inputs[end:] = float("nan")
+    poison_allocator()
+    out = ops.expert_gemm_wgrad(grad, inputs, offsets)
+    assert out.shape == (len(rows), m, n) and out.dtype == torch.bfloat16
+    for e in range(len(rows)):
+        lo, hi = offsets_host[e], offsets_host[e + 1]
+        g, x = grad[lo:hi].float(), inputs[lo:hi].float()
+        ref = g.T @ x
+        bound = 2.0**-8 * ref.abs() + max(hi - lo, 1) * 2.0**-23 * (g.abs().T @ x.abs())
+        assert_within(out[e], ref, bound, f"expert {e}")
+    assert torch.equal(ops.expert_gemm_wgrad(grad, inputs, offsets), out)
+    assert ops.last_wait_timeout() is None
+
+
+def test_expert_gemm_wgrad_registration_and_bad_input():
+    grad, _, offsets, _ = make_case([10, 0, 20], 64, 8, seed=9)
+    inputs = torch.randn(grad.shape[0], 128, device="cuda").bfloat16()
+    torch.library.opcheck(torch.ops.megatron_mok.expert_gemm_wgrad.default, (grad, inputs, offsets),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="same rows"):
+        ops.expert_gemm_wgrad(grad, inputs[:-1].contiguous(), offsets)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        ops.expert_gemm_wgrad(grad[:, :60].contiguous(), inputs, offsets)
+    with pytest.raises(RuntimeError, match="at least one expert"):
+        ops.expert_gemm_wgrad(grad, inputs, offsets[:1])
