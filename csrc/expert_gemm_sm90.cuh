@@ -253,14 +253,23 @@ __device__ __forceinline__ void for_each_chunk(int thread, int first_group, Pair
 }
 
 // Into the staging buffer: two 64 x 64 boxes with 128-byte swizzle, the layout the TMA store reads
-// (row r's 16-byte chunk c sits at chunk c ^ (r % 8), so a warp's writes spread over all banks).
+// (row r's 16-byte chunk c sits at chunk c ^ (r % 8), so the eight rows a stmatrix phase writes
+// spread over all banks). The accumulator fragment is the stmatrix fragment: the 8x8 matrix of
+// column group j, row half h is pair(j, h) in every lane, so one stmatrix.x4 writes groups j and
+// j + 1 of the warp's 16 rows, without shuffles. first_group counts 32-column blocks (0 or 4).
 template <typename PairFn>
 __device__ __forceinline__ void stage_columns(uint8_t* staging, int thread, int first_group, PairFn pair) {
-  for_each_chunk(thread, first_group, pair, [&](int r, int column, uint4 chunk) {
-    const int box = column / ExpertGemmTile::kStoreBox, column_chunk = (column % ExpertGemmTile::kStoreBox) / 8;
-    uint8_t* dst = staging + box * ExpertGemmTile::kStoreBoxBytes + r * 128 + ((column_chunk ^ (r & 7)) << 4);
-    *reinterpret_cast<uint4*>(dst) = chunk;
-  });
+  const int warp = thread / 32, lane = thread % 32;
+  const int matrix = lane / 8;  // the matrix whose row this lane addresses: (group + matrix / 2, half matrix % 2)
+  const int r = 16 * warp + 8 * (matrix % 2) + lane % 8;
+#pragma unroll
+  for (int g = 0; g < 16; g += 2) {
+    const int group = g + matrix / 2;  // 8-column group inside the 128 columns
+    const int box = group / 8, chunk = group % 8;
+    uint8_t* row_address = staging + box * ExpertGemmTile::kStoreBoxBytes + r * 128 + ((chunk ^ (r & 7)) << 4);
+    const int j = 4 * first_group + g;
+    sm90::stmatrix_x4(row_address, pair(j, 0), pair(j, 1), pair(j + 1, 0), pair(j + 1, 1));
+  }
 }
 
 // Straight to global memory, masked to the rows inside the segment and the columns < n_out: the

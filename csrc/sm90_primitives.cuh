@@ -241,6 +241,15 @@ __device__ __forceinline__ void bulk_wait_read() {
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Orders this thread's generic shared-memory writes before later async-proxy (TMA) reads.
+// Four 8x8 bf16 matrices from the mma accumulator fragment (lane l holds row l / 4, columns
+// 2 * (l % 4) + {0, 1} of matrix i in r_i) to shared memory; lane 8 * i + j gives the address of
+// matrix i's row j (16 contiguous bytes), so any row swizzle is the caller's addressing.
+__device__ __forceinline__ void stmatrix_x4(void* row_address, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(row_address)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A barrier for the `threads` threads (whole warps) that use this id; 0 is __syncthreads'.

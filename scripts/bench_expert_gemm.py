@@ -9,7 +9,9 @@ For each shape (a uniform random top-k routing through the real schedule), the p
 - down;
 - dgrad_down+swiglu_bwd: d gate_up from d out (torch: grouped_mm with fc2 transposed + the SwiGLU
   backward kernel; mok: one GEMM reading fc2 as stored, SwiGLU backward in its epilogue);
-- dgrad_gate_up: d rows = d gate_up @ fc1[e] (mok: fc1 as stored).
+- dgrad_gate_up: d rows = d gate_up @ fc1[e] (mok: fc1 as stored);
+- wgrad_gate_up / wgrad_down: d fc1[e] = d gate_up[e].T @ rows[e], d fc2[e] = d out[e].T @ act[e]
+  (tokens as the reduction dimension; torch: grouped_mm with the offsets on K).
 Each mok column is one (cluster size, raster group) setting. torch and every setting are timed in
 turn, rep by rep (timing.median_ms_interleaved), so drift during the run does not favour the first.
 Prints ms and TFLOP/s (2 * routed rows * N * K) beside a dense cuBLAS bf16 GEMM of the same run.
@@ -33,6 +35,7 @@ from megatron_mok.kernels import (  # noqa: E402
     grouped_mm_dgrad_swiglu,
     grouped_mm_gate_up,
     segment_matmul,
+    segment_weight_grad,
 )
 
 # name: (tokens, hidden, ffn, experts, topk)
@@ -69,7 +72,7 @@ def main() -> None:
     parser.add_argument("--group-m", default=str(ops.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument(
-        "--projections", default="dispatch+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up"
+        "--projections", default="dispatch+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up,wgrad_gate_up,wgrad_down"
     )
     args = parser.parse_args()
     settings = [
@@ -112,6 +115,16 @@ def main() -> None:
                 lambda s: grouped_mm_dgrad_rows(s["gate_up"], s["fc1"], s["offsets"]),
                 lambda s, c, g: ops.expert_gemm_dgrad(s["gate_up"], s["fc1"], s["offsets"], g),
                 2 * t * k * 2 * f * h,
+            ),
+            "wgrad_gate_up": (
+                lambda s: segment_weight_grad(s["gate_up"], s["rows"], s["offsets"]),
+                lambda s, c, g: ops.expert_gemm_wgrad(s["gate_up"], s["rows"], s["offsets"]),
+                2 * t * k * 2 * f * h,
+            ),
+            "wgrad_down": (
+                lambda s: segment_weight_grad(s["grad_out"], s["act"], s["offsets"]),
+                lambda s, c, g: ops.expert_gemm_wgrad(s["grad_out"], s["act"], s["offsets"]),
+                2 * t * k * h * f,
             ),
         }
         for label in args.projections.split(","):
