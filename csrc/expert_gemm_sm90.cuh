@@ -389,7 +389,8 @@ __device__ __forceinline__ void swiglu_backward_epilogue(const uint32_t (&packed
     uint8_t* staging = ring.acquire();  // also: every thread is done with the previous half's block
     stage_columns(staging, thread, 4 * half, [&](int j, int h) { return packed[2 * j + h]; });
     sm90::named_barrier_sync(1 + consumer, 128);
-#pragma unroll 2
+    // Unrolled: all eight chunks' gate and up loads in flight at once.
+#pragma unroll
     for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
       const int chunk = thread + 128 * i;
       const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
@@ -412,6 +413,18 @@ __device__ __forceinline__ void swiglu_backward_epilogue(const uint32_t (&packed
       *reinterpret_cast<uint4*>(target + p.n_out) = du;
     }
   }
+}
+
+// The SwiGLU-backward epilogue reads the tile's gate and up values: row r of the warpgroup's 64
+// starts fetching its two spans into L2 when the tile starts, so they arrive during the mainloop
+// instead of stalling the epilogue on DRAM.
+__device__ __forceinline__ void prefetch_gate_up_row(const TileCoord& c, const ExpertGemmParams& p, int consumer, int r) {
+  const int64_t row = int64_t(c.row0) + 64 * consumer + r;
+  if (64 * consumer + r >= c.rows || row < 0 || row >= p.num_rows) return;
+  const auto* gate = static_cast<const __nv_bfloat16*>(p.gate_up) + row * 2 * int64_t(p.n_out) + c.n0;
+  const uint32_t bytes = uint32_t(min(ExpertGemmTile::kN, p.n_out - c.n0)) * 2;  // n_out % 8 == 0
+  sm90::prefetch_l2_bulk(gate, bytes);
+  sm90::prefetch_l2_bulk(gate + p.n_out, bytes);
 }
 
 // Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
@@ -655,6 +668,9 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     // the previous tile's accumulators alive through its epilogue.
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    if constexpr (kEpilogue == GemmEpilogue::kSwigluBackward) {
+      if (thread < 64) prefetch_gate_up_row(c, p, consumer, thread);
+    }
     for (int kb = 0; kb < k_blocks; ++kb) {
       sm90::mbarrier_wait(&full[stage], phase, kWaitLoadedStage, watch);
       const uint64_t a_desc = sm90::smem_descriptor_sw128(a_stages + stage * Tile::kABytes + consumer * 64 * 128);

@@ -7,8 +7,8 @@ from typing import Literal
 
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel")
-ExpertGemm = Literal["grouped_mm", "sm90"]
-EXPERT_GEMMS: tuple[str, ...] = ("grouped_mm", "sm90")
+ExpertGemm = Literal["auto", "grouped_mm", "sm90"]
+EXPERT_GEMMS: tuple[str, ...] = ("auto", "grouped_mm", "sm90")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +22,15 @@ class MoKConfig:
         segment_alignment: every local expert's segment of the schedule is padded to a
             multiple of this many rows (padding rows are marked -1). 1 for the reference;
             kernels set their M tile so a tile never straddles two experts.
-        expert_gemm: which GEMM runs the kernel backend's forward expert projections:
-            "grouped_mm", the dispatch kernel, torch's grouped GEMM (CUTLASS) and the SwiGLU
-            kernel; or "sm90", megatron_mok's persistent warp-specialized TMA + wgmma kernel that
-            also runs the dispatch (handed over minibatch by minibatch) and fuses SwiGLU into its
-            epilogue (csrc/expert_gemm_sm90.cuh). The default is the faster of the two as
-            measured on the H200 (docs/performance.md); both give results within the same bound.
+        expert_gemm: which GEMMs run the kernel backend's expert projections, forward and
+            backward: "grouped_mm", the dispatch kernel, torch's grouped GEMM (CUTLASS) and the
+            SwiGLU kernels; "sm90", megatron_mok's persistent warp-specialized TMA + wgmma
+            kernels (csrc/expert_gemm_sm90.cuh, csrc/expert_wgrad_sm90.cuh): gate/up with the
+            dispatch inside (handed over minibatch by minibatch) and SwiGLU in its epilogue, down,
+            the dgrads reading the weights as stored (SwiGLU backward in the down dgrad's
+            epilogue) and the weight gradients; "auto" (the default), per projection the one
+            measured faster on the H200 (megatron_mok/kernels.py AUTO_KERNEL_STAGES,
+            docs/performance.md). All give results within the same bound, bitwise reproducible.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA the check is a device-side assert
             (`torch._assert_async`), because a host-side check would synchronize.
@@ -36,7 +39,7 @@ class MoKConfig:
     backend: Backend = "auto"
     segment_alignment: int = 1
     check_expert_ids: bool = True
-    expert_gemm: ExpertGemm = "grouped_mm"
+    expert_gemm: ExpertGemm = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

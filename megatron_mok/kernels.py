@@ -1,4 +1,4 @@
-"""The kernel backend's stages (megatron_mok.ops over csrc/), in two tables that differ in the
+"""The kernel backend's stages (megatron_mok.ops over csrc/), in three tables that differ in the
 expert GEMMs (MoKConfig.expert_gemm):
 
 - SM90_KERNEL_STAGES: megatron_mok's persistent warp-specialized TMA + wgmma expert GEMM
@@ -6,10 +6,11 @@ expert GEMMs (MoKConfig.expert_gemm):
   warps hand minibatches of rows to the GEMM through ready counters) and SwiGLU in its epilogue;
   down; and in backward the two dgrad GEMMs reading fc1 and fc2 as stored (MN-major B), the
   down one with the SwiGLU backward in its epilogue;
-- GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernels.
-
   The weight gradients too (csrc/expert_wgrad_sm90.cuh: tokens as the reduction dimension, both
-  operands MN-major).
+  operands MN-major);
+- GROUPED_MM_KERNEL_STAGES: torch's grouped GEMM (CUTLASS on sm90) and the SwiGLU kernels;
+- AUTO_KERNEL_STAGES (the default): per projection the faster of the two on the H200, measured
+  on the same inputs in one run by scripts/bench_expert_gemm.py (docs/performance.md).
 
 Both share the schedule kernel, the fixed-order fp32 combine and the data-movement kernels of the
 backward. Every reduction has a fixed order.
@@ -138,3 +139,16 @@ GROUPED_MM_KERNEL_STAGES = dataclasses.replace(
     dgrad_swiglu=grouped_mm_dgrad_swiglu,
     dgrad_rows=grouped_mm_dgrad_rows,
 )
+
+# bench_expert_gemm on 1xH200 (docs/performance.md, 2026-11-29, mok / torch on the DeepSeek-V3,
+# (8192, 4096, 1536) and Qwen3-30B shapes): down 1.05-1.08x, dgrad of gate/up 1.03-1.07x, weight
+# gradients 1.03-1.10x; torch's CUTLASS is ahead on gate/up (with the dispatch: 0.84-0.99x, from
+# dispatched rows 0.88-1.00x) and on the down dgrad with the SwiGLU backward (0.84-0.95x).
+AUTO_KERNEL_STAGES = dataclasses.replace(
+    GROUPED_MM_KERNEL_STAGES,
+    expert_down=expert_down,
+    dgrad_rows=dgrad_rows,
+    segment_weight_grad=expert_weight_grad,
+)
+
+KERNEL_STAGES = {"auto": AUTO_KERNEL_STAGES, "grouped_mm": GROUPED_MM_KERNEL_STAGES, "sm90": SM90_KERNEL_STAGES}

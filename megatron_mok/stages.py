@@ -65,12 +65,15 @@ REFERENCE_STAGES = Stages(
 )
 
 
-def stages_for(backend: str, expert_gemm: str = "grouped_mm") -> Stages:
-    """The stage table of a backend; expert_gemm picks the kernel backend's forward GEMM."""
+def stages_for(backend: str, expert_gemm: str = "auto") -> Stages:
+    """The stage table of a backend; expert_gemm (MoKConfig.expert_gemm) picks the kernel
+    backend's expert GEMMs."""
     if backend == "reference":
         return REFERENCE_STAGES
     if backend == "kernel":
-        from megatron_mok.kernels import GROUPED_MM_KERNEL_STAGES, SM90_KERNEL_STAGES
+        from megatron_mok.kernels import KERNEL_STAGES
 
-        return SM90_KERNEL_STAGES if expert_gemm == "sm90" else GROUPED_MM_KERNEL_STAGES
+        if expert_gemm not in KERNEL_STAGES:
+            raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(KERNEL_STAGES)}")
+        return KERNEL_STAGES[expert_gemm]
     raise ValueError(f"unknown backend {backend!r}")

@@ -146,6 +146,7 @@ def forward_errors(s) -> dict:
         for label, cfg in (
             ("mok_kernel", C(backend="kernel")),
             ("mok_kernel_sm90", C(backend="kernel", expert_gemm="sm90")),
+            ("mok_kernel_grouped_mm", C(backend="kernel", expert_gemm="grouped_mm")),
             ("bf16_reference", C(backend="reference")),
         ):
             y = mok_moe(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"], config=cfg).float()
@@ -161,6 +162,7 @@ def bench_shape(name, shape, results, progress):
         "pytorch": pytorch_pipeline,
         "mok_kernel": mok_layer(MoKConfig(backend="kernel")),
         "mok_kernel_sm90": mok_layer(MoKConfig(backend="kernel", expert_gemm="sm90")),
+        "mok_kernel_grouped_mm": mok_layer(MoKConfig(backend="kernel", expert_gemm="grouped_mm")),
         "mok_reference": mok_layer(MoKConfig(backend="reference")),
     }
     row = {"shape": name, "T": t, "H": h, "F": f, "E": e, "K": k}
@@ -203,7 +205,7 @@ def bench_shape(name, shape, results, progress):
             fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9, peak_mb=peak_memory_mb(mfwd_bwd, hidden_sets[0]),
         )
         del layer
-    row["kernel_stages_ms"] = {gemm: kernel_forward_stage_ms(sets[0], gemm) for gemm in ("grouped_mm", "sm90")}
+    row["kernel_stages_ms"] = {gemm: kernel_forward_stage_ms(sets[0], gemm) for gemm in ("auto", "grouped_mm", "sm90")}
     row["forward_error"] = forward_errors(sets[0])
     results.append(row)
     del sets
@@ -243,18 +245,22 @@ def main() -> None:
 
     _print_details(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print(f"{'shape':<12} {'method':<18} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
+    print(f"{'shape':<12} {'method':<22} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
-        for label in ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_sm90", "mok_kernel"):
+        for label in METHOD_LABELS:
             r = row.get(label)
             if r is None:
-                print(f"{row['shape']:<12} {label:<18} {'n/a: ' + str(row.get('megatron_experts')):>40}")
+                print(f"{row['shape']:<12} {label:<22} {'n/a: ' + str(row.get('megatron_experts')):>40}")
                 continue
             print(
-                f"{row['shape']:<12} {label:<18} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
+                f"{row['shape']:<12} {label:<22} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
                 f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
             )
+
+
+# mok_kernel is the default configuration (expert_gemm="auto"); the other two force one GEMM family.
+METHOD_LABELS = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_grouped_mm", "mok_kernel_sm90", "mok_kernel")
 
 
 def _print_details(results):
@@ -266,9 +272,10 @@ def _print_details(results):
     print("forward error vs fp32 reference (||y - y32|| / ||y32||):")
     for row in results:
         e = row["forward_error"]
-        print(f"  {row['shape']:<12} kernel {e['mok_kernel']:.3e} (ratio {e['mok_kernel'] / e['bf16_reference']:.3f})  "
-              f"kernel sm90 {e['mok_kernel_sm90']:.3e} (ratio {e['mok_kernel_sm90'] / e['bf16_reference']:.3f})  "
-              f"bf16 reference {e['bf16_reference']:.3e}")
+        kernels = "  ".join(
+            f"{label} {e[label]:.3e} (ratio {e[label] / e['bf16_reference']:.3f})" for label in e if label != "bf16_reference"
+        )
+        print(f"  {row['shape']:<12} {kernels}  bf16 reference {e['bf16_reference']:.3e}")
 
 
 def _plot(results, dense, path):
@@ -279,15 +286,15 @@ def _plot(results, dense, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    labels = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_sm90", "mok_kernel")
+    labels = METHOD_LABELS
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward + backward")):
-        width = 0.16
+        width = 0.8 / len(labels)
         for i, label in enumerate(labels):
             values = [row[label][key] if row.get(label) else 0 for row in results]
             ax.bar([j + i * width for j in range(len(results))], values, width, label=label)
         ax.axhline(dense, color="k", linestyle="--", label="dense bf16 GEMM")
-        ax.set_xticks([j + 2 * width for j in range(len(results))], [r["shape"] for r in results])
+        ax.set_xticks([j + (len(labels) - 1) / 2 * width for j in range(len(results))], [r["shape"] for r in results])
         ax.set_ylabel("effective TFLOP/s")
         ax.set_title(title)
     axes[0].legend(fontsize=8)

@@ -84,7 +84,7 @@ def run(config: MoKConfig, x, ids, w, fc1, fc2, grad, dtype=None):
 KERNEL = MoKConfig(backend="kernel")
 REFERENCE = MoKConfig(backend="reference")
 # The kernel backend with each forward expert GEMM (MoKConfig.expert_gemm).
-KERNELS = {gemm: MoKConfig(backend="kernel", expert_gemm=gemm) for gemm in ("grouped_mm", "sm90")}
+KERNELS = {gemm: MoKConfig(backend="kernel", expert_gemm=gemm) for gemm in ("auto", "grouped_mm", "sm90")}
 
 
 @pytest.mark.parametrize("expert_gemm", list(KERNELS))

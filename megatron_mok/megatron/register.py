@@ -42,9 +42,10 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument(
         "--mok-expert-gemm",
         choices=EXPERT_GEMMS,
-        default="grouped_mm",
-        help="GEMM of the kernel backend's forward expert projections: grouped_mm (torch's CUTLASS "
-        "grouped GEMM + SwiGLU kernel) or sm90 (megatron_mok's TMA + wgmma kernel, SwiGLU fused).",
+        default="auto",
+        help="GEMMs of the kernel backend's expert projections, forward and backward: sm90 "
+        "(megatron_mok's TMA + wgmma kernels, SwiGLU fused), grouped_mm (torch's CUTLASS grouped GEMM "
+        "+ SwiGLU kernels), or auto (per projection the one measured faster on the H200).",
     )
     return parser
 
