@@ -211,22 +211,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const 
   auto route_to_slot = at::empty({num_routes}, long_options);
   auto counts = at::empty({num_local_experts}, int_options);
   auto offsets = at::empty({num_local_experts + 1}, int_options);
+  const int blocks = schedule_blocks(num_routes);
+  auto block_counts = at::empty({blocks, num_local_experts}, int_options);
   ScheduleParams p{topk_ids_all.data_ptr(), slot_to_route.data_ptr<int64_t>(), route_to_slot.data_ptr<int64_t>(),
-                   counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), num_routes, capacity,
-                   num_local_experts, alignment, static_cast<int>(rank)};
-  const size_t smem = (size_t(kScheduleWarps) * num_local_experts + num_local_experts + 1) * sizeof(int);
-  auto launch = [&](auto kernel) {
+                   counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), block_counts.data_ptr<int32_t>(),
+                   num_routes, capacity, num_local_experts, alignment, static_cast<int>(rank)};
+  const size_t count_smem = size_t(num_local_experts) * sizeof(int);
+  const size_t place_smem = (size_t(kScheduleWarps) * num_local_experts + 2 * num_local_experts + 1) * sizeof(int);
+  TORCH_CHECK(place_smem <= size_t(max_shared_memory_per_block_optin()),
+              "build_schedule: num_local_experts=", std::to_string(num_local_experts),
+              " needs more shared memory per block than the device has (at most ~1700 local experts)");
+  auto launch = [&](auto kernel, size_t smem) {
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     }
-    kernel<<<1, kScheduleWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+    kernel<<<blocks, kScheduleWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (topk_ids_all.scalar_type() == at::kLong) {
-    launch(build_schedule_kernel<int64_t>);
+    launch(count_routes_kernel<int64_t>, count_smem);
+    launch(place_routes_kernel<int64_t>, place_smem);
   } else {
-    launch(build_schedule_kernel<int32_t>);
+    launch(count_routes_kernel<int32_t>, count_smem);
+    launch(place_routes_kernel<int32_t>, place_smem);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {slot_to_route, route_to_slot, counts, offsets};
 }
 

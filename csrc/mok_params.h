@@ -63,6 +63,7 @@ struct ScheduleParams {
   int64_t* route_to_slot;   // (num_routes,) row per route owned here, `capacity` otherwise
   int32_t* expert_counts;   // (num_local_experts,)
   int32_t* expert_offsets;  // (num_local_experts + 1,)
+  int32_t* block_counts;    // (schedule blocks, num_local_experts) scratch: routes per block and expert
   int64_t num_routes;
   int64_t capacity;
   int64_t num_local_experts;

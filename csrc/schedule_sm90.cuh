@@ -1,15 +1,21 @@
-// The MoK schedule on the device, in one single-block launch (reference: megatron_mok/schedule.py).
+// The MoK schedule on the device, in two launches over many blocks (reference:
+// megatron_mok/schedule.py).
 //
 // Routes (src_rank, token, k) are numbered route = (src_rank * num_tokens + token) * topk + k.
 // Rows of local expert e are rows [offsets[e], offsets[e+1]); inside a segment, routes keep their
 // route order (stable), and segments are padded to `alignment` rows marked -1.
 //
-// Determinism without a sort: warp w owns the contiguous route range [w*chunk, (w+1)*chunk).
-//   pass 1: each warp counts its range per expert (integer atomics on its own smem row: the
-//           totals do not depend on the order of the additions);
-//   scan:   base[w][e] = offsets[e] + sum of counts[w' < w][e]  (fixed loops);
-//   pass 2: each warp walks its range 32 routes at a time; a route's place among equal experts
-//           inside the 32 is popc(match_any(expert) & lanes-below), so ranges and lanes keep order.
+// Determinism without a sort: block b owns the contiguous route range [b*chunk, (b+1)*chunk), and
+// warp w of a block the w-th contiguous part of it.
+//   count_routes_kernel: each block counts its range per expert (integer atomics in shared memory:
+//           the totals do not depend on the order of the additions) into block_counts[b][e], and
+//           the grid marks every row padding (-1);
+//   place_routes_kernel: each block sums block_counts over all blocks (expert totals, padded
+//           offsets) and over the blocks before it (its first row per expert), counts its warps'
+//           parts per expert, scans them (fixed loops), then each warp walks its part 32 routes at
+//           a time; a route's place among equal experts inside the 32 is
+//           popc(match_any(expert) & lanes-below), so blocks, warps and lanes keep route order.
+// (One block doing everything took 80-200 us on an H200 for 65-131k routes: one SM's loads.)
 #pragma once
 
 #include "mok_params.h"
@@ -18,69 +24,120 @@ namespace mok {
 
 constexpr int kScheduleWarps = 32;
 constexpr int kUnroll = 4;  // groups of 32 routes whose ids each warp loads ahead
+// Routes per block: one unrolled pass of every warp, so a block's loads are all in flight at once.
+constexpr int64_t kRoutesPerScheduleBlock = int64_t(kScheduleWarps) * 32 * kUnroll;
+constexpr int kMaxScheduleBlocks = 256;  // bounds each block's pass over block_counts
+
+__host__ __device__ inline int schedule_blocks(int64_t num_routes) {
+  const int64_t blocks = (num_routes + kRoutesPerScheduleBlock - 1) / kRoutesPerScheduleBlock;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxScheduleBlocks ? kMaxScheduleBlocks : blocks));
+}
+
+// The local expert of a route, -1 if dropped or owned by another rank.
+template <typename Id>
+__device__ __forceinline__ int local_expert_of(const ScheduleParams& p, int64_t route) {
+  const int64_t id = static_cast<int64_t>(static_cast<const Id*>(p.topk_ids)[route]);
+  const int64_t local = id - int64_t(p.rank) * p.num_local_experts;
+  return (id >= 0 && local >= 0 && local < p.num_local_experts) ? static_cast<int>(local) : -1;
+}
+
+// [begin, end) of a part when `total` routes from `first` are split into `parts` equal parts.
+__device__ __forceinline__ void part_range(int64_t first, int64_t total_end, int64_t chunk, int part, int64_t& begin,
+                                           int64_t& end) {
+  begin = min(first + int64_t(part) * chunk, total_end);
+  end = min(begin + chunk, total_end);
+}
+
+// The local experts of kUnroll groups of 32 routes from `first`, -1 where not owned or past
+// `end`: independent loads in flight per lane hide their latency.
+template <typename Id>
+__device__ __forceinline__ void load_experts(const ScheduleParams& p, int64_t first, int64_t end, int lane,
+                                             int (&e)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t route = first + u * 32 + lane;
+    e[u] = route < end ? local_expert_of<Id>(p, route) : -1;
+  }
+}
 
 template <typename Id>
-__global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(const ScheduleParams p) {
+__global__ void __launch_bounds__(kScheduleWarps * 32) count_routes_kernel(const ScheduleParams p) {
+  extern __shared__ int counts[];  // [num_local_experts]
+  const int lane = threadIdx.x % 32;
+  const int64_t num_experts = p.num_local_experts;
+  const int64_t chunk = (p.num_routes + gridDim.x - 1) / gridDim.x;
+  int64_t begin, end;
+  part_range(0, p.num_routes, chunk, blockIdx.x, begin, end);
+  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) counts[i] = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < p.capacity; i += int64_t(gridDim.x) * blockDim.x) {
+    p.slot_to_route[i] = -1;
+  }
+  __syncthreads();  // counts zeroed
+  const int warp = threadIdx.x / 32;
+  for (int64_t first = begin + int64_t(warp) * 32 * kUnroll; first < end; first += int64_t(kScheduleWarps) * 32 * kUnroll) {
+    int e[kUnroll];
+    load_experts<Id>(p, first, end, lane, e);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (e[u] >= 0) atomicAdd(&counts[e[u]], 1);
+    }
+  }
+  __syncthreads();  // the block's counts complete
+  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) p.block_counts[blockIdx.x * num_experts + i] = counts[i];
+}
+
+template <typename Id>
+__global__ void __launch_bounds__(kScheduleWarps * 32, 1) place_routes_kernel(const ScheduleParams p) {
   extern __shared__ int smem[];
   int* warp_counts = smem;  // [kScheduleWarps][num_local_experts], then reused as bases
   int* offsets = smem + kScheduleWarps * p.num_local_experts;  // [num_local_experts + 1]
+  int* block_first = offsets + p.num_local_experts + 1;         // [num_local_experts]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t num_experts = p.num_local_experts;
-  const int64_t first_expert = int64_t(p.rank) * num_experts;
-  const int64_t chunk = (p.num_routes + kScheduleWarps - 1) / kScheduleWarps;
-  const int64_t begin = min(int64_t(warp) * chunk, p.num_routes);
-  const int64_t end = min(begin + chunk, p.num_routes);
-  const Id* ids = static_cast<const Id*>(p.topk_ids);
-
-  auto local_expert = [&](int64_t route) -> int {
-    const int64_t id = static_cast<int64_t>(ids[route]);
-    const int64_t local = id - first_expert;
-    return (id >= 0 && local >= 0 && local < num_experts) ? static_cast<int>(local) : -1;
-  };
+  const int64_t block_chunk = (p.num_routes + gridDim.x - 1) / gridDim.x;
+  int64_t block_begin, block_end, begin, end;
+  part_range(0, p.num_routes, block_chunk, blockIdx.x, block_begin, block_end);
+  part_range(block_begin, block_end, (block_end - block_begin + kScheduleWarps - 1) / kScheduleWarps, warp, begin, end);
 
   for (int64_t i = threadIdx.x; i < kScheduleWarps * num_experts; i += blockDim.x) warp_counts[i] = 0;
-  for (int64_t i = threadIdx.x; i < p.capacity; i += blockDim.x) p.slot_to_route[i] = -1;
   __syncthreads();  // counts zeroed before pass 1
 
-  // The local experts of kUnroll groups of 32 routes from `first`, -1 where not owned or past
-  // the range: independent loads in flight per lane hide their latency.
-  auto load_experts = [&](int64_t first, int (&e)[kUnroll]) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t route = first + u * 32 + lane;
-      e[u] = route < end ? local_expert(route) : -1;
-    }
-  };
-
-  // Pass 1.
+  // Pass 1: each warp's part, per expert.
   for (int64_t first = begin; first < end; first += 32 * kUnroll) {
     int e[kUnroll];
-    load_experts(first, e);
+    load_experts<Id>(p, first, end, lane, e);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (e[u] >= 0) atomicAdd(&warp_counts[warp * num_experts + e[u]], 1);
     }
   }
-  __syncthreads();  // every warp's counts complete before the totals
 
-  // Per-expert totals in parallel, padded segment sizes into offsets[e + 1].
+  // Per expert: the total over all blocks (padded into offsets[e + 1]) and the rows of the blocks
+  // before this one, both summed in block order.
   for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int count = 0;
-    for (int w = 0; w < kScheduleWarps; ++w) count += warp_counts[w * num_experts + e];
-    p.expert_counts[e] = count;
-    offsets[e + 1] = static_cast<int>((count + p.alignment - 1) / p.alignment * p.alignment);
+    int total = 0, before = 0;
+    for (int b = 0; b < int(gridDim.x); ++b) {
+      const int count = p.block_counts[b * num_experts + e];
+      before += b < int(blockIdx.x) ? count : 0;
+      total += count;
+    }
+    if (blockIdx.x == 0) p.expert_counts[e] = total;
+    block_first[e] = before;
+    offsets[e + 1] = static_cast<int>((total + p.alignment - 1) / p.alignment * p.alignment);
   }
-  __syncthreads();  // padded sizes complete before the prefix sum
+  __syncthreads();  // padded sizes and pass 1 complete before the prefix sum
   if (threadIdx.x == 0) {
     offsets[0] = 0;
     for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
   }
   __syncthreads();  // offsets visible to every thread
-  for (int64_t e = threadIdx.x; e <= num_experts; e += blockDim.x) p.expert_offsets[e] = offsets[e];
+  if (blockIdx.x == 0) {
+    for (int64_t e = threadIdx.x; e <= num_experts; e += blockDim.x) p.expert_offsets[e] = offsets[e];
+  }
 
   // Turn counts into each warp's first row per expert (exclusive scan over warps).
   for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int base = offsets[e];
+    int base = offsets[e] + block_first[e];
     for (int w = 0; w < kScheduleWarps; ++w) {
       const int count = warp_counts[w * num_experts + e];
       warp_counts[w * num_experts + e] = base;
@@ -94,7 +151,7 @@ __global__ void __launch_bounds__(kScheduleWarps * 32, 1) build_schedule_kernel(
   const unsigned lanes_below = (1u << lane) - 1u;
   for (int64_t first = begin; first < end; first += 32 * kUnroll) {
     int e[kUnroll];
-    load_experts(first, e);
+    load_experts<Id>(p, first, end, lane, e);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t route = first + u * 32 + lane;

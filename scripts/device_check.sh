@@ -34,7 +34,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
     # Warp stall reasons of the sm90 GEMM (from dispatched rows, and dispatching) beside torch's CUTLASS one.
     timeout 300 ncu --clock-control none --kernel-name regex:'expert_gemm|cutlass|Kernel' --launch-skip 3 --launch-count 3 \
         --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,lts__t_sector_hit_rate.pct' \
-        python3 scripts/profile_expert_gemm.py --projection ${PROFILE_PROJECTION:-gate_up} > "$OUT/stalls.csv" 2>"$OUT/ncu.err"
+        python3 scripts/profile_expert_gemm.py ${PROFILE_ARGS:---projection gate_up} > "$OUT/stalls.csv" 2>"$OUT/ncu.err"
     python3 scripts/ncu_stalls.py "$OUT/stalls.csv" || tail -5 "$OUT/ncu.err"
     python3 - "$OUT/stalls.csv" <<'PY' || true
 import csv, sys

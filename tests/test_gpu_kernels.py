@@ -143,6 +143,10 @@ SCHEDULE_CASES = [
     (8, 1024, 8, 48, 64, "one_expert"),
     (4, 333, 6, 384, 1, "dropped"),
     (2, 1000, 4, 3, 8, "all_dropped"),
+    # Many schedule blocks (4096 routes each, at most 256, then longer): 32, 79 and 256 blocks.
+    (1, 16384, 8, 128, 1, "uniform"),
+    (1, 40000, 8, 64, 128, "skewed"),
+    (8, 20000, 8, 32, 1, "dropped"),
 ]
 
 

@@ -1,0 +1,93 @@
+"""Where a mok layer step spends its GPU time: every kernel of forward (and backward) by name,
+from torch.profiler, beside the step's event-timed wall time (the difference is the GPU idling
+between kernels, e.g. waiting for the CPU to launch them).
+
+    python3 scripts/profile_layer_kernels.py [--shapes deepseek_v3,qwen3_30b] [--expert-gemm auto] [--backward] [--timeline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_layer import SHAPES, make_inputs  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+from megatron_mok import MoKConfig, mok_moe  # noqa: E402
+
+STEPS = 5
+
+
+def kernel_table(step, steps: int) -> list[tuple[str, int, float]]:
+    """(kernel name, launches per step, GPU microseconds per step), largest first."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name][0] += 1
+            totals[event.name][1] += event.device_time
+    rows = [(name, count // steps, us / steps) for name, (count, us) in totals.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def kernel_timeline(step) -> list[tuple[float, float, str]]:
+    """(start relative to the first kernel, duration, name) in microseconds of one step's kernels,
+    in launch order: the gaps between them are the GPU's idle time."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    first = kernels[0][0] if kernels else 0.0
+    return [(start - first, end - start, name) for start, end, name in kernels]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="deepseek_v3,qwen3_30b")
+    parser.add_argument("--expert-gemm", default="auto")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--timeline", action="store_true", help="also each kernel's start, duration and the gap before it")
+    args = parser.parse_args()
+    config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm)
+    for name in args.shapes.split(","):
+        s = make_inputs(SHAPES[name], seed=0)
+
+        def step(_=None, s=s):
+            leaves = [s[n].detach().requires_grad_(args.backward) for n in ("x", "weights", "fc1", "fc2")]
+            y = mok_moe(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3], config=config)
+            if args.backward:
+                y.backward(s["grad"])
+
+        wall_ms = median_ms(step, [None], reps=10)
+        rows = kernel_table(step, STEPS)
+        busy_ms = sum(us for _, _, us in rows) / 1e3
+        what = "forward+backward" if args.backward else "forward"
+        print(f"\n{name} {what}, expert_gemm={args.expert_gemm}: wall {wall_ms:.3f} ms, kernels {busy_ms:.3f} ms "
+              f"(idle {wall_ms - busy_ms:.3f} ms)")
+        print(f"  {'us/step':>9} {'calls':>5}  kernel")
+        for kernel, calls, us in rows:
+            print(f"  {us:9.1f} {calls:5d}  {kernel[:110]}")
+        if args.timeline:
+            print(f"  {'start us':>9} {'gap us':>8} {'us':>8}  kernel")
+            previous_end = 0.0
+            for start, duration, kernel in kernel_timeline(step):
+                print(f"  {start:9.1f} {start - previous_end:8.1f} {duration:8.1f}  {kernel[:100]}")
+                previous_end = start + duration
+
+
+if __name__ == "__main__":
+    main()
