@@ -4,7 +4,9 @@ the alltoall dispatcher (if megatron-core is installed) and mok, on the same inp
     python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR]
 
 Prints ms, effective TFLOP/s (6*T*K*H*F forward, twice that backward), peak memory, and the
-same-run dense cuBLAS bf16 GEMM rate; a table last, a plot saved to DIR/bench_layer.png.
+same-run dense cuBLAS bf16 GEMM rate; a table last, a plot saved to DIR/bench_layer.png. Each
+call is timed alone (the device idles while the host launches its first kernels) and queued back
+to back (the host runs ahead, as in a training loop, unless the method synchronizes).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import dense_gemm_tflops, median_ms, peak_memory_mb  # noqa: E402
+from timing import dense_gemm_tflops, median_ms, median_ms_queued, peak_memory_mb  # noqa: E402
 
 from megatron_mok import MoKConfig, mok_moe  # noqa: E402
 
@@ -183,6 +185,7 @@ def bench_shape(name, shape, results, progress):
             fwd_ms=ms_f, fwd_tflops=flops_fwd / ms_f / 1e9,
             fwd_bwd_ms=ms_fb, fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9,
             peak_mb=peak_memory_mb(fwd_bwd, sets[0]),
+            queued_fwd_ms=median_ms_queued(fwd, sets), queued_fwd_bwd_ms=median_ms_queued(fwd_bwd, sets),
         )
     progress(f"{name}: megatron alltoall")
     layer, experts = megatron_alltoall_layer(shape)
@@ -203,6 +206,7 @@ def bench_shape(name, shape, results, progress):
         row["megatron_alltoall"] = dict(
             fwd_ms=ms_f, fwd_tflops=flops_fwd / ms_f / 1e9, fwd_bwd_ms=ms_fb,
             fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9, peak_mb=peak_memory_mb(mfwd_bwd, hidden_sets[0]),
+            queued_fwd_ms=median_ms_queued(mfwd, hidden_sets), queued_fwd_bwd_ms=median_ms_queued(mfwd_bwd, hidden_sets),
         )
         del layer
     row["kernel_stages_ms"] = {gemm: kernel_forward_stage_ms(sets[0], gemm) for gemm in ("auto", "grouped_mm", "sm90")}
@@ -244,6 +248,7 @@ def main() -> None:
     _plot(results, dense, out / "bench_layer.png")
 
     _print_details(results)
+    _print_queued(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
     print(f"{'shape':<12} {'method':<22} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
@@ -261,6 +266,22 @@ def main() -> None:
 
 # mok_kernel is the default configuration (expert_gemm="auto"); the other two force one GEMM family.
 METHOD_LABELS = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_grouped_mm", "mok_kernel_sm90", "mok_kernel")
+
+
+def _print_queued(results):
+    print("\nqueued back to back (the host runs ahead, as in training; ms per call, x = speed-up over pytorch):")
+    for row in results:
+        base = row["pytorch"]
+        cells = []
+        for label in METHOD_LABELS:
+            r = row.get(label)
+            if r is None or "queued_fwd_ms" not in r:
+                continue
+            cells.append(
+                f"{label} {r['queued_fwd_ms']:.2f}/{r['queued_fwd_bwd_ms']:.2f} "
+                f"({base['queued_fwd_ms'] / r['queued_fwd_ms']:.2f}x/{base['queued_fwd_bwd_ms'] / r['queued_fwd_bwd_ms']:.2f}x)"
+            )
+        print(f"  {row['shape']:<12} fwd/f+b: " + "; ".join(cells))
 
 
 def _print_details(results):

@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--expert-gemm", default="auto")
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="also each kernel's start, duration and the gap before it")
+    parser.add_argument("--cprofile", action="store_true", help="also the host's Python time per function for one step")
     args = parser.parse_args()
     config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm)
     for name in args.shapes.split(","):
@@ -73,14 +74,38 @@ def main() -> None:
                 y.backward(s["grad"])
 
         wall_ms = median_ms(step, [None], reps=10)
+        # Ten steps queued back to back: the host runs ahead, so its launch overhead is hidden as in
+        # a training loop whose GPU is busy.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(10):
+            step()
+        end.record()
+        end.synchronize()
+        queued_ms = start.elapsed_time(end) / 10
         rows = kernel_table(step, STEPS)
         busy_ms = sum(us for _, _, us in rows) / 1e3
         what = "forward+backward" if args.backward else "forward"
         print(f"\n{name} {what}, expert_gemm={args.expert_gemm}: wall {wall_ms:.3f} ms, kernels {busy_ms:.3f} ms "
-              f"(idle {wall_ms - busy_ms:.3f} ms)")
+              f"(idle {wall_ms - busy_ms:.3f} ms); queued back to back {queued_ms:.3f} ms per step")
         print(f"  {'us/step':>9} {'calls':>5}  kernel")
         for kernel, calls, us in rows:
             print(f"  {us:9.1f} {calls:5d}  {kernel[:110]}")
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(10):
+                step()
+            profiler.disable()
+            torch.cuda.synchronize()
+            print("  host time of 10 steps (cProfile, cumulative):")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
         if args.timeline:
             print(f"  {'start us':>9} {'gap us':>8} {'us':>8}  kernel")
             previous_end = 0.0
