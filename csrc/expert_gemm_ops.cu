@@ -49,6 +49,27 @@ std::vector<int64_t> last_wait_timeout() {
   return {r->kernel, r->wait, r->block};
 }
 
+// setmaxnreg moves registers inside the CTA's launch allocation, numRegs per thread as ptxas
+// compiled the kernel: if it gave fewer than the budgets assume (ExpertGemmTile's static_assert
+// takes 168), the consumers' increase would wait forever (until the watchdog traps). Checked once
+// per kernel, before its first launch, as a named error instead.
+template <typename Kernel>
+void check_register_budget(Kernel kernel, const char* op) {
+  static std::mutex mutex;
+  static std::map<const void*, bool> checked;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const void* key = reinterpret_cast<const void*>(kernel);
+  if (checked.count(key)) return;
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  using Tile = ExpertGemmTile;
+  const int needed = 128 * Tile::kProducerRegisters + 256 * Tile::kConsumerRegisters;
+  TORCH_CHECK(attributes.numRegs * Tile::kThreads >= needed, op, ": the kernel was compiled with ",
+              std::to_string(attributes.numRegs), " registers per thread, fewer than its setmaxnreg budgets need (",
+              std::to_string(needed), " per CTA); rebuild without a register limit (-maxrregcount)");
+  checked.emplace(key, true);
+}
+
 // How many clusters of `config`'s shape fit on the device at once, cached per kernel, device and
 // shared-memory size (the query costs microseconds; the answer only changes with those).
 template <typename Kernel>
@@ -146,6 +167,7 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   ExpertGemmParams params = p;
   params.timeout_record = timeout_record(stream);
   auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA, kTransB>;
+  check_register_budget(kernel, "expert_gemm");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
   // Enough clusters for the most cluster tiles any routing can make, at most as many as fit on the
@@ -351,6 +373,7 @@ at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, c
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertWgradParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), int32_t(experts), int32_t(rows), int32_t(m),
                       int32_t(n), timeout_record(stream)};
+  check_register_budget(expert_wgrad_kernel, kOp);
   C10_CUDA_CHECK(cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(Tile::kSmemBytes)));
   const int64_t tiles = experts * ((m + Tile::kM - 1) / Tile::kM) * ((n + Tile::kN - 1) / Tile::kN);

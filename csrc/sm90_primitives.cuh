@@ -240,7 +240,6 @@ __device__ __forceinline__ void bulk_wait_read() {
 // The stores committed by this thread are complete.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// Orders this thread's generic shared-memory writes before later async-proxy (TMA) reads.
 // Four 8x8 bf16 matrices from the mma accumulator fragment (lane l holds row l / 4, columns
 // 2 * (l % 4) + {0, 1} of matrix i in r_i) to shared memory; lane 8 * i + j gives the address of
 // matrix i's row j (16 contiguous bytes), so any row swizzle is the caller's addressing.
@@ -250,6 +249,7 @@ __device__ __forceinline__ void stmatrix_x4(void* row_address, uint32_t r0, uint
                : "memory");
 }
 
+// Orders this thread's generic shared-memory writes before later async-proxy (TMA) reads.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A barrier for the `threads` threads (whole warps) that use this id; 0 is __syncthreads'.

@@ -12,7 +12,7 @@ expert GEMMs (MoKConfig.expert_gemm):
 - AUTO_KERNEL_STAGES (the default): per projection the faster of the two on the H200, measured
   on the same inputs in one run by scripts/bench_expert_gemm.py (docs/performance.md).
 
-Both share the schedule kernel, the fixed-order fp32 combine and the data-movement kernels of the
+All three share the schedule kernel, the fixed-order fp32 combine and the data-movement kernels of the
 backward. Every reduction has a fixed order.
 """
 
