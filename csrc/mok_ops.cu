@@ -72,6 +72,7 @@ at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& w
   check_cuda(src, "src");
   check_index(slot_to_route, "slot_to_route");
   TORCH_CHECK(src.dim() == 2 && topk > 0, "gather rows: src must be 2-D and topk > 0");
+  TORCH_CHECK(topk <= 4096, "gather rows: topk must be at most 4096, got ", std::to_string(topk));
   if (weights.has_value()) {
     check_cuda(*weights, "weights");
     TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == src.size(0) * topk,
@@ -80,14 +81,25 @@ at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& w
   const c10::cuda::CUDAGuard guard(src.device());
   auto rows = at::empty({slot_to_route.numel(), src.size(1)}, src.options());
   if (rows.numel() == 0) return rows;
+  const int64_t num_routes = src.size(0) * topk;
+  auto route_slot = at::full({std::max<int64_t>(num_routes, 1)}, -1, slot_to_route.options());
   GatherRowsParams p{src.data_ptr(), weights.has_value() ? weights->data_ptr<float>() : nullptr,
-                     slot_to_route.data_ptr<int64_t>(), rows.data_ptr(), slot_to_route.numel(), src.size(1), topk};
+                     slot_to_route.data_ptr<int64_t>(), route_slot.data_ptr<int64_t>(), rows.data_ptr(),
+                     slot_to_route.numel(), num_routes, src.size(1), topk};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  invert_slots_kernel<<<grid_for((p.num_slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   dispatch_dtype(src.scalar_type(), row_packs_ok(p.hidden, src.scalar_type(), {src, rows}), [&](auto tag) {
     using Cfg = decltype(tag);
-    gather_rows_kernel<typename Cfg::type, Cfg::kVec>
-        <<<grid_for(p.num_slots), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+    fill_unscattered_rows_kernel<typename Cfg::type, Cfg::kVec>
+        <<<grid_for((p.num_slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (src.size(0) > 0) {
+      scatter_rows_kernel<typename Cfg::type, Cfg::kVec>
+          <<<grid_for(src.size(0)), kThreads, topk * sizeof(int64_t), stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return rows;
 }
 

@@ -11,10 +11,12 @@ namespace mok {
 // activations (no weights) and the reverse-combine pull of dY (routing weights) both use it.
 struct GatherRowsParams {
   const void* src;               // (num_src_rows, hidden) bf16/fp32
-  const float* weights;          // (num_src_rows * topk,) or null
+  const float* weights;          // (num_routes,) or null
   const int64_t* slot_to_route;  // (num_slots,) route index, -1 for padding
+  int64_t* route_slot;           // (num_routes,) scratch: the row of each route, -1 if none
   void* rows;                    // (num_slots, hidden), same dtype
   int64_t num_slots;
+  int64_t num_routes;            // num_src_rows * topk
   int64_t hidden;
   int64_t topk;
 };

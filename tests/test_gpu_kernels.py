@@ -134,6 +134,26 @@ def test_data_movement_ops_match_reference_exactly(routing):
     torch.testing.assert_close(d_w, want, rtol=1e-5, atol=1e-5, msg="route weight grads (fp32 dot, other order)")
 
 
+def test_row_gather_pulls_any_slot_table():
+    """The token-major dispatch writes each route's row once and fills the rest: padding rows (-1)
+    and, for a slot table that repeats a route (never one from the schedule), every repeat."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    num_tokens, topk, hidden = 37, 3, 64
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w = torch.rand(num_tokens * topk, device="cuda", generator=gen)
+    routes = torch.randint(0, num_tokens * topk, (90,), device="cuda", generator=gen)
+    routes[::7] = -1
+    routes[5] = routes[4]  # a repeated route
+    poison_allocator()
+    rows = ops.dispatch_rows(x, routes, topk)
+    token = routes.clamp(min=0) // topk
+    want = torch.where((routes >= 0)[:, None], x[token], torch.zeros_like(x[token]))
+    assert torch.equal(rows, want)
+    pulled = ops.pull_grad_rows(x, w, routes, topk)
+    scaled = (x[token].float() * w[routes.clamp(min=0)][:, None]).bfloat16()
+    assert torch.equal(pulled, torch.where((routes >= 0)[:, None], scaled, torch.zeros_like(scaled)))
+
+
 SCHEDULE_CASES = [
     # (num_ranks, num_tokens, topk, num_local_experts, alignment, routing)
     (1, 37, 3, 5, 1, "dropped"),
