@@ -1,4 +1,4 @@
-// Pull dispatch, fixed-order combine and their backward counterparts for one rank's schedule.
+// Row dispatch (token-major), fixed-order combine and their backward counterparts for one rank's schedule.
 //
 // These are the data-movement stages of the MoK layer (the reference is in
 // megatron_mok/reference.py). Every output element is written by exactly one thread and every
