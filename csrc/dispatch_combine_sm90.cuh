@@ -91,20 +91,31 @@ __global__ void scatter_rows_kernel(const GatherRowsParams p) {
     for (int64_t k = 0; k < p.topk; ++k) routed |= token_slots[k] >= 0;
     if (!routed) continue;  // (uniform over the block)
     const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + token * p.hidden);
-    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
-      const P value = src[i];
+    constexpr int kInFlight = 2;  // packs each thread loads before writing them
+    for (int64_t first = threadIdx.x; first < num_packs; first += kInFlight * blockDim.x) {
+      P values[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t i = first + u * blockDim.x;
+        values[u] = i < num_packs ? src[i] : zero_pack<T, kVec>();
+      }
       for (int64_t k = 0; k < p.topk; ++k) {
         const int64_t slot = token_slots[k];
         if (slot < 0) continue;
         P* dst = reinterpret_cast<P*>(static_cast<T*>(p.rows) + slot * p.hidden);
-        if (p.weights == nullptr) {
-          dst[i] = value;
-        } else {
-          const float w = p.weights[token * p.topk + k];
-          P out;
+        const float w = p.weights != nullptr ? p.weights[token * p.topk + k] : 1.f;
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
-          dst[i] = out;
+        for (int u = 0; u < kInFlight; ++u) {
+          const int64_t i = first + u * blockDim.x;
+          if (i >= num_packs) continue;
+          if (p.weights == nullptr) {
+            dst[i] = values[u];
+          } else {
+            P out;
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(values[u].v[j]), w));
+            dst[i] = out;
+          }
         }
       }
     }
@@ -113,27 +124,49 @@ __global__ void scatter_rows_kernel(const GatherRowsParams p) {
 
 // One block per token: out[t] = sum_k w[t,k] * table[index[t,k]], k ascending, fp32. The
 // separately rounded multiply and add (no FMA contraction) match the reference bit for bit.
+// Routes of a token whose table loads a thread has in flight together in the combine.
+constexpr int kCombineBatch = 4;
+
 template <typename T, int kVec>
 __global__ void combine_kernel(const CombineParams p) {
   using P = Pack<T, kVec>;
+  extern __shared__ int64_t route_rows[];  // [topk] this token's table rows (-1: dropped), then
+  float* route_weights = reinterpret_cast<float*>(route_rows + p.topk);  // [topk] weights
   const int64_t num_packs = p.hidden / kVec;
   for (int64_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    __syncthreads();  // the previous token's routes are no longer read
+    for (int64_t k = threadIdx.x; k < p.topk; k += blockDim.x) {
+      const int64_t row = p.index[token * p.topk + k];
+      if (row >= p.num_table_rows) __trap();  // an index past the table is a schedule bug
+      route_rows[k] = row;
+      route_weights[k] = p.weights != nullptr ? p.weights[token * p.topk + k] : 1.f;
+    }
+    __syncthreads();
     for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
       float acc[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
-      for (int64_t k = 0; k < p.topk; ++k) {
-        const int64_t row = p.index[token * p.topk + k];
-        if (row < 0) continue;  // dropped route
-        if (row >= p.num_table_rows) __trap();  // an index past the table is a schedule bug
-        const P value = reinterpret_cast<const P*>(static_cast<const T*>(p.table) + row * p.hidden)[i];
-        if (p.weights != nullptr) {
-          const float w = p.weights[token * p.topk + k];
+      for (int64_t k0 = 0; k0 < p.topk; k0 += kCombineBatch) {
+        // The batch's loads first (in flight together), then the sums in ascending k.
+        P values[kCombineBatch];
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_float(value.v[j])));
-        } else {
+        for (int b = 0; b < kCombineBatch; ++b) {
+          const int64_t row = k0 + b < p.topk ? route_rows[k0 + b] : -1;
+          values[b] = row >= 0 ? reinterpret_cast<const P*>(static_cast<const T*>(p.table) + row * p.hidden)[i]
+                               : zero_pack<T, kVec>();
+        }
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], to_float(value.v[j]));
+        for (int b = 0; b < kCombineBatch; ++b) {
+          const int64_t k = k0 + b;
+          if (k >= p.topk || route_rows[k] < 0) continue;  // past topk, or a dropped route
+          if (p.weights != nullptr) {
+            const float w = route_weights[k];
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_float(values[b].v[j])));
+          } else {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], to_float(values[b].v[j]));
+          }
         }
       }
       P out;

@@ -112,6 +112,7 @@ at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::
   check_cuda(table, "table");
   check_index(index, "index");
   TORCH_CHECK(table.dim() == 2 && topk > 0 && index.numel() % topk == 0, "combine: bad shapes");
+  TORCH_CHECK(topk <= 4096, "combine: topk must be at most 4096, got ", std::to_string(topk));
   const int64_t num_tokens = index.numel() / topk;
   if (weights.has_value()) {
     check_cuda(*weights, "weights");
@@ -127,7 +128,7 @@ at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::
   dispatch_dtype(table.scalar_type(), row_packs_ok(p.hidden, table.scalar_type(), {table, out}), [&](auto tag) {
     using Cfg = decltype(tag);
     combine_kernel<typename Cfg::type, Cfg::kVec>
-        <<<grid_for(num_tokens), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+        <<<grid_for(num_tokens), kThreads, topk * (sizeof(int64_t) + sizeof(float)), c10::cuda::getCurrentCUDAStream()>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
