@@ -14,7 +14,8 @@ namespace mok {
 // the row of its route's token, scaled by the route's weight when `weights` is given (fp32
 // multiply, rounded once); padding rows are zero. Three launches, each output row written by one:
 //   invert_slots_kernel: route_slot[route] = s for every routed row s (route_slot starts at -1);
-//   fill_unscattered_rows_kernel: rows whose route is -1 (or out of range) become zeros;
+//   fill_unscattered_rows_kernel: rows whose route is -1 become zeros (a route past the source
+//     rows traps);
 //   scatter_rows_kernel: token-major, one block per source row: the row is read once and written
 //     to the rows of all its routes. (Walking the rows in schedule order instead read each token's
 //     row once per route at scattered times, mostly from DRAM: 8x the read traffic at top-8.)
@@ -47,9 +48,9 @@ __device__ __forceinline__ void copy_route_row(const GatherRowsParams& p, int64_
   }
 }
 
-// The rows scatter_rows_kernel does not write: zeros where the route is -1 (or out of range), and
-// a pulled copy where another row holds the same route (only a malformed slot_to_route repeats a
-// route; both rows then get the same values).
+// The rows scatter_rows_kernel does not write: zeros where the route is -1, and a pulled copy
+// where another row holds the same route (only a malformed slot_to_route repeats a route; both
+// rows then get the same values). A route past the source rows traps, like combine's bad index.
 template <typename T, int kVec>
 __global__ void fill_unscattered_rows_kernel(const GatherRowsParams p) {
   using P = Pack<T, kVec>;
@@ -67,7 +68,8 @@ __global__ void fill_unscattered_rows_kernel(const GatherRowsParams p) {
       todo &= todo - 1;
       const int64_t row_route = __shfl_sync(0xffffffffu, route, bit);
       P* dst = reinterpret_cast<P*>(static_cast<T*>(p.rows) + (first + bit) * p.hidden);
-      if (row_route >= 0 && row_route < p.num_routes) {
+      if (row_route >= p.num_routes) __trap();  // a route past the source rows is a schedule bug
+      if (row_route >= 0) {
         copy_route_row<T, kVec>(p, row_route, dst, lane);
       } else {
         const P zero = zero_pack<T, kVec>();
