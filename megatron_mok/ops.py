@@ -30,6 +30,7 @@ WAIT_NAMES = {
     (0, 0): "expert GEMM producer waiting for a free pipeline stage (empty barrier)",
     (0, 1): "expert GEMM consumer waiting for a loaded pipeline stage (full barrier)",
     (0, 2): "expert GEMM producer waiting for a minibatch of dispatched rows (ready counter)",
+    (0, 3): "ping-pong expert GEMM consumer waiting for its turn at the tensor cores (turn barrier)",
     (1, 0): "expert weight-gradient producer waiting for a free pipeline stage (empty barrier)",
     (1, 1): "expert weight-gradient consumer waiting for a loaded pipeline stage (full barrier)",
 }
@@ -79,6 +80,10 @@ if _LOAD_ERROR is None:
     @torch.library.register_fake("megatron_mok::expert_gemm_dgrad_swiglu")
     def _expert_gemm_dgrad_swiglu_fake(grad_out, fc2, expert_offsets, gate_up, group_m):
         return grad_out.new_empty((grad_out.shape[0], 2 * fc2.shape[2]))
+
+    @torch.library.register_fake("megatron_mok::expert_gemm_pingpong")
+    def _expert_gemm_pingpong_fake(a, weight, expert_offsets, group_m):
+        return a.new_empty((a.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("megatron_mok::expert_gemm_wgrad")
     def _expert_gemm_wgrad_fake(grad, inputs, expert_offsets):
@@ -230,6 +235,14 @@ def expert_gemm_dgrad_swiglu(
     as stored. Rows past the last segment are not written. Ref: swiglu_backward_reference over
     segment_matmul_reference(grad_out, fc2.transpose(1, 2), offsets)."""
     return torch.ops.megatron_mok.expert_gemm_dgrad_swiglu(grad_out, fc2, expert_offsets, gate_up, group_m)
+
+
+def expert_gemm_pingpong(
+    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int = EXPERT_GEMM_GROUP_M
+) -> torch.Tensor:
+    """WIP (csrc/expert_gemm_pingpong_sm90.cuh, not yet run on a GPU): expert_gemm with ping-pong
+    consumers, each warpgroup its own 128x128 tiles. Ref: segment_matmul_reference."""
+    return torch.ops.megatron_mok.expert_gemm_pingpong(a, weight, expert_offsets, group_m)
 
 
 def expert_gemm_wgrad(grad: torch.Tensor, inputs: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:

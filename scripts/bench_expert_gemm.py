@@ -116,6 +116,12 @@ def main() -> None:
                 lambda s, c, g: ops.expert_gemm_dgrad(s["gate_up"], s["fc1"], s["offsets"], g),
                 2 * t * k * 2 * f * h,
             ),
+            # WIP: the ping-pong kernel (csrc/expert_gemm_pingpong_sm90.cuh), every column the same.
+            "down_pingpong": (
+                lambda s: segment_matmul(s["act"], s["fc2"], s["offsets"]),
+                lambda s, c, g: ops.expert_gemm_pingpong(s["act"], s["fc2"], s["offsets"], g),
+                2 * t * k * h * f,
+            ),
             "wgrad_gate_up": (
                 lambda s: segment_weight_grad(s["gate_up"], s["rows"], s["offsets"]),
                 lambda s, c, g: ops.expert_gemm_wgrad(s["gate_up"], s["rows"], s["offsets"]),

@@ -20,7 +20,7 @@ def test_cuda_extension_is_built_and_registers_every_op():
 
     assert extension_error() is None, f"megatron_mok._C did not load: {extension_error()}"
     for name in ("build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward",
-                 "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "expert_gemm_dgrad", "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad", "last_wait_timeout"):
+                 "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "expert_gemm_dgrad", "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad", "expert_gemm_pingpong", "last_wait_timeout"):
         assert hasattr(torch.ops.megatron_mok, name), name
 
 

@@ -65,6 +65,20 @@ def assert_within(got, ref, bound, what):
     assert excess.max() <= 0, f"{what}: element {divmod(worst, ref.shape[1])} off by {excess.max():.3e} past its bound"
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_gemm_pingpong_matches_fp32_and_is_reproducible(case):
+    """WIP kernel (csrc/expert_gemm_pingpong_sm90.cuh): same contract and bound as expert_gemm."""
+    rows, k, n = CASES[case]
+    a, w, offsets, offsets_host = make_case(rows, k, n, seed=zlib.crc32(case.encode()) % 1000)
+    poison_allocator()
+    out = ops.expert_gemm_pingpong(a, w, offsets)
+    assert out.shape == (a.shape[0], n) and out.dtype == torch.bfloat16
+    ref, bound = fp32_reference_and_bound(a, w, offsets_host)
+    assert_within(out[: offsets_host[-1]], ref, bound, "out")
+    again = ops.expert_gemm_pingpong(a, w, offsets)
+    assert torch.equal(out[: offsets_host[-1]], again[: offsets_host[-1]])
+
+
 @pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_gemm_store_matches_fp32(case, cluster_m):
