@@ -11,7 +11,8 @@
 // One CTA per SM, 384 threads:
 //   warpgroup 0: thread 0 is the TMA producer. It walks all of the CTA's tiles in order and, per
 //     64-wide K block, waits for a free stage and loads the tile's 128 rows of A and 128 rows of B
-//     (the weight rows n0 .. n0 + 127 of the tile's expert; MN-major: two 64 N x 64 K boxes).
+//     (the weight rows n0 .. n0 + 127 of the tile's expert: one K-major box of 128 rows; MN-major
+//     B, kTransB: two 64 N x 64 K boxes).
 //     Thread 32 is the watchdog.
 //   warpgroups 1 and 2: per own tile, two wgmma m64n128k16 per 16 K (rows 0-63 and 64-127), 2 x 64
 //     fp32 accumulators per thread. Tile j of the CTA's sequence uses ring positions
@@ -20,7 +21,11 @@
 //   Turns: a warpgroup waits on its turn barrier before its mainloop (not before the CTA's first
 //     tile) and, once its last K block is issued, arrives on the other's turn barrier if the CTA
 //     has a next tile. Arrivals and waits pair up one to one, and the waits are bounded (watchdog).
-//     The turns only order the tensor-core work; correctness does not depend on them.
+//     The turns are needed for correctness, not only for speed: an mbarrier parity wait tells only
+//     adjacent phases apart, and a warpgroup running ahead could wait on a stage's use two phases
+//     past the last completed one and pass at once on stale data. Before tile i, the other
+//     warpgroup has passed every full wait below position i * k_blocks, so no full barrier is
+//     more than one phase behind the use a consumer waits for.
 //   Epilogue: each 64-row half through the warpgroup's 16 KB staging buffer and two TMA store
 //     boxes (stmatrix, as in expert_gemm_sm90.cuh), or masked direct stores for a half that is not
 //     entirely inside the segment.
@@ -46,6 +51,9 @@ struct PingPongTile {
                                        2 * size_t(kStagingBytes) + (2 * kStages + 2) * sizeof(uint64_t) +
                                        sizeof(sm90::WaitWatch);
   static_assert(ExpertGemmTile::kM == kM, "TileWalker walks 128-row m-tiles");
+  // StagingRing cycles through ExpertGemmTile::kStagingBuffers buffers; this kernel has one per
+  // consumer (the 3-stage build of the cooperative kernel would make it step past it).
+  static_assert(ExpertGemmTile::kStagingBuffers == 1, "the ping-pong kernel has one staging buffer per consumer");
 };
 
 // Wait index of the turn barrier (the others as in ExpertGemmWait), named in ops.WAIT_NAMES.
