@@ -39,7 +39,10 @@ struct PingPongTile {
   static constexpr int kM = 128;  // rows per tile (one warpgroup: two m64 halves)
   static constexpr int kN = 128;  // output columns per tile
   static constexpr int kK = 64;
-  static constexpr int kStages = 6;
+  // The consumers' staging buffers are StagingRing's (ExpertGemmTile::kStagingBuffers each, two in
+  // the 3-stage build of the cooperative kernel); the stages get the rest of the shared memory.
+  static constexpr int kStagingBuffers = ExpertGemmTile::kStagingBuffers;
+  static constexpr int kStages = kStagingBuffers == 1 ? 6 : 5;
   static constexpr int kThreads = 384;
   static constexpr uint32_t kABytes = kM * kK * 2;
   static constexpr uint32_t kBBytes = kN * kK * 2;
@@ -48,12 +51,10 @@ struct PingPongTile {
   static constexpr uint32_t kStagingBytes = ExpertGemmTile::kStagingBytes;  // 64 rows x 128 columns
   static constexpr int kRoles = 3;
   static constexpr size_t kSmemBytes = ExpertGemmTile::kSwizzleAlign + size_t(kStages) * kStageBytes +
-                                       2 * size_t(kStagingBytes) + (2 * kStages + 2) * sizeof(uint64_t) +
+                                       2 * size_t(kStagingBuffers) * kStagingBytes + (2 * kStages + 2) * sizeof(uint64_t) +
                                        sizeof(sm90::WaitWatch);
   static_assert(ExpertGemmTile::kM == kM, "TileWalker walks 128-row m-tiles");
-  // StagingRing cycles through ExpertGemmTile::kStagingBuffers buffers; this kernel has one per
-  // consumer (the 3-stage build of the cooperative kernel would make it step past it).
-  static_assert(ExpertGemmTile::kStagingBuffers == 1, "the ping-pong kernel has one staging buffer per consumer");
+
 };
 
 // Wait index of the turn barrier (the others as in ExpertGemmWait), named in ops.WAIT_NAMES.
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(PingPongTile::kThreads, 1)
   uint8_t* a_stages = smem;
   uint8_t* b_stages = a_stages + Tile::kStages * Tile::kABytes;
   uint8_t* staging_buffers = b_stages + Tile::kStages * Tile::kBBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging_buffers + 2 * Tile::kStagingBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging_buffers + 2 * Tile::kStagingBuffers * Tile::kStagingBytes);
   uint64_t* empty = full + Tile::kStages;
   uint64_t* turn = empty + Tile::kStages;  // [2]: consumer c may start its next mainloop
   sm90::WaitWatch* watch = reinterpret_cast<sm90::WaitWatch*>(turn + 2);
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(PingPongTile::kThreads, 1)
   const int consumer = warpgroup - 1;
   const int thread = threadIdx.x % 128;
   float acc_top[64], acc_bottom[64];  // rows 0-63 and 64-127 of the tile
-  StagingRing staging(staging_buffers + consumer * Tile::kStagingBytes, consumer, thread);
+  StagingRing staging(staging_buffers + consumer * Tile::kStagingBuffers * Tile::kStagingBytes, consumer, thread);
   TileWalker<1> lookahead(p.expert_offsets, p.num_experts, n_tiles, Tile::kN, p.group_m, 0);
   TileCoord next;
   uint32_t turn_phase = 0;
