@@ -240,8 +240,9 @@ def expert_gemm_dgrad_swiglu(
 def expert_gemm_pingpong(
     a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int = EXPERT_GEMM_GROUP_M
 ) -> torch.Tensor:
-    """WIP (csrc/expert_gemm_pingpong_sm90.cuh, not yet run on a GPU): expert_gemm with ping-pong
-    consumers, each warpgroup its own 128x128 tiles. Ref: segment_matmul_reference."""
+    """expert_gemm with ping-pong consumers (csrc/expert_gemm_pingpong_sm90.cuh), each warpgroup its own
+    128x128 tiles; not used by the layer yet (faster than expert_gemm only at short K, see that
+    file). Ref: segment_matmul_reference."""
     return torch.ops.megatron_mok.expert_gemm_pingpong(a, weight, expert_offsets, group_m)
 
 

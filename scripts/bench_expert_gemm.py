@@ -116,7 +116,7 @@ def main() -> None:
                 lambda s, c, g: ops.expert_gemm_dgrad(s["gate_up"], s["fc1"], s["offsets"], g),
                 2 * t * k * 2 * f * h,
             ),
-            # WIP: the ping-pong kernel (csrc/expert_gemm_pingpong_sm90.cuh), every column the same.
+            # The ping-pong kernel (csrc/expert_gemm_pingpong_sm90.cuh), clusters of 1 in every column.
             "down_pingpong": (
                 lambda s: segment_matmul(s["act"], s["fc2"], s["offsets"]),
                 lambda s, c, g: ops.expert_gemm_pingpong(s["act"], s["fc2"], s["offsets"], g),

@@ -67,7 +67,7 @@ def assert_within(got, ref, bound, what):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_gemm_pingpong_matches_fp32_and_is_reproducible(case):
-    """WIP kernel (csrc/expert_gemm_pingpong_sm90.cuh): same contract and bound as expert_gemm."""
+    """The ping-pong kernel (csrc/expert_gemm_pingpong_sm90.cuh): same contract and bound as expert_gemm."""
     rows, k, n = CASES[case]
     a, w, offsets, offsets_host = make_case(rows, k, n, seed=zlib.crc32(case.encode()) % 1000)
     poison_allocator()
