@@ -149,7 +149,8 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
       kTransB ? bf16_tensor_map_3d_sw128(weight.data_ptr(), p.num_experts, p.k, p.n_out, Tile::kK, "weight")
               : bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k, p.k,
                                       Tile::kN / 2, "weight");
-  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
+  // (a.size(0): the dispatching kernel's A is its ring, which may be shorter than the rows.)
+  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), a.size(0), p.k, p.k, Tile::kM, "a");
   // (The SwiGLU-backward epilogue writes grad_gate_up, rows of 2 n_out, with plain stores.)
   const int64_t out_stride = kEpilogue == GemmEpilogue::kSwigluBackward ? 2 * int64_t(p.n_out) : p.n_out;
   const CUtensorMap out_map =
@@ -294,12 +295,30 @@ std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const
 // that a tile rarely spans two.
 constexpr int32_t kDispatchMinibatchRows = 1024;
 
+// Ring minibatches of the dispatching GEMM for `rows` rows: all of them when ring_minibatches is 0 or
+// at least that many (nothing is reused), else ring_minibatches.
+int64_t ring_minibatches_for(int64_t rows, int64_t ring_minibatches) {
+  const int64_t minibatches = (rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  return ring_minibatches == 0 ? minibatches : std::min(ring_minibatches, minibatches);
+}
+
+// The dispatching GEMM's rows buffer: every row when its ring covers them all, else the ring and
+// the mirror of its first m-tile.
+int64_t dispatch_ring_buffer_rows(int64_t rows, int64_t ring_minibatches) {
+  const int64_t ring = ring_minibatches_for(rows, ring_minibatches);
+  const int64_t minibatches = (rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  return ring == minibatches ? rows : ring * kDispatchMinibatchRows + ExpertGemmTile::kM;
+}
+
 // The pull dispatch and the gate/up projection in one kernel: (rows, gate_up, act) with rows[r] =
 // x[slot_to_route[r] / topk] (zeros where slot_to_route[r] is -1) and gate_up, act those of
 // expert_gemm_swiglu(rows, ...). The GEMM starts on each minibatch of rows once it is dispatched.
+// ring_minibatches > 0 bounds the rows buffer to that many minibatches of kDispatchMinibatchRows
+// rows (a ring reused once every tile has loaded a slot's rows); the first result is then the ring
+// (dispatch_ring_buffer_rows rows), not the rows. 0: no bound, the first result is rows.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
     const at::Tensor& x, const at::Tensor& slot_to_route, int64_t topk, const at::Tensor& weight,
-    const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m) {
+    const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m, int64_t ring_minibatches) {
   constexpr const char* kOp = "dispatch_expert_gemm_swiglu";
   TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -313,20 +332,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31) - kDispatchMinibatchRows, kOp, ": more than 2^31 rows");
   TORCH_CHECK(topk > 0 && topk < (int64_t(1) << 31), kOp, ": topk must be positive, got ", std::to_string(topk));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, kOp, ": x must be 16-byte aligned");
+  // A dispatcher waits for the slot of minibatch m - ring only once every minibatch below m is
+  // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
+  // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
+  // (group_m m-tiles of 128 rows) by one (expert_gemm_sm90.cuh, dispatch_rows_ahead).
+  const int64_t group_minibatches = (group_m * ExpertGemmTile::kM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), kOp,
+              ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),
+              " minibatches of ", std::to_string(kDispatchMinibatchRows), " rows that a raster group of group_m = ",
+              std::to_string(group_m), " m-tiles spans, got ", std::to_string(ring_minibatches));
   const int64_t num_rows = slot_to_route.numel();
-  auto rows = at::empty({num_rows, x.size(1)}, x.options());
+  const int64_t minibatches = (num_rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  const int64_t ring = ring_minibatches_for(num_rows, ring_minibatches);
+  auto rows = at::empty({dispatch_ring_buffer_rows(num_rows, ring_minibatches), x.size(1)}, x.options());
   auto gate_up = at::empty({num_rows, two_ffn}, x.options());
   auto act = at::empty({num_rows, ffn}, x.options());
   if (num_rows == 0) return {rows, gate_up, act};
-  const int64_t minibatches = (num_rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
-  auto counters = at::zeros({2 * minibatches}, x.options().dtype(at::kInt));
+  auto counters = at::zeros({3 * minibatches}, x.options().dtype(at::kInt));
   ExpertGemmParams p = make_params(expert_offsets, num_experts, num_rows, ffn, two_ffn, x.size(1), group_m);
   p.out = act.data_ptr();
   p.gate_up = gate_up.data_ptr();
   // Routes whose token is past x read zeros: a schedule never names one.
   p.dispatch = ExpertGemmDispatch{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), rows.data_ptr(),
                                   counters.data_ptr<int32_t>(), x.size(0), int32_t(topk), kDispatchMinibatchRows,
-                                  int32_t(minibatches)};
+                                  int32_t(minibatches), int32_t(ring), int32_t(ring * kDispatchMinibatchRows),
+                                  int32_t(ring < minibatches)};
   launch_with_cluster<GemmEpilogue::kSwiglu, true>(cluster_m, rows, weight, act, gate_up, p);
   return {rows, gate_up, act};
 }
@@ -427,7 +457,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "Tensor)");
   m.def(
       "dispatch_expert_gemm_swiglu(Tensor x, Tensor slot_to_route, int topk, Tensor weight, Tensor expert_offsets, "
-      "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");
+      "int cluster_m, int group_m, int ring_minibatches) -> (Tensor, Tensor, Tensor)");
   m.def("expert_gemm_dgrad(Tensor a, Tensor weight, Tensor expert_offsets, int group_m) -> Tensor");
   m.def(
       "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "

@@ -61,9 +61,6 @@ struct PingPongTile {
 
 };
 
-// Wait index of the turn barrier (the others as in ExpertGemmWait), named in ops.WAIT_NAMES.
-constexpr int kWaitTensorCoreTurn = 3;
-
 template <bool kTransB>
 __global__ void __launch_bounds__(PingPongTile::kThreads, 1)
     expert_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,

@@ -29,7 +29,10 @@
 //   Dispatching kernel (kDispatchA, the gate/up projection): warps 2 and 3 of warpgroup 0 run the
 //     pull dispatch into the rows buffer, minibatch by minibatch, counting each minibatch's chunks
 //     done (dispatch_rows_ahead); thread 0 waits for a tile's minibatches before loading its rows,
-//     so the dispatch overlaps the GEMM instead of preceding it. (Gathering the rows straight into
+//     so the dispatch overlaps the GEMM instead of preceding it. The rows buffer is a ring of
+//     ring_minibatches minibatches: before writing minibatch m the dispatchers wait until every tile
+//     has finished loading minibatch m - ring_minibatches (consumed counters, counted in rows), so the
+//     workspace is bounded whatever the routing. (Gathering the rows straight into
 //     the stages instead — cp.async, or one TMA box per row — was measured 1.4-2.4x slower: every
 //     row is read once per n-tile through the load path, docs/performance.md.)
 //
@@ -428,7 +431,13 @@ __device__ __forceinline__ void prefetch_gate_up_row(const TileCoord& c, const E
 }
 
 // Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
-enum ExpertGemmWait : int { kWaitFreeStage = 0, kWaitLoadedStage = 1, kWaitDispatchedRows = 2 };
+enum ExpertGemmWait : int {
+  kWaitFreeStage = 0,
+  kWaitLoadedStage = 1,
+  kWaitDispatchedRows = 2,
+  kWaitTensorCoreTurn = 3,  // the ping-pong kernel's turn barrier (expert_gemm_pingpong_sm90.cuh)
+  kWaitRingSlot = 4,        // the dispatchers: a ring slot's previous minibatch not yet loaded by every tile
+};
 
 // A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
 template <int kClusterM>
@@ -452,6 +461,46 @@ __device__ __forceinline__ int minibatch_chunks(const ExpertGemmDispatch& d, int
   const int begin = m * d.minibatch_rows;
   const int end = min(begin + d.minibatch_rows, rows_end);
   return end > begin ? (end - begin + ExpertGemmTile::kDispatchChunkRows - 1) / ExpertGemmTile::kDispatchChunkRows : 0;
+}
+
+// The counters of the dispatch, each (num_minibatches,): chunks claimed, chunks written, and rows
+// loaded by the GEMM's tiles (once per n-tile: the ring slot is free when it reaches
+// n_tiles * the minibatch's segment rows).
+__device__ __forceinline__ int32_t* claimed_chunks(const ExpertGemmDispatch& d) { return d.counters; }
+__device__ __forceinline__ int32_t* done_chunks(const ExpertGemmDispatch& d) { return d.counters + d.num_minibatches; }
+__device__ __forceinline__ int32_t* consumed_rows(const ExpertGemmDispatch& d) {
+  return d.counters + 2 * d.num_minibatches;
+}
+
+// Where dispatched row `row` sits in the ring. Ring positions [0, kM) are also mirrored at
+// [ring_rows, ring_rows + kM), so a tile's 128-row TMA box that starts near the ring's end reads
+// the rows that follow it (the next minibatch's, at the ring's start) instead of running off it.
+__device__ __forceinline__ int ring_position(const ExpertGemmDispatch& d, int row) { return row % d.ring_rows; }
+
+// Rows of [begin, end) inside the segments: with non-decreasing offsets from offsets[0] >= 0 (the
+// ops' contract, as the schedule makes them) the segments tile [offsets[0], rows_end), and the
+// walker's tiles cover each of those rows once per n-tile. What a minibatch's consumed counter
+// reaches. (Offsets outside the contract could leave it short: the bounded wait then names
+// kWaitRingSlot instead of reusing a slot early.)
+__device__ __forceinline__ int segment_rows_in(const ExpertGemmParams& p, int begin, int end) {
+  return max(0, end - max(begin, __ldg(p.expert_offsets)));
+}
+
+// A tile has loaded all its rows (its last K block's stage is full): count its rows, per minibatch
+// they lie in, so the dispatchers may reuse the ring slots. Rows past the segment are not counted
+// (nothing stored depends on them; they may be overwritten while loading).
+__device__ __forceinline__ void count_consumed_rows(const ExpertGemmParams& p, const TileCoord& c) {
+  const ExpertGemmDispatch& d = p.dispatch;
+  const int rows_end = dispatched_rows_end(p);
+  const int end = min(c.row0 + c.rows, rows_end);
+  // The TMA reads (async proxy) are complete; order them before the dispatchers' ordinary writes.
+  sm90::fence_proxy_async_global();
+  for (int row = c.row0; row < end;) {
+    const int m = row / d.minibatch_rows;
+    const int next = min(end, (m + 1) * d.minibatch_rows);
+    sm90::red_release_gpu_add(consumed_rows(d) + m, next - row);
+    row = next;
+  }
 }
 
 // The token whose row x holds for dispatched row `row`, or -1 (padding, or a route past x).
@@ -481,12 +530,21 @@ __device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int units
 }
 
 // The dispatch threads (warps 2 and 3 of warpgroup 0) of every CTA: minibatch after minibatch,
-// claim a chunk of kDispatchChunkRows rows, copy them (the pull dispatch: rows[r] = x[slot_to_route[r]
-// / topk], zeros for -1), and count the chunk done. Chunks are claimed, not assigned: a CTA waiting for
-// a minibatch only ever waits for chunks that running CTAs claimed, so the kernel cannot hang on a
-// CTA that has not started (this launch need not be co-resident). Only rows below the last segment's
-// end are written; no tile stores a row past it.
-__device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, int32_t* claimed_chunk, int g) {
+// wait until the minibatch's ring slot is free, claim a chunk of kDispatchChunkRows rows, copy them
+// (the pull dispatch: ring[position(r)] = x[slot_to_route[r] / topk], zeros for -1), and count the
+// chunk done. Only rows below the last segment's end are written; no tile stores a row past it.
+//
+// Progress: chunks are claimed, not assigned, so a tile only ever waits for chunks that running
+// CTAs claimed. A dispatcher waits for a ring slot only before claiming in a new minibatch m, when
+// every chunk of minibatches < m is claimed and therefore written; the slot waits for the tiles of
+// minibatch m - ring_minibatches, and every tile a CTA runs before those lies in minibatches
+// < m when ring_minibatches exceeds the minibatches one raster group spans (the op checks it).
+// So the dispatch never waits on itself. Without the ring (ring_minibatches = num_minibatches) the
+// launch need not be co-resident at all; with it, the CTAs holding the tiles of an old minibatch
+// must get an SM eventually (a CTA waits at most for the GPU's other work, then the bounded wait
+// reports kWaitRingSlot).
+__device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, int32_t* claimed_chunk, int n_tiles,
+                                                    int g, sm90::WaitWatch* watch) {
   using Tile = ExpertGemmTile;
   constexpr int kDispatchBarrier = 3;  // named barriers 1 and 2 are the consumers'
   const ExpertGemmDispatch& d = p.dispatch;
@@ -499,8 +557,19 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
     const int begin = m * d.minibatch_rows;
     const int end = min(begin + d.minibatch_rows, rows_end);
     const int chunks = minibatch_chunks(d, m, rows_end);
+    if (m >= d.ring_minibatches && chunks > 0) {
+      const int old = m - d.ring_minibatches;
+      if (g == 0) {
+        const int old_begin = old * d.minibatch_rows;
+        const int old_rows = segment_rows_in(p, old_begin, min(old_begin + d.minibatch_rows, rows_end));
+        sm90::wait_counter_at_least(consumed_rows(d) + old, n_tiles * old_rows, kWaitRingSlot, watch);
+        // The tiles' TMA reads of the slot are done; order them before these ordinary writes.
+        sm90::fence_proxy_async_global();
+      }
+      sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
+    }
     while (true) {
-      if (g == 0) *claimed = atomicAdd(d.counters + m, 1);
+      if (g == 0) *claimed = atomicAdd(claimed_chunks(d) + m, 1);
       sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
       const int chunk = *claimed;
       sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);  // read before the next claim
@@ -515,14 +584,22 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
       }
       for (int row = first; row < last; ++row) {
         const int64_t token = dispatched_token(d, row);
-        copy_row(token >= 0 ? x + token * units : nullptr, rows + int64_t(row) * units, units, g);
+        copy_row(token >= 0 ? x + token * units : nullptr, rows + int64_t(ring_position(d, row)) * units, units, g);
+      }
+      // The ring's first m-tile again past its end (a separate pass: the copy loop above has no
+      // registers to spare for a second destination; these are 128 rows per turn of the ring).
+      for (int row = first; row < last && d.ring_mirrored; ++row) {
+        const int position = ring_position(d, row);
+        if (position >= Tile::kM) continue;
+        const int64_t token = dispatched_token(d, row);
+        copy_row(token >= 0 ? x + token * units : nullptr, rows + int64_t(d.ring_rows + position) * units, units, g);
       }
       // Other SMs read these rows with TMA (async proxy) once the chunk is counted.
       sm90::fence_proxy_async_global();
       sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
       if (g == 0) {
         __threadfence();
-        sm90::red_release_gpu_add(d.counters + d.num_minibatches + m, 1);
+        sm90::red_release_gpu_add(done_chunks(d) + m, 1);
       }
     }
   }
@@ -542,7 +619,7 @@ __device__ __forceinline__ void wait_for_dispatched_rows(const ExpertGemmParams&
   if (last < ready) return;
   const int rows_end = dispatched_rows_end(p);
   for (; ready <= last; ++ready) {
-    sm90::wait_counter_at_least(d.counters + d.num_minibatches + ready, minibatch_chunks(d, ready, rows_end),
+    sm90::wait_counter_at_least(done_chunks(d) + ready, minibatch_chunks(d, ready, rows_end),
                                 kWaitDispatchedRows, watch);
   }
   sm90::fence_proxy_async_global();
@@ -602,7 +679,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertGemmKernel);
     if constexpr (kDispatchA) {
       if (threadIdx.x >= 128 - Tile::kDispatchThreads) {
-        dispatch_rows_ahead(p, claimed_chunk, threadIdx.x - (128 - Tile::kDispatchThreads));
+        dispatch_rows_ahead(p, claimed_chunk, n_tiles, threadIdx.x - (128 - Tile::kDispatchThreads), watch);
         return;
       }
     }
@@ -613,6 +690,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     int dispatched_minibatches = 0;
     for (int64_t tile = first_tile; walker.at(tile, c); tile += tile_step) {
       if constexpr (kDispatchA) wait_for_dispatched_rows(p, c, dispatched_minibatches, watch);
+      const int a_row = kDispatchA ? ring_position(p.dispatch, c.row0) : c.row0;
       // This CTA's half of B: the first 128 rows of the slice, or the second (SwiGLU: the up rows
       // partnering gate rows [n0, n0 + 128), n_out rows further).
       int b_row = c.expert * p.n_weight_rows + c.n0;
@@ -620,7 +698,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
       for (int kb = 0; kb < k_blocks; ++kb) {
         sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
         sm90::mbarrier_arrive_expect_tx(&full[stage], Tile::kStageBytes);
-        sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, c.row0);
+        sm90::tma_load_2d(a_stages + stage * Tile::kABytes, &a_map, &full[stage], kb * Tile::kK, a_row);
         uint8_t* b = b_stages + stage * Tile::kBBytes;
         if constexpr (kTransB) {
           // Boxes of 64 N x 64 K at (n, k, expert); K rows past the expert's are zeros.
@@ -700,6 +778,10 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
     sm90::wgmma_wait_group<0>();
     sm90::fence_accumulators(acc);
     if (thread == 0) release_stage<kClusterM>(&empty[previous_stage]);
+    if constexpr (kDispatchA) {
+      // Every stage of the tile was full: all its rows were loaded, and their ring slot may be refilled.
+      if (consumer == 0 && thread == 0) count_consumed_rows(p, c);
+    }
     // Rounded once to bf16 pairs: packed[2 * j + h] holds columns 8 * j + 2 * (l % 4) + {0, 1} of
     // row half h; half the registers of the fp32 accumulators for the rest of the epilogue.
     uint32_t packed[64];

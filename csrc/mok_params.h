@@ -98,15 +98,22 @@ enum WaitingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1 };
 // slot_to_route[r] is -1), minibatch after minibatch in chunks claimed from a counter; each
 // minibatch's `done` counter says how many of its chunks are written. The GEMM loads a tile's rows
 // (TMA, from `rows`) once every minibatch they touch is done, so the dispatch overlaps the GEMM.
+// `rows` is a ring of ring_minibatches minibatches: row r sits at position r % ring_rows, and a
+// slot is refilled only after every tile has loaded the rows it held (consumed counter). With
+// ring_mirrored, positions [0, 128) are also written at [ring_rows, ring_rows + 128), so a tile's
+// box never runs off the ring's end.
 struct ExpertGemmDispatch {
   const void* x;                 // (x_rows, k) bf16: every token the schedule's routes name
   const int64_t* slot_to_route;  // (num_rows,) route per row, -1 for padding
-  void* rows;                    // (num_rows, k) bf16 out: the dispatched rows, A of the GEMM
-  int32_t* counters;             // (2 * num_minibatches,) zeroed: chunks claimed, then chunks done
+  void* rows;                    // (ring_rows (+ 128 when ring_mirrored), k) bf16: the ring, A of the GEMM
+  int32_t* counters;             // (3 * num_minibatches,) zeroed: chunks claimed, chunks done, rows consumed
   int64_t x_rows;
   int32_t topk;
   int32_t minibatch_rows;
   int32_t num_minibatches;
+  int32_t ring_minibatches;  // <= num_minibatches; equal: no slot is reused (rows holds every row)
+  int32_t ring_rows;         // ring_minibatches * minibatch_rows
+  int32_t ring_mirrored;     // 1 when ring_minibatches < num_minibatches
 };
 
 struct ExpertGemmParams {

@@ -9,6 +9,9 @@ Backend = Literal["auto", "reference", "kernel"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel")
 ExpertGemm = Literal["auto", "grouped_mm", "sm90"]
 EXPERT_GEMMS: tuple[str, ...] = ("auto", "grouped_mm", "sm90")
+# One more than the 1024-row minibatches that a raster group of 16 m-tiles of 128 rows spans
+# (ops.EXPERT_GEMM_GROUP_M; the op checks the same bound for its group_m).
+MIN_DISPATCH_RING_MINIBATCHES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,14 @@ class MoKConfig:
             epilogue) and the weight gradients; "auto" (the default), per projection the one
             measured faster on the H200 (megatron_mok/kernels.py AUTO_KERNEL_STAGES,
             docs/performance.md). All give results within the same bound, bitwise reproducible.
+        dispatch_ring_minibatches: the kernel backend's in-kernel dispatch (the "sm90" gate/up
+            GEMM) writes the dispatched rows into a ring of this many minibatches of
+            ops.DISPATCH_MINIBATCH_ROWS rows, reused once every GEMM tile has loaded a slot, so
+            that buffer is bounded whatever the routing (all tokens to one expert included); the
+            weight gradient of fc1 then gathers the rows again in backward. 0: no bound, the rows
+            (capacity, hidden) are kept from forward to backward. Otherwise at least
+            MIN_DISPATCH_RING_MINIBATCHES (one more than the minibatches a raster group of the
+            GEMM's tiles spans, so the dispatch never waits on itself).
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA the check is a device-side assert
             (`torch._assert_async`), because a host-side check would synchronize.
@@ -40,12 +51,19 @@ class MoKConfig:
     segment_alignment: int = 1
     check_expert_ids: bool = True
     expert_gemm: ExpertGemm = "auto"
+    dispatch_ring_minibatches: int = 8
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.expert_gemm not in EXPERT_GEMMS:
             raise ValueError(f"MoKConfig.expert_gemm must be one of {EXPERT_GEMMS}, got {self.expert_gemm!r}")
+        ring = self.dispatch_ring_minibatches
+        if not isinstance(ring, int) or isinstance(ring, bool) or not (ring == 0 or ring >= MIN_DISPATCH_RING_MINIBATCHES):
+            raise ValueError(
+                f"MoKConfig.dispatch_ring_minibatches must be 0 (no bound) or an int >= "
+                f"{MIN_DISPATCH_RING_MINIBATCHES}, got {ring!r}"
+            )
         if not isinstance(self.segment_alignment, int) or self.segment_alignment < 1:
             raise ValueError(
                 f"MoKConfig.segment_alignment must be a positive int, got {self.segment_alignment!r}"

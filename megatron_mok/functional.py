@@ -41,7 +41,8 @@ class ForwardContext:
     route_table: torch.Tensor  # (num_rows, hidden)
     route_index: torch.Tensor  # (num_tokens * topk,) int64
     # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
-    # with several ranks the capacity is num_ranks times larger, so backward recomputes them.
+    # with several ranks the capacity is num_ranks times larger, so backward recomputes them. rows is
+    # also None when forward dispatched through a bounded ring (MoKConfig.dispatch_ring_minibatches).
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 
@@ -133,7 +134,7 @@ def forward(
     stages = stages_for(backend, config.expert_gemm)
     offsets = schedule.expert_offsets
     x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
-    rows, gate_up, act = stages.dispatch_gate_up(x_all, schedule, fc1)
+    rows, gate_up, act = stages.dispatch_gate_up(x_all, schedule, fc1, config.dispatch_ring_minibatches)
     slot_out = stages.expert_down(act, fc2, offsets)
     route_index = ref.route_index_reference(schedule, topk_ids)
     route_table = ref.return_rows_reference(slot_out, schedule, workspace)
@@ -149,7 +150,7 @@ def forward(
         gate_up=gate_up,
         route_table=route_table,
         route_index=route_index,
-        rows=rows if schedule.num_ranks == 1 else None,
+        rows=rows if schedule.num_ranks == 1 else None,  # (None after a ring)
         act=act if schedule.num_ranks == 1 else None,
     )
     return y, ctx

@@ -37,13 +37,18 @@ def segment_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
     return _grouped_mm(rows, weight.transpose(-2, -1), offs=offsets[1:])
 
 
-def dispatch_gate_up(x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch. Rows at or past
-    # offsets[-1] stay unwritten; every later stage reads only rows below offsets[-1] (grouped_mm's
-    # offs, the schedule's route index).
-    return ops.dispatch_expert_gemm_swiglu(
-        x_all, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets
+def dispatch_gate_up(
+    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch, into a ring buffer of
+    # ring_minibatches minibatches (0: every row). Rows at or past offsets[-1] stay unwritten; every
+    # later stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
+    rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
+        x_all, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets,
+        ring_minibatches=ring_minibatches,
     )
+    # A ring shorter than the rows holds only the last minibatches: backward gathers them again.
+    return (rows if ops.dispatch_ring_holds_every_row(schedule.capacity, ring_minibatches) else None), gate_up, act
 
 
 def expert_down(act: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -56,8 +61,9 @@ def grouped_mm_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Ten
 
 
 def grouped_mm_dispatch_gate_up(
-    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor
+    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # torch's grouped GEMM takes its A operand whole: every row is gathered (no ring), and kept.
     rows = dispatch_rows(x_all, schedule)
     return (rows, *grouped_mm_gate_up(rows, fc1, schedule.expert_offsets))
 

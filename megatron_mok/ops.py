@@ -31,6 +31,7 @@ WAIT_NAMES = {
     (0, 1): "expert GEMM consumer waiting for a loaded pipeline stage (full barrier)",
     (0, 2): "expert GEMM producer waiting for a minibatch of dispatched rows (ready counter)",
     (0, 3): "ping-pong expert GEMM consumer waiting for its turn at the tensor cores (turn barrier)",
+    (0, 4): "expert GEMM dispatcher waiting for a ring slot's rows to be loaded by every tile (consumed counter)",
     (1, 0): "expert weight-gradient producer waiting for a free pipeline stage (empty barrier)",
     (1, 1): "expert weight-gradient consumer waiting for a loaded pipeline stage (full barrier)",
 }
@@ -65,10 +66,10 @@ if _LOAD_ERROR is None:
         return a.new_empty((a.shape[0], weight.shape[1])), a.new_empty((a.shape[0], weight.shape[1] // 2))
 
     @torch.library.register_fake("megatron_mok::dispatch_expert_gemm_swiglu")
-    def _dispatch_expert_gemm_swiglu_fake(x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m):
+    def _dispatch_expert_gemm_swiglu_fake(x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m, ring_minibatches):
         rows = slot_to_route.shape[0]
         return (
-            x.new_empty((rows, x.shape[1])),
+            x.new_empty((dispatch_ring_buffer_rows(rows, ring_minibatches), x.shape[1])),
             x.new_empty((rows, weight.shape[1])),
             x.new_empty((rows, weight.shape[1] // 2)),
         )
@@ -196,6 +197,25 @@ def expert_gemm_swiglu(
     return torch.ops.megatron_mok.expert_gemm_swiglu(a, weight, expert_offsets, cluster_m, group_m)
 
 
+# Rows per minibatch of the dispatching GEMM (kDispatchMinibatchRows in csrc/expert_gemm_ops.cu): the
+# unit in which the dispatch hands rows to the GEMM and in which its ring buffer is reused.
+DISPATCH_MINIBATCH_ROWS = 1024
+
+
+def dispatch_ring_buffer_rows(rows: int, ring_minibatches: int) -> int:
+    """Rows of dispatch_expert_gemm_swiglu's first result for `rows` schedule rows: `rows` when the
+    ring holds every minibatch (ring_minibatches 0 or at least that many), else the ring and a mirror
+    of its first 128-row m-tile (csrc/expert_gemm_ops.cu dispatch_ring_buffer_rows)."""
+    if dispatch_ring_holds_every_row(rows, ring_minibatches):
+        return rows
+    return ring_minibatches * DISPATCH_MINIBATCH_ROWS + 128
+
+
+def dispatch_ring_holds_every_row(rows: int, ring_minibatches: int) -> bool:
+    """Whether dispatch_expert_gemm_swiglu's first result is the rows themselves (no slot reused)."""
+    return ring_minibatches == 0 or ring_minibatches * DISPATCH_MINIBATCH_ROWS >= rows
+
+
 def dispatch_expert_gemm_swiglu(
     x: torch.Tensor,
     slot_to_route: torch.Tensor,
@@ -204,13 +224,20 @@ def dispatch_expert_gemm_swiglu(
     expert_offsets: torch.Tensor,
     cluster_m: int = EXPERT_GEMM_CLUSTER_M,
     group_m: int = EXPERT_GEMM_GROUP_M,
+    ring_minibatches: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, gate_up, act) = (dispatch_rows(x, slot_to_route, topk), *expert_gemm_swiglu(rows, weight,
     expert_offsets)) in one kernel: warps of every CTA dispatch the rows minibatch by minibatch and the
     GEMM starts on each minibatch once it is written (per-minibatch ready counters), so the dispatch
-    overlaps the GEMM. Rows at or past expert_offsets[-1] are not written. Ref: dispatch_gate_up_reference."""
+    overlaps the GEMM. Rows at or past expert_offsets[-1] are not written.
+
+    ring_minibatches > 0 bounds the rows buffer to a ring of that many minibatches of
+    DISPATCH_MINIBATCH_ROWS rows, whatever the routing: a slot is refilled once every tile has loaded
+    its rows. It must exceed the minibatches one raster group of group_m m-tiles spans (an error
+    names it otherwise). When the ring is shorter than the rows, the first result is the ring
+    (dispatch_ring_buffer_rows rows), not the rows. Ref: dispatch_gate_up_reference."""
     return torch.ops.megatron_mok.dispatch_expert_gemm_swiglu(
-        x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m
+        x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m, ring_minibatches
     )
 
 

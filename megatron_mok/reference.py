@@ -116,9 +116,10 @@ def expert_gate_up_reference(
 
 
 def dispatch_gate_up_reference(
-    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor
+    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act)."""
+    """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act).
+    The reference gathers every row (ring_minibatches, the kernel's buffer bound, does not apply)."""
     rows = dispatch_rows_reference(x_all, schedule)
     return (rows, *expert_gate_up_reference(rows, fc1, schedule.expert_offsets))
 

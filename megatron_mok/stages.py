@@ -5,8 +5,10 @@ each stage. The reference supplies all of them from `reference.py`; the kernel b
 the memory-bound stages with CUDA kernels (`kernels.py`). Stage signatures:
 
     dispatch_rows(x_all, schedule) -> rows (capacity, H)
-    dispatch_gate_up(x_all, schedule, fc1 (E, 2F, H)) -> (rows (capacity, H), gate_up (capacity, 2F),
-        act (capacity, F))
+    dispatch_gate_up(x_all, schedule, fc1 (E, 2F, H), ring_minibatches) -> (rows (capacity, H) or None,
+        gate_up (capacity, 2F), act (capacity, F)); None when the rows went through a ring buffer
+        of ring_minibatches minibatches (MoKConfig.dispatch_ring_minibatches) and backward must
+        gather them again
     expert_down(act, fc2 (E, H, F), offsets) -> (capacity, H)
     segment_matmul(rows, weight (E, N, K) any strides, offsets) -> (capacity, N)
     swiglu(gate_up, offsets) -> act (capacity, F)

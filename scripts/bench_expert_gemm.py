@@ -5,6 +5,8 @@
 For each shape (a uniform random top-k routing through the real schedule), the projections:
 - dispatch+gate_up+swiglu: torch = the dispatch kernel, grouped_mm and the SwiGLU kernel; mok = one
   sm90 kernel in which dispatch warps hand minibatches of rows to the GEMM through ready counters;
+- dispatch_ring+gate_up+swiglu: the same with the rows in a ring buffer of MoKConfig's default
+  size (slots reused once every tile has loaded them), not one row per route;
 - gate_up+swiglu: the same from already-dispatched rows (mok: SwiGLU in the GEMM's epilogue);
 - down;
 - dgrad_down+swiglu_bwd: d gate_up from d out (torch: grouped_mm with fc2 transposed + the SwiGLU
@@ -29,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
-from megatron_mok import build_schedule, ops  # noqa: E402
+from megatron_mok import MoKConfig, build_schedule, ops  # noqa: E402
 from megatron_mok.kernels import (  # noqa: E402
     grouped_mm_dgrad_rows,
     grouped_mm_dgrad_swiglu,
@@ -72,7 +74,7 @@ def main() -> None:
     parser.add_argument("--group-m", default=str(ops.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument(
-        "--projections", default="dispatch+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up,wgrad_gate_up,wgrad_down"
+        "--projections", default="dispatch+gate_up+swiglu,dispatch_ring+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up,wgrad_gate_up,wgrad_down"
     )
     args = parser.parse_args()
     settings = [
@@ -92,6 +94,14 @@ def main() -> None:
                 lambda s: grouped_mm_gate_up(ops.dispatch_rows(s["x"], s["schedule"].slot_to_route, k), s["fc1"], s["offsets"]),
                 lambda s, c, g: ops.dispatch_expert_gemm_swiglu(
                     s["x"], s["schedule"].slot_to_route, k, s["fc1"], s["offsets"], c, g
+                ),
+                2 * t * k * 2 * f * h,
+            ),
+            # The same through the dispatch's ring buffer (MoKConfig's default size) instead of every row.
+            "dispatch_ring+gate_up+swiglu": (
+                lambda s: grouped_mm_gate_up(ops.dispatch_rows(s["x"], s["schedule"].slot_to_route, k), s["fc1"], s["offsets"]),
+                lambda s, c, g: ops.dispatch_expert_gemm_swiglu(
+                    s["x"], s["schedule"].slot_to_route, k, s["fc1"], s["offsets"], c, g, MoKConfig().dispatch_ring_minibatches
                 ),
                 2 * t * k * 2 * f * h,
             ),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import dense_gemm_tflops, median_ms, median_ms_queued, peak_memory_mb  # noqa: E402
+from timing import dense_gemm_tflops, held_memory_mb, median_ms, median_ms_queued, peak_memory_mb  # noqa: E402
 
 from megatron_mok import MoKConfig, mok_moe  # noqa: E402
 
@@ -124,7 +124,7 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
         events[0].record()
         schedule = build_schedule(s["ids"], num_local_experts=s["fc1"].shape[0])
         events[1].record()
-        _, gate_up, act = st.dispatch_gate_up(s["x"], schedule, s["fc1"])
+        _, gate_up, act = st.dispatch_gate_up(s["x"], schedule, s["fc1"], MoKConfig().dispatch_ring_minibatches)
         events[2].record()
         out = st.expert_down(act, s["fc2"], schedule.expert_offsets)
         events[3].record()
@@ -164,6 +164,8 @@ def bench_shape(name, shape, results, progress):
         "pytorch": pytorch_pipeline,
         "mok_kernel": mok_layer(MoKConfig(backend="kernel")),
         "mok_kernel_sm90": mok_layer(MoKConfig(backend="kernel", expert_gemm="sm90")),
+        # The same without the dispatch's ring buffer: every dispatched row kept for backward.
+        "mok_kernel_sm90_no_ring": mok_layer(MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=0)),
         "mok_kernel_grouped_mm": mok_layer(MoKConfig(backend="kernel", expert_gemm="grouped_mm")),
         "mok_reference": mok_layer(MoKConfig(backend="reference")),
     }
@@ -175,16 +177,18 @@ def bench_shape(name, shape, results, progress):
             with torch.no_grad():
                 return fn(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"])
 
-        def fwd_bwd(s, fn=fn):
+        def fwd_with_grad(s, fn=fn):
             leaves = [s[n].detach().requires_grad_() for n in ("x", "weights", "fc1", "fc2")]
-            y = fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
-            y.backward(s["grad"])
+            return fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
+
+        def fwd_bwd(s):
+            fwd_with_grad(s).backward(s["grad"])
 
         ms_f, ms_fb = median_ms(fwd, sets), median_ms(fwd_bwd, sets)
         row[label] = dict(
             fwd_ms=ms_f, fwd_tflops=flops_fwd / ms_f / 1e9,
             fwd_bwd_ms=ms_fb, fwd_bwd_tflops=3 * flops_fwd / ms_fb / 1e9,
-            peak_mb=peak_memory_mb(fwd_bwd, sets[0]),
+            peak_mb=peak_memory_mb(fwd_bwd, sets[0]), held_mb=held_memory_mb(fwd_with_grad, sets[0]),
             queued_fwd_ms=median_ms_queued(fwd, sets), queued_fwd_bwd_ms=median_ms_queued(fwd_bwd, sets),
         )
     progress(f"{name}: megatron alltoall")
@@ -226,7 +230,7 @@ def main() -> None:
     except ImportError:
         tqdm = None
     names = args.shapes.split(",")
-    bar = tqdm(total=len(names) * 5 + 1, file=sys.stderr) if tqdm else None
+    bar = tqdm(total=len(names) * 7 + 1, file=sys.stderr) if tqdm else None
 
     def progress(label):
         if bar:
@@ -250,22 +254,28 @@ def main() -> None:
     _print_details(results)
     _print_queued(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print(f"{'shape':<12} {'method':<22} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'fwd x':>6} {'f+b x':>6}")
+    print(f"{'shape':<12} {'method':<23} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
         for label in METHOD_LABELS:
             r = row.get(label)
             if r is None:
-                print(f"{row['shape']:<12} {label:<22} {'n/a: ' + str(row.get('megatron_experts')):>40}")
+                print(f"{row['shape']:<12} {label:<23} {'n/a: ' + str(row.get('megatron_experts')):>40}")
                 continue
             print(
-                f"{row['shape']:<12} {label:<22} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
-                f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
+                f"{row['shape']:<12} {label:<23} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
+                f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {r.get('held_mb', float('nan')):8.0f} "
+                f"{base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
             )
 
 
-# mok_kernel is the default configuration (expert_gemm="auto"); the other two force one GEMM family.
-METHOD_LABELS = ("pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_grouped_mm", "mok_kernel_sm90", "mok_kernel")
+# mok_kernel is the default configuration (expert_gemm="auto"); the others force one GEMM family
+# (sm90_no_ring: without the dispatch's ring buffer). held MB: memory a forward under autograd leaves
+# allocated (output + saved activations).
+METHOD_LABELS = (
+    "pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_grouped_mm", "mok_kernel_sm90_no_ring",
+    "mok_kernel_sm90", "mok_kernel",
+)
 
 
 def _print_queued(results):

@@ -68,6 +68,18 @@ def peak_memory_mb(fn: Callable[[object], object], arg: object) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def held_memory_mb(fn: Callable[[object], object], arg: object) -> float:
+    """Memory still allocated while one call's result is alive (for a forward under autograd: the
+    output and the activations saved for backward, what a training step holds per layer), in MB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    result = fn(arg)
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - base) / 2**20
+    del result
+    return held
+
+
 def dense_gemm_tflops(n: int = 8192) -> float:
     """cuBLAS bf16 n^3 GEMM rate on random data, the ceiling of every number beside it."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -268,6 +268,85 @@ def test_dispatching_gemm_beside_a_kernel_that_holds_sms():
     assert ops.last_wait_timeout() is None
 
 
+# The ring buffer (ring_minibatches > 0): rows go to ring slots that are refilled once every tile has
+# loaded them, so the buffer is bounded whatever the routing. The GEMM reads the same bf16 rows in
+# the same order, so gate_up and act must equal the unbounded kernel's (dispatch then GEMM) bit for
+# bit. Alignment 1 puts tiles across minibatch ends and across the ring's end (the mirrored rows).
+# name: DISPATCH_CASES fields; every case has more minibatches than the rings below.
+RING_CASES = {
+    "uniform": (3000, 8, 16, 128, 256, "uniform", 1),
+    "all_to_one_expert": (2500, 4, 4, 64, 160, "one", 1),
+    "skewed": (2048, 8, 8, 192, 256, "skewed", 1),
+    "dropped_routes": (2100, 6, 8, 64, 144, "dropped", 8),
+    "empty_experts": (1800, 4, 9, 128, 128, "even_experts_only", 1),
+}
+
+
+@pytest.mark.parametrize("cluster_m,group_m,ring", [(1, 16, 3), (2, 16, 3), (1, 1, 2), (2, 6, 2), (1, 16, 5)])
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_dispatching_gemm_through_a_ring_equals_dispatch_then_gemm(case, cluster_m, group_m, ring):
+    schedule, x, w = dispatch_case(*RING_CASES[case], seed=zlib.crc32(case.encode()) + ring)
+    topk, capacity = schedule.topk, schedule.capacity
+    assert capacity > ring * ops.DISPATCH_MINIBATCH_ROWS, "the case must wrap around the ring"
+    end = int(schedule.expert_offsets[-1])
+    want_rows = ops.dispatch_rows(x, schedule.slot_to_route, topk)
+    want_gate_up, want_act = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets, cluster_m, group_m)
+    poison_allocator()
+    ring_rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
+        x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m, ring
+    )
+    assert ring_rows.shape == (ops.dispatch_ring_buffer_rows(capacity, ring), x.shape[1])
+    assert ring_rows.shape[0] == ring * ops.DISPATCH_MINIBATCH_ROWS + 128 < capacity
+    assert torch.equal(gate_up[:end], want_gate_up[:end]) and torch.equal(act[:end], want_act[:end])
+    # The ring holds the last minibatches' rows at their positions (row r at r % ring rows).
+    ring_len = ring * ops.DISPATCH_MINIBATCH_ROWS
+    last = (end - 1) // ops.DISPATCH_MINIBATCH_ROWS
+    for m in range(max(0, last - ring + 1), last + 1):
+        lo, hi = m * ops.DISPATCH_MINIBATCH_ROWS, min(end, (m + 1) * ops.DISPATCH_MINIBATCH_ROWS)
+        assert torch.equal(ring_rows[lo % ring_len : lo % ring_len + hi - lo], want_rows[lo:hi]), f"minibatch {m}"
+    again = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, topk, w, schedule.expert_offsets, cluster_m, group_m, ring)
+    assert torch.equal(gate_up[:end], again[1][:end]) and torch.equal(act[:end], again[2][:end])
+    assert ops.last_wait_timeout() is None
+
+
+def test_dispatching_gemm_through_a_ring_beside_a_kernel_that_holds_sms():
+    """With the ring a dispatcher waits for tiles of old minibatches; CTAs that start late (SMs held
+    by another stream) must still get to them, and the result must be right."""
+    schedule, x, w = dispatch_case(*RING_CASES["uniform"], seed=14)
+    end = int(schedule.expert_offsets[-1])
+    want = ops.expert_gemm_swiglu(ops.dispatch_rows(x, schedule.slot_to_route, schedule.topk), w, schedule.expert_offsets)
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    other = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(other):
+        for _ in range(4):
+            big @ big
+    got = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets, 1, 16, 3)
+    torch.cuda.synchronize()
+    assert torch.equal(got[1][:end], want[0][:end]) and torch.equal(got[2][:end], want[1][:end])
+    assert ops.last_wait_timeout() is None
+
+
+@pytest.mark.parametrize("group_m,ring", [(16, 2), (16, 1), (24, 3), (1, -1)])
+def test_dispatch_ring_too_short_for_the_raster_is_a_clear_error(group_m, ring):
+    schedule, x, w = dispatch_case(*DISPATCH_CASES["uniform"], seed=15)
+    with pytest.raises(RuntimeError, match="ring_minibatches must be 0"):
+        ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, 4, w, schedule.expert_offsets, 1, group_m, ring)
+
+
+def test_dispatch_ring_op_registration():
+    """The fake's ring shape matches the op's, under opcheck and torch.compile(fullgraph=True)."""
+    schedule, x, w = dispatch_case(*RING_CASES["all_to_one_expert"], seed=16)
+    args = (x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets, 1, 16, 3)
+    op = torch.ops.megatron_mok.dispatch_expert_gemm_swiglu.default
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
+    end = int(schedule.expert_offsets[-1])
+    got, want = compiled(*args), op(*args)
+    assert got[0].shape == want[0].shape
+    assert torch.equal(got[1][:end], want[1][:end]) and torch.equal(got[2][:end], want[2][:end])
+
+
 @pytest.mark.parametrize("group_m", [1, 2, 5, 16, 64])
 def test_raster_group_does_not_change_the_result(group_m):
     """The raster only reorders tiles; every tile's arithmetic is the same, so outputs are equal."""

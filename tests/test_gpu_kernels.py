@@ -83,8 +83,10 @@ def run(config: MoKConfig, x, ids, w, fc1, fc2, grad, dtype=None):
 
 KERNEL = MoKConfig(backend="kernel")
 REFERENCE = MoKConfig(backend="reference")
-# The kernel backend with each forward expert GEMM (MoKConfig.expert_gemm).
+# The kernel backend with each forward expert GEMM (MoKConfig.expert_gemm); sm90_ring3: the sm90
+# dispatch through a ring of 3 minibatches, which the shapes of more than 3072 rows wrap around.
 KERNELS = {gemm: MoKConfig(backend="kernel", expert_gemm=gemm) for gemm in ("auto", "grouped_mm", "sm90")}
+KERNELS["sm90_ring3"] = MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=3)
 
 
 @pytest.mark.parametrize("expert_gemm", list(KERNELS))
@@ -247,6 +249,35 @@ def test_op_registration(op_name):
 def test_kernel_backend_bitwise_deterministic_without_host_sync(expert_gemm):
     inputs = make_inputs(SHAPES["qwen3_30b"], "skewed", seed=11)
     assert_bitwise_reproducible_without_host_sync(lambda: run(KERNELS[expert_gemm], *inputs))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "one_expert"])
+def test_ring_dispatch_gives_the_unbounded_results_bit_for_bit(routing):
+    """The ring only bounds where the dispatched rows live; forward reads the same rows and backward
+    gathers them again for the fc1 weight gradient, so y and every gradient equal the unbounded run."""
+    s = Shape(2048, 256, 128, 16, 4)  # 8192 rows: 8 minibatches, the ring of 3 wraps twice
+    inputs = make_inputs(s, routing, seed=21)
+    y_ring, g_ring = run(KERNELS["sm90_ring3"], *inputs)
+    y_all, g_all = run(MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=0), *inputs)
+    assert torch.equal(y_ring, y_all)
+    for name, a, b in zip(("dx", "dweights", "dfc1", "dfc2"), g_ring, g_all):
+        assert torch.equal(a, b), name
+
+
+def test_ring_dispatch_cuda_graph_replay():
+    x, ids, w, fc1, fc2, grad = make_inputs(Shape(1100, 64, 32, 6, 4), "skewed", seed=22)  # 4400 rows > 3 minibatches
+    config = KERNELS["sm90_ring3"]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)
+        y.backward(grad)
+        return y
+
+    eager_y, eager_grads = run(config, x, ids, w, fc1, fc2, grad)
+    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
 
 
 @pytest.mark.parametrize("expert_gemm", list(KERNELS))

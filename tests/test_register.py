@@ -127,7 +127,8 @@ def test_supported_config_builds():
 
 
 def test_mok_flags_reach_the_layer_config():
-    """--mok-backend and --mok-expert-gemm end up in the MoKConfig the MoE layer runs with."""
+    """--mok-backend, --mok-expert-gemm and --mok-dispatch-ring-minibatches end up in the MoKConfig
+    the MoE layer runs with."""
     code = """
     import sys
     import megatron_mok
@@ -135,7 +136,7 @@ def test_mok_flags_reach_the_layer_config():
     from megatron.training.arguments import parse_args
     from megatron.training import global_vars
     sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "4",
-                "--mok-backend", "kernel", "--mok-expert-gemm", "sm90"]
+                "--mok-backend", "kernel", "--mok-expert-gemm", "sm90", "--mok-dispatch-ring-minibatches", "0"]
     global_vars._GLOBAL_ARGS = parse_args()
     from megatron_mok.megatron.moe_layer import mok_config_for
     class Config:
@@ -145,6 +146,7 @@ def test_mok_flags_reach_the_layer_config():
     result = _run(code)
     assert result.returncode == 0, result.stderr
     assert "backend='kernel'" in result.stdout and "expert_gemm='sm90'" in result.stdout, result.stdout
+    assert "dispatch_ring_minibatches=0" in result.stdout, result.stdout
 
 
 def test_bad_expert_gemm_flag_is_rejected():

@@ -69,6 +69,10 @@ def test_bad_input_is_rejected(case, change, error, fragment):
         (dict(backend="fast"), "MoKConfig.backend"),
         (dict(segment_alignment=0), "MoKConfig.segment_alignment"),
         (dict(expert_gemm="cublas"), "MoKConfig.expert_gemm"),
+        (dict(dispatch_ring_minibatches=2), "MoKConfig.dispatch_ring_minibatches"),
+        (dict(dispatch_ring_minibatches=-1), "MoKConfig.dispatch_ring_minibatches"),
+        (dict(dispatch_ring_minibatches=4.0), "MoKConfig.dispatch_ring_minibatches"),
+        (dict(dispatch_ring_minibatches=True), "MoKConfig.dispatch_ring_minibatches"),
     ],
 )
 def test_bad_config(kwargs, fragment):

@@ -24,8 +24,8 @@ from megatron_mok.moe import mok_moe
 
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
-    """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend` and
-    `--mok-expert-gemm`, else default."""
+    """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`,
+    `--mok-expert-gemm` and `--mok-dispatch-ring-minibatches`, else default."""
     explicit = getattr(config, "mok_config", None)
     if explicit is not None:
         if not isinstance(explicit, MoKConfig):
@@ -38,9 +38,13 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
     except (ImportError, AssertionError):
         args = None
     fields = {}
-    for flag, field in (("mok_backend", "backend"), ("mok_expert_gemm", "expert_gemm")):
+    for flag, field in (
+        ("mok_backend", "backend"),
+        ("mok_expert_gemm", "expert_gemm"),
+        ("mok_dispatch_ring_minibatches", "dispatch_ring_minibatches"),
+    ):
         value = getattr(args, flag, None) if args is not None else None
-        if value:
+        if value is not None:
             fields[field] = value
     return MoKConfig(**fields)
 

@@ -13,7 +13,7 @@ import argparse
 import functools
 import typing
 
-from megatron_mok.config import BACKENDS, EXPERT_GEMMS
+from megatron_mok.config import BACKENDS, EXPERT_GEMMS, MoKConfig
 
 DISPATCHER_TYPE = "mok"
 _registered = False
@@ -46,6 +46,14 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="GEMMs of the kernel backend's expert projections, forward and backward: sm90 "
         "(megatron_mok's TMA + wgmma kernels, SwiGLU fused), grouped_mm (torch's CUTLASS grouped GEMM "
         "+ SwiGLU kernels), or auto (per projection the one measured faster on the H200).",
+    )
+    group.add_argument(
+        "--mok-dispatch-ring-minibatches",
+        type=int,
+        default=MoKConfig.dispatch_ring_minibatches,
+        help="Ring buffer of the sm90 gate/up GEMM's in-kernel dispatch, in minibatches of 1024 rows "
+        "(bounded whatever the routing; backward gathers the rows again for the fc1 weight gradient); "
+        "0 keeps every dispatched row from forward to backward instead.",
     )
     return parser
 
