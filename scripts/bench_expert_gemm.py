@@ -5,8 +5,8 @@
 For each shape (a uniform random top-k routing through the real schedule), the projections:
 - dispatch+gate_up+swiglu: torch = the dispatch kernel, grouped_mm and the SwiGLU kernel; mok = one
   sm90 kernel in which dispatch warps hand minibatches of rows to the GEMM through ready counters;
-- dispatch_ring+gate_up+swiglu: the same with the rows in a ring buffer of MoKConfig's default
-  size (slots reused once every tile has loaded them), not one row per route;
+- dispatch_ring+gate_up+swiglu: the same with the rows in a ring buffer of --ring minibatches
+  (MoKConfig's default size; slots reused once every tile has loaded them), not one row per route;
 - gate_up+swiglu: the same from already-dispatched rows (mok: SwiGLU in the GEMM's epilogue);
 - down;
 - dgrad_down+swiglu_bwd: d gate_up from d out (torch: grouped_mm with fc2 transposed + the SwiGLU
@@ -74,6 +74,10 @@ def main() -> None:
     parser.add_argument("--group-m", default=str(ops.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument(
+        "--ring", type=int, default=MoKConfig().dispatch_ring_minibatches,
+        help="ring buffer of the dispatch_ring row, in minibatches of 1024 rows (default: MoKConfig's)",
+    )
+    parser.add_argument(
         "--projections", default="dispatch+gate_up+swiglu,dispatch_ring+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up,wgrad_gate_up,wgrad_down"
     )
     args = parser.parse_args()
@@ -97,11 +101,11 @@ def main() -> None:
                 ),
                 2 * t * k * 2 * f * h,
             ),
-            # The same through the dispatch's ring buffer (MoKConfig's default size) instead of every row.
+            # The same through the dispatch's ring buffer (--ring minibatches) instead of every row.
             "dispatch_ring+gate_up+swiglu": (
                 lambda s: grouped_mm_gate_up(ops.dispatch_rows(s["x"], s["schedule"].slot_to_route, k), s["fc1"], s["offsets"]),
                 lambda s, c, g: ops.dispatch_expert_gemm_swiglu(
-                    s["x"], s["schedule"].slot_to_route, k, s["fc1"], s["offsets"], c, g, MoKConfig().dispatch_ring_minibatches
+                    s["x"], s["schedule"].slot_to_route, k, s["fc1"], s["offsets"], c, g, args.ring
                 ),
                 2 * t * k * 2 * f * h,
             ),
