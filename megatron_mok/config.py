@@ -51,7 +51,7 @@ class MoKConfig:
     segment_alignment: int = 1
     check_expert_ids: bool = True
     expert_gemm: ExpertGemm = "auto"
-    dispatch_ring_minibatches: int = 8
+    dispatch_ring_minibatches: int = 16
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -43,9 +43,11 @@ def dispatch_gate_up(
     # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch, into a ring buffer of
     # ring_minibatches minibatches (0: every row). Rows at or past offsets[-1] stay unwritten; every
     # later stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
+    # Clusters of 2 (B multicast to both CTAs): 0.96-0.98x CUTLASS on DeepSeek-V3 against 0.86-0.95x
+    # with 1, equal on the other shapes (bench_expert_gemm, docs/performance.md).
     rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
         x_all, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets,
-        ring_minibatches=ring_minibatches,
+        cluster_m=2, ring_minibatches=ring_minibatches,
     )
     # A ring shorter than the rows holds only the last minibatches: backward gathers them again.
     return (rows if ops.dispatch_ring_holds_every_row(schedule.capacity, ring_minibatches) else None), gate_up, act
