@@ -28,6 +28,17 @@ __global__ void invert_slots_kernel(const GatherRowsParams p) {
   }
 }
 
+// A pack of a dispatched row: as read without weights, else times the route's weight (an fp32
+// multiply rounded once, the reference's arithmetic).
+template <typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> weighted_pack(const Pack<T, kVec>& value, const float* weights, float w) {
+  if (weights == nullptr) return value;
+  Pack<T, kVec> out;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
+  return out;
+}
+
 // The row of `route` (a valid route index) into dst, scaled by its weight when given; by one warp.
 template <typename T, int kVec>
 __device__ __forceinline__ void copy_route_row(const GatherRowsParams& p, int64_t route, Pack<T, kVec>* dst, int lane) {
@@ -35,17 +46,7 @@ __device__ __forceinline__ void copy_route_row(const GatherRowsParams& p, int64_
   const int64_t num_packs = p.hidden / kVec;
   const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + (route / p.topk) * p.hidden);
   const float w = p.weights != nullptr ? p.weights[route] : 1.f;
-  for (int64_t i = lane; i < num_packs; i += 32) {
-    const P value = src[i];
-    if (p.weights == nullptr) {
-      dst[i] = value;
-    } else {
-      P out;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
-      dst[i] = out;
-    }
-  }
+  for (int64_t i = lane; i < num_packs; i += 32) dst[i] = weighted_pack<T, kVec>(src[i], p.weights, w);
 }
 
 // The rows scatter_rows_kernel does not write: zeros where the route is -1, and a pulled copy
@@ -93,32 +94,15 @@ __global__ void scatter_rows_kernel(const GatherRowsParams p) {
     for (int64_t k = 0; k < p.topk; ++k) routed |= token_slots[k] >= 0;
     if (!routed) continue;  // (uniform over the block)
     const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + token * p.hidden);
-    constexpr int kInFlight = 2;  // packs each thread loads before writing them
-    for (int64_t first = threadIdx.x; first < num_packs; first += kInFlight * blockDim.x) {
-      P values[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const int64_t i = first + u * blockDim.x;
-        values[u] = i < num_packs ? src[i] : zero_pack<T, kVec>();
-      }
+    // One pack per thread per pass, written to every route's row. (Two packs in flight per thread
+    // measured no faster: 618 -> 626 us per gather on DeepSeek-V3.)
+    for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+      const P value = src[i];
       for (int64_t k = 0; k < p.topk; ++k) {
         const int64_t slot = token_slots[k];
         if (slot < 0) continue;
-        P* dst = reinterpret_cast<P*>(static_cast<T*>(p.rows) + slot * p.hidden);
         const float w = p.weights != nullptr ? p.weights[token * p.topk + k] : 1.f;
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u) {
-          const int64_t i = first + u * blockDim.x;
-          if (i >= num_packs) continue;
-          if (p.weights == nullptr) {
-            dst[i] = values[u];
-          } else {
-            P out;
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(values[u].v[j]), w));
-            dst[i] = out;
-          }
-        }
+        reinterpret_cast<P*>(static_cast<T*>(p.rows) + slot * p.hidden)[i] = weighted_pack<T, kVec>(value, p.weights, w);
       }
     }
   }

@@ -123,10 +123,7 @@ __global__ void __launch_bounds__(PingPongTile::kThreads, 1)
         } else {
           sm90::tma_load_2d(b, &b_map, &full[stage], kb * Tile::kK, b_row);
         }
-        if (++stage == Tile::kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        sm90::advance_stage<Tile::kStages>(stage, phase);
       }
     }
     sm90::mark_finished(watch);
@@ -178,10 +175,7 @@ __global__ void __launch_bounds__(PingPongTile::kThreads, 1)
       sm90::wgmma_wait_group<1>();
       if (kb > 0 && thread == 0) sm90::mbarrier_arrive(&empty[previous_stage]);
       previous_stage = stage;
-      if (++stage == Tile::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      sm90::advance_stage<Tile::kStages>(stage, phase);
     }
     // Every MMA of the tile is issued: the other warpgroup's turn, if the CTA has a next tile.
     if (thread == 0 && lookahead.at(first_tile + (i + 1) * tile_step, next)) sm90::mbarrier_arrive(&turn[1 - consumer]);

@@ -714,19 +714,13 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
           sm90::tma_load_2d_multicast(b + cta_rank * Tile::kBHalfBytes, &b_map, &full[stage], kb * Tile::kK, b_row,
                                       kClusterMask);
         }
-        if (++stage == Tile::kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        sm90::advance_stage<Tile::kStages>(stage, phase);
       }
     }
     // Every stage released by all consumers of the cluster: no remote arrival is still to come.
     for (int i = 0; i < Tile::kStages; ++i) {
       sm90::mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
-      if (++stage == Tile::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      sm90::advance_stage<Tile::kStages>(stage, phase);
     }
     sm90::mark_finished(watch);
     return;
@@ -770,10 +764,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
       sm90::wgmma_wait_group<1>();
       if (kb > 0 && thread == 0) release_stage<kClusterM>(&empty[previous_stage]);
       previous_stage = stage;
-      if (++stage == Tile::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      sm90::advance_stage<Tile::kStages>(stage, phase);
     }
     sm90::wgmma_wait_group<0>();
     sm90::fence_accumulators(acc);

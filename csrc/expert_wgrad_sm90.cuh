@@ -112,10 +112,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
         for (int j = 0; j < Tile::kN / 64; ++j) {
           sm90::tma_load_2d(b + j * WgradTile::kBoxBytes, &inputs_map, &full[stage], c.n0 + 64 * j, row);
         }
-        if (++stage == Tile::kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        sm90::advance_stage<Tile::kStages>(stage, phase);
       }
     }
     // Done after the last load, without waiting for the stages' release: no other CTA arrives on
@@ -171,10 +168,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
       sm90::wgmma_wait_group<1>();
       if (kb > 0 && thread == 0) sm90::mbarrier_arrive(&empty[previous_stage]);
       previous_stage = stage;
-      if (++stage == Tile::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      sm90::advance_stage<Tile::kStages>(stage, phase);
     }
     // (Unconditional: a wgmma wait on a path only some tiles take makes ptxas serialize every
     // wgmma, C7518. With no K block there is nothing to wait for and no stage to release.)

@@ -94,6 +94,16 @@ __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {
   return value;
 }
 
+// The next use of a ring of kStages pipeline stages: the stage index, and the parity its barriers
+// complete with (it flips each time the ring wraps).
+template <int kStages>
+__device__ __forceinline__ void advance_stage(int& stage, uint32_t& phase) {
+  if (++stage == kStages) {
+    stage = 0;
+    phase ^= 1;
+  }
+}
+
 // Adds to a counter, ordered after this thread's earlier writes (and what it observed before them).
 __device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");

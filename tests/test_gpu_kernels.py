@@ -264,6 +264,45 @@ def test_ring_dispatch_gives_the_unbounded_results_bit_for_bit(routing):
         assert torch.equal(a, b), name
 
 
+def _forward_memory(config: MoKConfig, inputs) -> tuple[int, int]:
+    """(bytes held after a forward under autograd, peak bytes of forward + backward), above the inputs."""
+    x, ids, w, fc1, fc2, grad = inputs
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)  # warm-up: one-time allocations
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    y.backward(grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del y
+    return held, peak
+
+
+@pytest.mark.parametrize("expert_gemm", ["auto", "sm90_ring3"])
+def test_memory_does_not_depend_on_the_routing(expert_gemm):
+    """Every buffer's size follows from (tokens, topk, experts, hidden, ffn), never from the routing:
+    all tokens to one expert needs exactly the memory of a uniform routing."""
+    s = Shape(2048, 256, 128, 16, 4)
+    uniform = _forward_memory(KERNELS[expert_gemm], make_inputs(s, "uniform", seed=23))
+    for routing in ("one_expert", "skewed", "dropped"):
+        assert _forward_memory(KERNELS[expert_gemm], make_inputs(s, routing, seed=23)) == uniform, routing
+
+
+def test_ring_dispatch_does_not_keep_the_dispatched_rows():
+    """Through the ring, forward keeps no (capacity, hidden) rows for backward: it holds at least
+    their size less than the unbounded sm90 path (backward gathers them again)."""
+    s = Shape(4096, 512, 128, 16, 4)  # 16384 rows of 1 KB: 16 MB, against a ring of 3 x 1024 rows
+    inputs = make_inputs(s, "one_expert", seed=24)
+    held_ring, _ = _forward_memory(KERNELS["sm90_ring3"], inputs)
+    held_all, _ = _forward_memory(MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=0), inputs)
+    rows_bytes = s.num_tokens * s.topk * s.hidden * 2
+    assert held_all - held_ring >= rows_bytes, (held_all, held_ring, rows_bytes)
+
+
 def test_ring_dispatch_cuda_graph_replay():
     x, ids, w, fc1, fc2, grad = make_inputs(Shape(1100, 64, 32, 6, 4), "skewed", seed=22)  # 4400 rows > 3 minibatches
     config = KERNELS["sm90_ring3"]
