@@ -18,37 +18,18 @@
 #include "expert_gemm_pingpong_sm90.cuh"
 #include "expert_gemm_sm90.cuh"
 #include "expert_wgrad_sm90.cuh"
+#include "failure_record.h"
 #include "mok_params.h"
 #include "tensor_map.h"
 
 namespace mok {
 namespace {
 
-std::atomic<WaitTimeoutRecord*> g_timeout_record{nullptr};
+// The record a timed-out wait leaves (failure_record.h).
+WaitTimeoutRecord* timeout_record(cudaStream_t stream) { return failure_record(stream); }
 
-// The host-mapped record of a timed-out wait, allocated on first use outside graph capture (an
-// allocation is not allowed while capturing; a kernel launched before it exists traps without one).
-WaitTimeoutRecord* timeout_record(cudaStream_t stream) {
-  if (WaitTimeoutRecord* record = g_timeout_record.load()) return record;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return nullptr;
-  void* host = nullptr;
-  C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(WaitTimeoutRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-  std::memset(host, 0, sizeof(WaitTimeoutRecord));
-  WaitTimeoutRecord* expected = nullptr;
-  if (!g_timeout_record.compare_exchange_strong(expected, static_cast<WaitTimeoutRecord*>(host))) {
-    C10_CUDA_CHECK(cudaFreeHost(host));
-  }
-  return g_timeout_record.load();  // with unified addressing the host pointer is the device pointer
-}
-
-// [kernel, wait, block] of the wait that timed out, or [] when none has.
-std::vector<int64_t> last_wait_timeout() {
-  const volatile WaitTimeoutRecord* r = g_timeout_record.load();
-  if (r == nullptr || r->recorded == 0) return {};
-  return {r->kernel, r->wait, r->block};
-}
+// [kernel, wait, block] of the wait that timed out (or the schedule's failed id check), or [].
+std::vector<int64_t> last_wait_timeout() { return last_recorded_failure(); }
 
 // setmaxnreg moves registers inside the CTA's launch allocation, numRegs per thread as ptxas
 // compiled the kernel: if it gave fewer than the budgets assume (ExpertGemmTile's static_assert

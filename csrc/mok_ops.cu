@@ -14,6 +14,7 @@
 
 #include "device_info.h"
 #include "dispatch_combine_sm90.cuh"
+#include "failure_record.h"
 #include "mok_params.h"
 #include "schedule_sm90.cuh"
 #include "swiglu_sm90.cuh"
@@ -208,12 +209,16 @@ at::Tensor swiglu_backward(const at::Tensor& gate_up, const at::Tensor& grad_act
   return grad_gate_up;
 }
 
+// num_experts_checked > 0: the count kernel checks every id against [-1, num_experts_checked) and
+// traps on a bad one, naming it through the failure record (no extra launches or host work).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const at::Tensor& topk_ids_all, int64_t rank,
-                                                                       int64_t num_local_experts, int64_t alignment) {
+                                                                       int64_t num_local_experts, int64_t alignment,
+                                                                       int64_t num_experts_checked) {
   check_cuda(topk_ids_all, "topk_ids_all");
   TORCH_CHECK(topk_ids_all.scalar_type() == at::kLong || topk_ids_all.scalar_type() == at::kInt,
               "topk_ids_all must be int32 or int64");
-  TORCH_CHECK(num_local_experts > 0 && alignment > 0 && rank >= 0, "build_schedule: bad arguments");
+  TORCH_CHECK(num_local_experts > 0 && alignment > 0 && rank >= 0 && num_experts_checked >= 0,
+              "build_schedule: bad arguments");
   const c10::cuda::CUDAGuard guard(topk_ids_all.device());
   const int64_t num_routes = topk_ids_all.numel();
   const int64_t capacity = num_routes + num_local_experts * (alignment - 1);
@@ -228,7 +233,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const 
   auto block_counts = at::empty({blocks, num_local_experts}, int_options);
   ScheduleParams p{topk_ids_all.data_ptr(), slot_to_route.data_ptr<int64_t>(), route_to_slot.data_ptr<int64_t>(),
                    counts.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), block_counts.data_ptr<int32_t>(),
-                   num_routes, capacity, num_local_experts, alignment, static_cast<int>(rank)};
+                   num_routes, capacity, num_local_experts, alignment, static_cast<int>(rank), num_experts_checked,
+                   num_experts_checked > 0 ? failure_record(c10::cuda::getCurrentCUDAStream()) : nullptr};
   const size_t count_smem = size_t(num_local_experts) * sizeof(int);
   const size_t place_smem = (size_t(kScheduleWarps) * num_local_experts + 2 * num_local_experts + 1) * sizeof(int);
   TORCH_CHECK(place_smem <= size_t(max_shared_memory_per_block_optin()),
@@ -254,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const 
 }  // namespace
 
 TORCH_LIBRARY(megatron_mok, m) {
-  m.def("build_schedule(Tensor topk_ids_all, int rank, int num_local_experts, int alignment) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("build_schedule(Tensor topk_ids_all, int rank, int num_local_experts, int alignment, int num_experts_checked) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk) -> Tensor");
   m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
   m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk) -> Tensor");

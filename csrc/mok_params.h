@@ -71,10 +71,15 @@ struct ScheduleParams {
   int64_t num_local_experts;
   int64_t alignment;
   int rank;
+  // > 0: every id must lie in [-1, num_experts_checked) (the group's experts); the count kernel
+  // records a violation in failure_record and traps. 0: no check.
+  int64_t num_experts_checked;
+  struct WaitTimeoutRecord* failure_record;  // host-mapped, or null
 };
 
 // Written by a kernel's watchdog (sm90_primitives.cuh) into host-mapped memory when a bounded wait
-// times out, just before the kernel traps; read back by the last_wait_timeout op.
+// times out, just before the kernel traps, or by the schedule kernel when an expert id fails its
+// check (wait 0 of kScheduleKernel); read back by the last_wait_timeout op (failure_record.h).
 struct WaitTimeoutRecord {
   int recorded;  // 1 once the fields below hold a failure
   int kernel;    // WaitingKernel
@@ -82,7 +87,7 @@ struct WaitTimeoutRecord {
   int block;
 };
 
-enum WaitingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1 };
+enum WaitingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2 };
 
 // Grouped GEMM over the schedule's expert segments (expert_gemm_sm90.cuh): for each row r of
 // expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with

@@ -33,10 +33,27 @@ __host__ __device__ inline int schedule_blocks(int64_t num_routes) {
   return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxScheduleBlocks ? kMaxScheduleBlocks : blocks));
 }
 
-// The local expert of a route, -1 if dropped or owned by another rank.
-template <typename Id>
+// An expert id outside [-1, num_experts_checked): record which block saw it, then trap (the ids
+// are the caller's input; a wrong one must not become a silently dropped route).
+__device__ __noinline__ void fail_expert_id_check(const ScheduleParams& p) {
+  volatile WaitTimeoutRecord* r = p.failure_record;
+  if (r != nullptr) {
+    r->kernel = kScheduleKernel;
+    r->wait = 0;
+    r->block = int(blockIdx.x);
+    __threadfence_system();
+    r->recorded = 1;
+    __threadfence_system();
+  }
+  asm volatile("trap;");
+}
+
+// The local expert of a route, -1 if dropped or owned by another rank. kCheck: the count kernel,
+// which reads every id first, checks it (MoKConfig.check_expert_ids) when num_experts_checked > 0.
+template <typename Id, bool kCheck = false>
 __device__ __forceinline__ int local_expert_of(const ScheduleParams& p, int64_t route) {
   const int64_t id = static_cast<int64_t>(static_cast<const Id*>(p.topk_ids)[route]);
+  if (kCheck && p.num_experts_checked > 0 && (id < -1 || id >= p.num_experts_checked)) fail_expert_id_check(p);
   const int64_t local = id - int64_t(p.rank) * p.num_local_experts;
   return (id >= 0 && local >= 0 && local < p.num_local_experts) ? static_cast<int>(local) : -1;
 }
@@ -50,13 +67,13 @@ __device__ __forceinline__ void part_range(int64_t first, int64_t total_end, int
 
 // The local experts of kUnroll groups of 32 routes from `first`, -1 where not owned or past
 // `end`: independent loads in flight per lane hide their latency.
-template <typename Id>
+template <typename Id, bool kCheck = false>
 __device__ __forceinline__ void load_experts(const ScheduleParams& p, int64_t first, int64_t end, int lane,
                                              int (&e)[kUnroll]) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t route = first + u * 32 + lane;
-    e[u] = route < end ? local_expert_of<Id>(p, route) : -1;
+    e[u] = route < end ? local_expert_of<Id, kCheck>(p, route) : -1;
   }
 }
 
@@ -76,7 +93,7 @@ __global__ void __launch_bounds__(kScheduleWarps * 32) count_routes_kernel(const
   const int warp = threadIdx.x / 32;
   for (int64_t first = begin + int64_t(warp) * 32 * kUnroll; first < end; first += int64_t(kScheduleWarps) * 32 * kUnroll) {
     int e[kUnroll];
-    load_experts<Id>(p, first, end, lane, e);
+    load_experts<Id, true>(p, first, end, lane, e);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (e[u] >= 0) atomicAdd(&counts[e[u]], 1);

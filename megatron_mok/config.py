@@ -43,8 +43,10 @@ class MoKConfig:
             MIN_DISPATCH_RING_MINIBATCHES (one more than the minibatches a raster group of the
             GEMM's tiles spans, so the dispatch never waits on itself).
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
-            tensors a bad id raises ValueError; on CUDA the check is a device-side assert
-            (`torch._assert_async`), because a host-side check would synchronize.
+            tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
+            the schedule kernel checks the ids as it reads them and traps on a bad one
+            (`ops.last_wait_timeout()` and a message at exit name it; without the extension, a
+            `torch._assert_async` device-side assert).
     """
 
     backend: Backend = "auto"

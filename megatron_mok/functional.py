@@ -83,6 +83,7 @@ def build_schedule(
         rank=workspace.rank,
         num_local_experts=num_local_experts,
         segment_alignment=config.segment_alignment,
+        check_expert_ids=config.check_expert_ids,
     )
 
 

@@ -34,11 +34,14 @@ WAIT_NAMES = {
     (0, 4): "expert GEMM dispatcher waiting for a ring slot's rows to be loaded by every tile (consumed counter)",
     (1, 0): "expert weight-gradient producer waiting for a free pipeline stage (empty barrier)",
     (1, 1): "expert weight-gradient consumer waiting for a loaded pipeline stage (full barrier)",
+    # Not a wait: the schedule kernel's check of the ids (MoKConfig.check_expert_ids) failed.
+    (2, 0): "schedule kernel: topk_ids holds an expert id outside [-1, num_experts)",
 }
 
 
 def last_wait_timeout() -> Optional[str]:
-    """Which bounded wait of a kernel timed out in this process (the kernel then trapped), or None."""
+    """Which bounded wait of a kernel timed out in this process (the kernel then trapped), or which
+    in-kernel check failed (the schedule's expert ids), or None."""
     if _LOAD_ERROR is not None:
         return None
     record = torch.ops.megatron_mok.last_wait_timeout()
@@ -51,7 +54,7 @@ def last_wait_timeout() -> Optional[str]:
 def _report_wait_timeout_at_exit() -> None:
     message = last_wait_timeout()
     if message is not None:
-        print(f"megatron_mok: a kernel trapped after a wait timed out: {message}", file=sys.stderr)
+        print(f"megatron_mok: a kernel trapped: {message}", file=sys.stderr)
 
 
 if _LOAD_ERROR is None:
@@ -91,7 +94,7 @@ if _LOAD_ERROR is None:
         return grad.new_empty((expert_offsets.shape[0] - 1, grad.shape[1], inputs.shape[1]))
 
     @torch.library.register_fake("megatron_mok::build_schedule")
-    def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment):
+    def _build_schedule_fake(topk_ids_all, rank, num_local_experts, alignment, num_experts_checked):
         num_routes = topk_ids_all.numel()
         capacity = num_routes + num_local_experts * (alignment - 1)
         new = topk_ids_all.new_empty
@@ -128,10 +131,12 @@ if _LOAD_ERROR is None:
 
 
 def build_schedule(
-    topk_ids_all: torch.Tensor, rank: int, num_local_experts: int, alignment: int
+    topk_ids_all: torch.Tensor, rank: int, num_local_experts: int, alignment: int, num_experts_checked: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slot_to_route, route_to_slot, expert_counts, expert_offsets). Ref: build_schedule_reference."""
-    return torch.ops.megatron_mok.build_schedule(topk_ids_all, rank, num_local_experts, alignment)
+    """(slot_to_route, route_to_slot, expert_counts, expert_offsets). num_experts_checked > 0: the
+    kernel also checks every id against [-1, num_experts_checked) and traps on a bad one
+    (last_wait_timeout() then names it). Ref: build_schedule_reference."""
+    return torch.ops.megatron_mok.build_schedule(topk_ids_all, rank, num_local_experts, alignment, num_experts_checked)
 
 
 def dispatch_rows(x_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:

@@ -52,23 +52,36 @@ def schedule_capacity(num_routes: int, num_local_experts: int, segment_alignment
 
 
 def build_schedule_from_gathered(
-    topk_ids_all: torch.Tensor, *, rank: int, num_local_experts: int, segment_alignment: int = 1
+    topk_ids_all: torch.Tensor,
+    *,
+    rank: int,
+    num_local_experts: int,
+    segment_alignment: int = 1,
+    check_expert_ids: bool = False,
 ) -> Schedule:
-    """Builds this rank's schedule from the group's routing: one CUDA kernel where the extension
+    """Builds this rank's schedule from the group's routing: two CUDA kernels where the extension
     is loaded (csrc/schedule_sm90.cuh), else `build_schedule_reference`; both give the same result.
 
     Args:
         topk_ids_all: (num_ranks, num_tokens, topk) int32/int64 global expert ids, -1 = dropped.
         rank: this rank's index in the expert-parallel group; it owns global experts
             [rank * num_local_experts, (rank + 1) * num_local_experts).
+        check_expert_ids: check every id against [-1, num_ranks * num_local_experts) (every rank
+            sees the whole group's ids, so all fail alike instead of one rank leaving the others
+            in a collective). The kernel checks while it reads the ids and traps on a bad one
+            (ops.last_wait_timeout() names it): no extra launches or host work before the layer's
+            first large kernel. Elsewhere `validation.check_expert_ids` (a ValueError on CPU, a
+            device-side assert on CUDA).
     """
+    num_experts = topk_ids_all.shape[0] * num_local_experts
     if topk_ids_all.is_cuda:
         from megatron_mok import ops
 
         if ops.extension_error() is None:
             num_ranks, num_tokens, topk = topk_ids_all.shape
             slot_to_route, route_to_slot, counts, offsets = ops.build_schedule(
-                topk_ids_all.contiguous(), rank, num_local_experts, segment_alignment
+                topk_ids_all.contiguous(), rank, num_local_experts, segment_alignment,
+                num_experts if check_expert_ids else 0,
             )
             return Schedule(
                 num_ranks=num_ranks, rank=rank, num_tokens=num_tokens, topk=topk,
@@ -76,6 +89,10 @@ def build_schedule_from_gathered(
                 slot_to_route=slot_to_route, route_to_slot=route_to_slot,
                 expert_counts=counts, expert_offsets=offsets,
             )
+    if check_expert_ids:
+        from megatron_mok.validation import check_expert_ids as check
+
+        check(topk_ids_all, num_experts)
     return build_schedule_reference(
         topk_ids_all, rank=rank, num_local_experts=num_local_experts, segment_alignment=segment_alignment
     )

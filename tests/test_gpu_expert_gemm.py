@@ -176,7 +176,7 @@ def test_expert_gemm_ops_registration():
     calls = (
         (torch.ops.megatron_mok.expert_gemm.default, (a, w, offsets, 2, 4)),
         (torch.ops.megatron_mok.expert_gemm_swiglu.default, (a, w, offsets, 2, 4)),
-        (torch.ops.megatron_mok.dispatch_expert_gemm_swiglu.default, (a, slot_to_route, 1, w, offsets, 2, 4)),
+        (torch.ops.megatron_mok.dispatch_expert_gemm_swiglu.default, (a, slot_to_route, 1, w, offsets, 2, 4, 0)),
     )
     for op, args in calls:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

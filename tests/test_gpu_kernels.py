@@ -229,7 +229,7 @@ def test_op_registration(op_name):
     index = reference.route_index_reference(schedule, ids)
     gate_up = torch.randn(schedule.capacity, 2 * s.ffn, device="cuda").bfloat16()
     args = {
-        "build_schedule": (ids.unsqueeze(0), 0, s.num_experts, 4),
+        "build_schedule": (ids.unsqueeze(0), 0, s.num_experts, 4, s.num_experts),
         "dispatch_rows": (x, schedule.slot_to_route, s.topk),
         "combine": (table, index, w, s.topk),
         "pull_grad_rows": (grad, w.reshape(-1), schedule.slot_to_route, s.topk),
@@ -333,6 +333,43 @@ def test_kernel_backend_cuda_graph_replay(expert_gemm):
 
     eager_y, eager_grads = run(KERNELS[expert_gemm], x, ids, w, fc1, fc2, grad)
     assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+
+
+_BAD_EXPERT_ID = r"""
+import sys
+import torch
+from megatron_mok import MoKConfig, mok_moe, ops
+torch.manual_seed(0)
+x = torch.randn(300, 64, device="cuda").bfloat16()
+ids = torch.randint(0, 4, (300, 2), device="cuda")
+ids[217, 1] = int(sys.argv[1])
+w = torch.rand(300, 2, device="cuda")
+fc1 = torch.randn(4, 64, 64, device="cuda").bfloat16()
+fc2 = torch.randn(4, 64, 32, device="cuda").bfloat16()
+try:
+    mok_moe(x, ids, w, fc1, fc2, config=MoKConfig(backend="kernel"))
+    torch.cuda.synchronize()
+    print("no error")
+except RuntimeError as error:
+    print("cuda error:", str(error).splitlines()[0])
+print("record:", ops.last_wait_timeout())
+"""
+
+
+@pytest.mark.parametrize("bad_id", [4, -2, 1 << 40])
+def test_bad_expert_id_on_cuda_traps_in_the_schedule_kernel_and_is_named(bad_id):
+    """On CUDA the ids are checked inside the schedule kernel (no host sync): a bad one stops the
+    process's CUDA work with an error, and the failure record names the check."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", _BAD_EXPERT_ID, str(bad_id)], capture_output=True, text=True,
+                            timeout=300, env=env)
+    out = result.stdout + result.stderr
+    assert "cuda error:" in result.stdout and "no error" not in result.stdout, out
+    assert "schedule kernel: topk_ids holds an expert id outside [-1, num_experts)" in result.stdout, out
 
 
 BAD_FOR_KERNEL = [
