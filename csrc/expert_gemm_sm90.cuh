@@ -493,12 +493,13 @@ __device__ __forceinline__ void count_consumed_rows(const ExpertGemmParams& p, c
   const ExpertGemmDispatch& d = p.dispatch;
   const int rows_end = dispatched_rows_end(p);
   const int end = min(c.row0 + c.rows, rows_end);
-  // The TMA reads (async proxy) are complete; order them before the dispatchers' ordinary writes.
-  sm90::fence_proxy_async_global();
+  // Relaxed, with no proxy fence: the loads are complete (their full barriers fired), so nothing
+  // of this thread's needs ordering before the count; a release would also wait for this thread's
+  // earlier stores. The dispatchers fence after their acquire, before they overwrite the slot.
   for (int row = c.row0; row < end;) {
     const int m = row / d.minibatch_rows;
     const int next = min(end, (m + 1) * d.minibatch_rows);
-    sm90::red_release_gpu_add(consumed_rows(d) + m, next - row);
+    sm90::red_relaxed_gpu_add(consumed_rows(d) + m, next - row);
     row = next;
   }
 }

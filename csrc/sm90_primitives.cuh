@@ -109,6 +109,12 @@ __device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value)
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
 
+// Adds to a counter without ordering this thread's other memory operations (for a count whose
+// meaning needs none, e.g. loads already known complete).
+__device__ __forceinline__ void red_relaxed_gpu_add(int32_t* ptr, int32_t value) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
 // Waits until *counter >= target; the writes released before the counter reached it are visible.
 __device__ __forceinline__ void wait_counter_at_least(const int32_t* counter, int32_t target, int wait_id,
                                                       WaitWatch* watch) {
