@@ -104,7 +104,7 @@ struct ExpertGemmTile {
   static constexpr uint32_t kStoreBoxBytes = kStoreBox * kStoreBox * 2;
   static constexpr uint32_t kStagingBytes = 2 * kStoreBoxBytes;  // one buffer: 64 rows x 128 columns
   static constexpr int kSwizzleAlign = 1024;
-  static constexpr int kRoles = 3;  // producer + two consumers, for the watchdog
+  static constexpr int kRoles = 3;  // producer + two consumers, for the watchdog (+ the dispatchers)
 
   // Output columns per tile.
   template <GemmEpilogue kEpilogue>
@@ -480,8 +480,9 @@ __device__ __forceinline__ int ring_position(const ExpertGemmDispatch& d, int ro
 // Rows of [begin, end) inside the segments: with non-decreasing offsets from offsets[0] >= 0 (the
 // ops' contract, as the schedule makes them) the segments tile [offsets[0], rows_end), and the
 // walker's tiles cover each of those rows once per n-tile. What a minibatch's consumed counter
-// reaches. (Offsets outside the contract could leave it short: the bounded wait then names
-// kWaitRingSlot instead of reusing a slot early.)
+// reaches. (Offsets outside the contract are the caller's bug, as for the GEMM itself: gaps leave
+// the counter short, and the bounded wait names kWaitRingSlot; overlapping segments count rows
+// twice and may free a slot early, when their outputs are ill-defined anyway.)
 __device__ __forceinline__ int segment_rows_in(const ExpertGemmParams& p, int begin, int end) {
   return max(0, end - max(begin, __ldg(p.expert_offsets)));
 }
@@ -493,13 +494,13 @@ __device__ __forceinline__ void count_consumed_rows(const ExpertGemmParams& p, c
   const ExpertGemmDispatch& d = p.dispatch;
   const int rows_end = dispatched_rows_end(p);
   const int end = min(c.row0 + c.rows, rows_end);
-  // Relaxed, with no proxy fence: the loads are complete (their full barriers fired), so nothing
-  // of this thread's needs ordering before the count; a release would also wait for this thread's
-  // earlier stores. The dispatchers fence after their acquire, before they overwrite the slot.
+  // The loads are complete (this thread saw every stage of the tile full); a release add carries
+  // that to the dispatchers' acquire, after which they fence the async proxy and overwrite the slot.
+  // (A relaxed add measured the same.)
   for (int row = c.row0; row < end;) {
     const int m = row / d.minibatch_rows;
     const int next = min(end, (m + 1) * d.minibatch_rows);
-    sm90::red_relaxed_gpu_add(consumed_rows(d) + m, next - row);
+    sm90::red_release_gpu_add(consumed_rows(d) + m, next - row);
     row = next;
   }
 }
@@ -564,10 +565,11 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
         const int old_begin = old * d.minibatch_rows;
         const int old_rows = segment_rows_in(p, old_begin, min(old_begin + d.minibatch_rows, rows_end));
         sm90::wait_counter_at_least(consumed_rows(d) + old, n_tiles * old_rows, kWaitRingSlot, watch);
-        // The tiles' TMA reads of the slot are done; order them before these ordinary writes.
-        sm90::fence_proxy_async_global();
       }
       sm90::named_barrier_sync(kDispatchBarrier, Tile::kDispatchThreads);
+      // The tiles' TMA reads of the slot are done; every writing thread orders them before its
+      // ordinary writes.
+      sm90::fence_proxy_async_global();
     }
     while (true) {
       if (g == 0) *claimed = atomicAdd(claimed_chunks(d) + m, 1);
@@ -604,6 +606,8 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmParams& p, i
       }
     }
   }
+  // The watchdog stays up until the dispatchers are done too (their ring waits are bounded waits).
+  if (g == 0) sm90::mark_finished(watch);
 }
 
 // The producer's wait before loading a tile's rows: every minibatch up to the one holding the tile's
@@ -677,7 +681,9 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
 
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
-    if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertGemmKernel);
+    if (threadIdx.x == 32) {
+      sm90::watch_waits(watch, Tile::kRoles + (kDispatchA ? 1 : 0), p.timeout_record, kExpertGemmKernel);
+    }
     if constexpr (kDispatchA) {
       if (threadIdx.x >= 128 - Tile::kDispatchThreads) {
         dispatch_rows_ahead(p, claimed_chunk, n_tiles, threadIdx.x - (128 - Tile::kDispatchThreads), watch);

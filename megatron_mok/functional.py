@@ -20,7 +20,7 @@ from megatron_mok.backends import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import Schedule, build_schedule_from_gathered
 from megatron_mok.stages import stages_for
-from megatron_mok.validation import validate_moe_inputs
+from megatron_mok.validation import check_expert_ids, validate_moe_inputs
 from megatron_mok.workspace import ProcessGroup, Workspace, get_workspace
 
 
@@ -131,6 +131,9 @@ def forward(
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
     else:
         _check_schedule(schedule, topk_ids, num_local_experts, workspace, config)
+        if config.check_expert_ids and not schedule.expert_ids_checked and topk_ids.device.type != "cpu":
+            # (validate_moe_inputs checks CPU ids; on CUDA the schedule build does, and this one skipped it.)
+            check_expert_ids(topk_ids, num_local_experts * workspace.num_ranks)
 
     stages = stages_for(backend, config.expert_gemm)
     offsets = schedule.expert_offsets

@@ -36,6 +36,9 @@ class Schedule:
     # (num_local_experts + 1,) int32: start row of each expert's segment; [-1] is the end of
     # the last one. Segment e is rows [expert_offsets[e], expert_offsets[e + 1]).
     expert_offsets: torch.Tensor
+    # Whether building it checked every id against [-1, num_ranks * num_local_experts)
+    # (functional.forward checks the ids itself when given a schedule that did not).
+    expert_ids_checked: bool = False
 
     @property
     def capacity(self) -> int:
@@ -87,15 +90,16 @@ def build_schedule_from_gathered(
                 num_ranks=num_ranks, rank=rank, num_tokens=num_tokens, topk=topk,
                 num_local_experts=num_local_experts, segment_alignment=segment_alignment,
                 slot_to_route=slot_to_route, route_to_slot=route_to_slot,
-                expert_counts=counts, expert_offsets=offsets,
+                expert_counts=counts, expert_offsets=offsets, expert_ids_checked=check_expert_ids,
             )
     if check_expert_ids:
         from megatron_mok.validation import check_expert_ids as check
 
         check(topk_ids_all, num_experts)
-    return build_schedule_reference(
+    schedule = build_schedule_reference(
         topk_ids_all, rank=rank, num_local_experts=num_local_experts, segment_alignment=segment_alignment
     )
+    return dataclasses.replace(schedule, expert_ids_checked=check_expert_ids)
 
 
 def build_schedule_reference(

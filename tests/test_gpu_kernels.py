@@ -347,7 +347,13 @@ w = torch.rand(300, 2, device="cuda")
 fc1 = torch.randn(4, 64, 64, device="cuda").bfloat16()
 fc2 = torch.randn(4, 64, 32, device="cuda").bfloat16()
 try:
-    mok_moe(x, ids, w, fc1, fc2, config=MoKConfig(backend="kernel"))
+    if sys.argv[2] == "mok_moe":
+        mok_moe(x, ids, w, fc1, fc2, config=MoKConfig(backend="kernel"))
+    else:  # a schedule built without the check, passed in: forward checks the ids itself
+        from megatron_mok import functional
+        from megatron_mok.schedule import build_schedule_from_gathered
+        schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=4)
+        functional.forward(x, ids, w, fc1, fc2, config=MoKConfig(backend="kernel"), schedule=schedule)
     torch.cuda.synchronize()
     print("no error")
 except RuntimeError as error:
@@ -365,11 +371,28 @@ def test_bad_expert_id_on_cuda_traps_in_the_schedule_kernel_and_is_named(bad_id)
     import sys
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-c", _BAD_EXPERT_ID, str(bad_id)], capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = subprocess.run([sys.executable, "-c", _BAD_EXPERT_ID, str(bad_id), "mok_moe"], capture_output=True,
+                            text=True, timeout=300, env=env)
     out = result.stdout + result.stderr
     assert "cuda error:" in result.stdout and "no error" not in result.stdout, out
     assert "schedule kernel: topk_ids holds an expert id outside [-1, num_experts)" in result.stdout, out
+
+
+@pytest.mark.parametrize("bad_id", [4, -5])
+def test_bad_expert_id_with_an_unchecked_schedule_passed_in_is_still_an_error(bad_id):
+    """A schedule built without the id check and passed to functional.forward: forward checks the
+    ids itself (a device-side assert), so a bad id is never a silently dropped route."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", _BAD_EXPERT_ID, str(bad_id), "schedule"], capture_output=True,
+                            text=True, timeout=300, env=env)
+    out = result.stdout + result.stderr
+    assert "cuda error:" in result.stdout and "no error" not in result.stdout, out
+    # torch._assert_async: the device prints the message; the host sees a device-side assert.
+    assert "topk_ids holds an expert id outside" in out or "device-side assert" in result.stdout, out
 
 
 BAD_FOR_KERNEL = [
