@@ -3,7 +3,8 @@ expert GEMMs (MoKConfig.expert_gemm):
 
 - SM90_KERNEL_STAGES: megatron_mok's persistent warp-specialized TMA + wgmma expert GEMM
   (csrc/expert_gemm_sm90.cuh): gate/up with the pull dispatch inside the same kernel (dispatch
-  warps hand minibatches of rows to the GEMM through ready counters) and SwiGLU in its epilogue;
+  warps hand minibatches of rows to the GEMM through ready counters, in a ring buffer of
+  MoKConfig.dispatch_ring_minibatches minibatches) and SwiGLU in its epilogue;
   down; and in backward the two dgrad GEMMs reading fc1 and fc2 as stored (MN-major B), the
   down one with the SwiGLU backward in its epilogue;
   The weight gradients too (csrc/expert_wgrad_sm90.cuh: tokens as the reduction dimension, both
