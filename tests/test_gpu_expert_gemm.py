@@ -248,26 +248,6 @@ def test_dispatching_gemm_equals_dispatch_then_gemm(case, cluster_m, group_m):
     assert ops.last_wait_timeout() is None
 
 
-def test_dispatching_gemm_beside_a_kernel_that_holds_sms():
-    """The dispatch chunks are claimed, not assigned, so the kernel must finish (and be right) when
-    another stream's kernel holds SMs and not all of its CTAs can start at once."""
-    schedule, x, w = dispatch_case(*DISPATCH_CASES["many_minibatches"], seed=13)
-    end = int(schedule.expert_offsets[-1])
-    want_rows = ops.dispatch_rows(x, schedule.slot_to_route, schedule.topk)
-    want = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets)
-    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    other = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(other):
-        for _ in range(4):
-            big @ big
-    got = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets)
-    torch.cuda.synchronize()
-    assert torch.equal(got[0][:end], want_rows[:end])
-    assert torch.equal(got[1][:end], want[0][:end]) and torch.equal(got[2][:end], want[1][:end])
-    assert ops.last_wait_timeout() is None
-
-
 # The ring buffer (ring_minibatches > 0): rows go to ring slots that are refilled once every tile has
 # loaded them, so the buffer is bounded whatever the routing. The GEMM reads the same bf16 rows in
 # the same order, so gate_up and act must equal the unbounded kernel's (dispatch then GEMM) bit for
@@ -309,20 +289,31 @@ def test_dispatching_gemm_through_a_ring_equals_dispatch_then_gemm(case, cluster
     assert ops.last_wait_timeout() is None
 
 
-def test_dispatching_gemm_through_a_ring_beside_a_kernel_that_holds_sms():
-    """With the ring a dispatcher waits for tiles of old minibatches; CTAs that start late (SMs held
-    by another stream) must still get to them, and the result must be right."""
-    schedule, x, w = dispatch_case(*RING_CASES["uniform"], seed=14)
+# (case, seed, ring_minibatches): the unbounded kernel, and through a ring of 3 minibatches.
+HOLDS_SMS_CASES = [(DISPATCH_CASES["many_minibatches"], 13, 0), (RING_CASES["uniform"], 14, 3)]
+
+
+@pytest.mark.parametrize("case,seed,ring", HOLDS_SMS_CASES, ids=["no_ring", "ring3"])
+def test_dispatching_gemm_beside_a_kernel_that_holds_sms(case, seed, ring):
+    """The dispatch chunks are claimed, not assigned, so the kernel must finish (and be right) when
+    another stream's kernel holds SMs and not all of its CTAs can start at once. With the ring a
+    dispatcher also waits for tiles of old minibatches: CTAs that start late must still get to them."""
+    schedule, x, w = dispatch_case(*case, seed=seed)
     end = int(schedule.expert_offsets[-1])
-    want = ops.expert_gemm_swiglu(ops.dispatch_rows(x, schedule.slot_to_route, schedule.topk), w, schedule.expert_offsets)
+    want_rows = ops.dispatch_rows(x, schedule.slot_to_route, schedule.topk)
+    want = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets)
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     other = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(other):
         for _ in range(4):
             big @ big
-    got = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets, 1, 16, 3)
+    got = ops.dispatch_expert_gemm_swiglu(
+        x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets, ring_minibatches=ring
+    )
     torch.cuda.synchronize()
+    if ring == 0:  # (with a ring the first result is the ring, not the rows)
+        assert torch.equal(got[0][:end], want_rows[:end])
     assert torch.equal(got[1][:end], want[0][:end]) and torch.equal(got[2][:end], want[1][:end])
     assert ops.last_wait_timeout() is None
 
