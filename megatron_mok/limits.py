@@ -1,0 +1,61 @@
+"""Sizes and limits that Python and the CUDA kernels must agree on, defined once.
+
+setup.py hands every name in `COMPILED` to nvcc as `-DMOK_<NAME>=<value>` (csrc/common/limits.h
+turns them into constants and refuses to compile without them); the loaded extension reports the
+values it was built with (`megatron_mok.ops.compiled_limits()`) and a test checks they equal these,
+so a stale build cannot disagree silently. This module imports nothing, so setup.py can read it
+before torch is importable. Kernel *choices* (cluster sizes, rasters, which GEMM family runs a
+projection) are tuning, not limits: megatron_mok/backends/tuning.py.
+"""
+
+# Rows per 128-row m-tile of the sm90 expert GEMMs (two consumer warpgroups x 64 rows). A tile
+# never straddles a minibatch boundary badly: the ring mirrors one tile past its end.
+EXPERT_GEMM_TILE_M = 128
+
+# Rows per minibatch of the dispatching GEMM: the unit in which the dispatch hands rows to the GEMM
+# (a ready counter per minibatch) and in which its ring buffer is reused.
+DISPATCH_MINIBATCH_ROWS = 1024
+
+# Largest topk the row gather / combine kernels take (their per-token tables live in shared memory).
+MAX_TOPK = 4096
+
+# Every bounded wait of a kernel gives up after this long, records which wait and traps.
+WAIT_TIMEOUT_NS = 10 * 1000 * 1000 * 1000
+
+COMPILED = {
+    "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,
+    "DISPATCH_MINIBATCH_ROWS": DISPATCH_MINIBATCH_ROWS,
+    "MAX_TOPK": MAX_TOPK,
+    "WAIT_TIMEOUT_NS": WAIT_TIMEOUT_NS,
+}
+
+
+def raster_group_minibatches(group_m: int) -> int:
+    """Minibatches one raster group of group_m m-tiles spans (a dispatcher waits on a ring slot only
+    after every earlier minibatch is written, so a ring longer than this cannot wait on itself)."""
+    return -(-group_m * EXPERT_GEMM_TILE_M // DISPATCH_MINIBATCH_ROWS)
+
+
+def min_dispatch_ring_minibatches(group_m: int) -> int:
+    """The shortest ring (in minibatches) the dispatching GEMM accepts for raster groups of group_m."""
+    return raster_group_minibatches(group_m) + 1
+
+
+def dispatch_ring_holds_every_row(rows: int, ring_minibatches: int) -> bool:
+    """Whether a ring of ring_minibatches minibatches (0: unbounded) holds all `rows` rows, so that no
+    slot is reused and the dispatched rows survive the GEMM."""
+    return ring_minibatches == 0 or ring_minibatches * DISPATCH_MINIBATCH_ROWS >= rows
+
+
+def dispatch_ring_buffer_rows(rows: int, ring_minibatches: int) -> int:
+    """Rows of the dispatching GEMM's row buffer for `rows` schedule rows: `rows` when the ring holds
+    every row, else the ring and a mirror of its first m-tile (a tile's TMA box never runs off its end)."""
+    if dispatch_ring_holds_every_row(rows, ring_minibatches):
+        return rows
+    return ring_minibatches * DISPATCH_MINIBATCH_ROWS + EXPERT_GEMM_TILE_M
+
+
+def schedule_capacity(num_routes: int, num_local_experts: int, segment_alignment: int) -> int:
+    """Worst-case rows of a schedule: every route of the group lands here and every segment needs
+    full padding (segment_alignment - 1 rows)."""
+    return num_routes + num_local_experts * (segment_alignment - 1)
