@@ -1,4 +1,5 @@
-"""Which implementation runs a MoK call.
+"""Backends: the stage contract (stages.py), the reference (reference.py), the CUDA kernels
+(kernel.py) with their tuning table (tuning.py), and here the choice of which one runs a call.
 
 The kernel backend needs: one expert-parallel rank (for now), CUDA tensors on a Hopper GPU (the
 extension is built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
@@ -9,11 +10,14 @@ reference, with a one-time warning on CUDA tensors (on CPU the reference is the 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_mok.config import MoKConfig
+from megatron_mok.backends.stages import Stages
+
+if TYPE_CHECKING:  # config imports backends.tuning: no import of config at run time here
+    from megatron_mok.config import MoKConfig
 
 _warned: set[str] = set()
 
@@ -40,7 +44,7 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, num_ranks: int
     return None
 
 
-def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, num_ranks: int) -> str:
+def resolve_backend(config: "MoKConfig", x: torch.Tensor, fc1: torch.Tensor, num_ranks: int) -> str:
     """Returns "reference" or "kernel" for this call, or raises where "kernel" cannot run."""
     if config.backend == "reference":
         return "reference"
@@ -53,3 +57,19 @@ def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, num_r
         _warned.add(reason)
         warnings.warn(f"megatron_mok: running the reference backend because {reason}", stacklevel=3)
     return "reference"
+
+
+def stages_for(backend: str, expert_gemm: str = "auto") -> Stages:
+    """The stage table of a backend; expert_gemm (MoKConfig.expert_gemm) picks the kernel backend's
+    expert GEMMs. The tables import lazily: the reference needs no extension."""
+    if backend == "reference":
+        from megatron_mok.backends.reference import REFERENCE_STAGES
+
+        return REFERENCE_STAGES
+    if backend == "kernel":
+        from megatron_mok.backends.kernel import KERNEL_STAGES
+
+        if expert_gemm not in KERNEL_STAGES:
+            raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(KERNEL_STAGES)}")
+        return KERNEL_STAGES[expert_gemm]
+    raise ValueError(f"unknown backend {backend!r}")

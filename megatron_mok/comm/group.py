@@ -1,9 +1,9 @@
-"""The cached per-(group, device) workspace: who we are in the expert-parallel group, and
-the collectives the reference backend uses to emulate MoK's symmetric-memory traffic.
+"""The expert-parallel group as MoK sees it: who we are in it, and its fixed-size collectives.
 
-The reference moves data with fixed-size collectives only (all-gather of routing and rows,
-an equal-split all-to-all for the combine), so no receive count ever has to reach the host.
-The multi-GPU kernel will keep its symmetric buffers here.
+One `ExpertParallelGroup` per (process group, device), created on first use and cached. The
+collectives here are fixed-size (all-gather, equal-split all-to-all), so no receive count ever has
+to reach the host. The symmetric buffers and signals of the in-kernel exchange will be kept here
+too, allocated once per group (allocation and rendezvous cannot be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ ProcessGroup = dist.ProcessGroup
 
 
 @dataclasses.dataclass
-class Workspace:
-    group: Optional[ProcessGroup]
+class ExpertParallelGroup:
+    group: Optional[ProcessGroup]  # None: one rank
     rank: int
     num_ranks: int
     device: torch.device
@@ -50,14 +50,14 @@ class Workspace:
 
 
 # Keyed by the group object itself (None for one rank): id() would not trace under torch.compile.
-_WORKSPACES: dict[tuple[Optional[ProcessGroup], str], Workspace] = {}
+_GROUPS: dict[tuple[Optional[ProcessGroup], str], ExpertParallelGroup] = {}
 
 
-def get_workspace(group: Optional[ProcessGroup], device: torch.device) -> Workspace:
-    """The workspace of `group` on `device`, created on first use and cached."""
+def get_expert_parallel_group(group: Optional[ProcessGroup], device: torch.device) -> ExpertParallelGroup:
+    """The ExpertParallelGroup of `group` on `device`, created on first use and cached."""
     key = (group, str(device))
-    workspace = _WORKSPACES.get(key)
-    if workspace is None:
+    ep_group = _GROUPS.get(key)
+    if ep_group is None:
         if group is None or not dist.is_initialized():
             if group is not None:
                 raise ValueError("group was given but torch.distributed is not initialized")
@@ -66,11 +66,11 @@ def get_workspace(group: Optional[ProcessGroup], device: torch.device) -> Worksp
             rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
             if rank < 0:
                 raise ValueError("group: this process is not a member of the given process group")
-        workspace = Workspace(group=group, rank=rank, num_ranks=num_ranks, device=torch.device(device))
-        _WORKSPACES[key] = workspace
-    return workspace
+        ep_group = ExpertParallelGroup(group=group, rank=rank, num_ranks=num_ranks, device=torch.device(device))
+        _GROUPS[key] = ep_group
+    return ep_group
 
 
-def clear_workspaces() -> None:
-    """Drops every cached workspace (e.g. after destroying process groups)."""
-    _WORKSPACES.clear()
+def clear_expert_parallel_groups() -> None:
+    """Drops every cached ExpertParallelGroup (e.g. after destroying process groups)."""
+    _GROUPS.clear()

@@ -1,0 +1,104 @@
+"""The exchange: every byte that crosses expert-parallel ranks in a MoK pass, as one stage.
+
+MoK moves data between ranks at four points, and only there:
+
+- the routing all-gather: every rank learns the group's top-k ids and builds the same schedule;
+- the source of the rows the dispatch pulls (forward: x; backward: dY with the routing weights);
+- the return of per-row results to the route's source rank (forward: the down projection's rows,
+  the push combine; backward: the dX rows, the push reverse-dispatch), and where the source finds
+  each route's row afterwards (the route index the fixed-order combine reads).
+
+`Exchange` is that contract; `CollectiveExchange` implements it with fixed-size torch.distributed
+collectives (all-gather, equal-split all-to-all), on any device and any EP size, with no receive
+count on the host. The in-kernel exchange (peer pulls and pushes through symmetric memory) is
+another implementation of the same contract, so it replaces this stage and nothing else.
+
+Determinism: each route is computed by exactly one rank (the owner of its expert) and returned to
+exactly one slot, so nothing is ever summed across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.schedule import Schedule
+
+
+class Exchange(Protocol):
+    rank: int
+    num_ranks: int
+
+    def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, topk) int ids -> (num_ranks, num_tokens, topk) int64, every rank's in rank order."""
+        ...
+
+    def dispatch_source(self, x: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, hidden) -> the rows a schedule's routes name, (num_ranks * num_tokens, hidden):
+        route r reads row r // topk (schedule.py)."""
+        ...
+
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dY (num_tokens, hidden), w (num_tokens, topk) fp32) -> the pull reverse-combine's source:
+        (dY rows (num_ranks * num_tokens, hidden), weights (num_ranks * num_tokens * topk,))."""
+        ...
+
+    def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens * topk,) int64: where route t*topk+k of this rank finds its row in the table
+        `return_rows` gives; -1 for a dropped route. Depends on the routing only (forward and
+        backward share it)."""
+        ...
+
+    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        """(capacity, hidden) per-row results in this rank's schedule order -> the table its source
+        ranks read at `route_index`."""
+        ...
+
+
+class CollectiveExchange:
+    """The exchange over torch.distributed collectives of fixed size (any device, any EP size)."""
+
+    def __init__(self, group: ExpertParallelGroup):
+        self.group = group
+        self.rank = group.rank
+        self.num_ranks = group.num_ranks
+
+    def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(topk_ids.to(torch.int64))
+
+    def dispatch_source(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(x).reshape(-1, x.shape[1])
+
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_y_all = self.group.all_gather(grad_y).reshape(-1, grad_y.shape[1])
+        weights_all = self.group.all_gather(topk_weights).reshape(-1)
+        return grad_y_all, weights_all
+
+    def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
+        ids = topk_ids.to(torch.int64).reshape(-1)
+        if schedule.num_ranks == 1:
+            # The table is this rank's own slot rows.
+            return torch.where(ids >= 0, schedule.route_to_slot, -1)
+        # The table is the all-to-all receive buffer: block r holds rank r's rows of this rank's
+        # routes, at the route's own position.
+        routes_per_rank = schedule.num_tokens * schedule.topk
+        owner = torch.where(ids >= 0, ids // schedule.num_local_experts, 0)
+        local_route = torch.arange(routes_per_rank, device=ids.device, dtype=torch.int64)
+        return torch.where(ids >= 0, owner * routes_per_rank + local_route, -1)
+
+    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        if schedule.num_ranks == 1:
+            return slot_rows  # nothing moves
+        hidden = slot_rows.shape[1]
+        # Row `capacity` is the zero row that routes owned by other ranks read.
+        padded = torch.cat((slot_rows, slot_rows.new_zeros(1, hidden)), dim=0)
+        send = padded.index_select(0, schedule.route_to_slot)
+        recv = self.group.all_to_all(send.view(schedule.num_ranks, schedule.num_tokens * schedule.topk, hidden))
+        return recv.reshape(-1, hidden)
+
+
+def exchange_for(group: ExpertParallelGroup) -> Exchange:
+    """The exchange a call runs over `group`: today the collective one for every backend."""
+    return CollectiveExchange(group)
