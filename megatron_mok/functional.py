@@ -123,7 +123,7 @@ def forward(
     exchange = exchange_for(get_expert_parallel_group(group, x.device))
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
-    backend = resolve_backend(config, x, fc1, exchange.num_ranks)
+    backend = resolve_backend(config, x, fc1)
     num_local_experts = fc1.shape[0]
     if schedule is None:
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)

@@ -1,10 +1,12 @@
 """Backends: the stage contract (stages.py), the reference (reference.py), the CUDA kernels
 (kernel.py) with their tuning table (tuning.py), and here the choice of which one runs a call.
 
-The kernel backend needs: one expert-parallel rank (for now), CUDA tensors on a Hopper GPU (the
-extension is built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
+The kernel backend needs CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
+extension loaded, bf16 activations, and hidden and ffn sizes
 that are multiples of 8 (16-byte rows for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
+Any expert-parallel size: the stages are per rank, and what crosses ranks is the exchange's
+(comm/exchange.py), the same for both backends.
 """
 
 from __future__ import annotations
@@ -22,11 +24,8 @@ if TYPE_CHECKING:  # config imports backends.tuning: no import of config at run 
 _warned: set[str] = set()
 
 
-def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, num_ranks: int = 1) -> Optional[str]:
+def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[str]:
     """None if the kernel backend can run this call, else why not."""
-    if num_ranks != 1:
-        # The stages are written for any EP size, but no multi-GPU run has verified them yet.
-        return f"the kernel backend runs one expert-parallel rank so far (this group has {num_ranks})"
     if not x.is_cuda:
         return f"x is on {x.device}, the kernel needs CUDA tensors"
     from megatron_mok.ops import extension_error
@@ -44,11 +43,11 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, num_ranks: int
     return None
 
 
-def resolve_backend(config: "MoKConfig", x: torch.Tensor, fc1: torch.Tensor, num_ranks: int) -> str:
+def resolve_backend(config: "MoKConfig", x: torch.Tensor, fc1: torch.Tensor) -> str:
     """Returns "reference" or "kernel" for this call, or raises where "kernel" cannot run."""
     if config.backend == "reference":
         return "reference"
-    reason = kernel_unsupported_reason(x, fc1, num_ranks)
+    reason = kernel_unsupported_reason(x, fc1)
     if reason is None:
         return "kernel"
     if config.backend == "kernel":

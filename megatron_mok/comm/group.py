@@ -53,8 +53,15 @@ class ExpertParallelGroup:
 _GROUPS: dict[tuple[Optional[ProcessGroup], str], ExpertParallelGroup] = {}
 
 
-def get_expert_parallel_group(group: Optional[ProcessGroup], device: torch.device) -> ExpertParallelGroup:
-    """The ExpertParallelGroup of `group` on `device`, created on first use and cached."""
+def get_expert_parallel_group(
+    group: Optional[ProcessGroup | ExpertParallelGroup], device: torch.device
+) -> ExpertParallelGroup:
+    """The ExpertParallelGroup of `group` on `device`, created on first use and cached; an
+    ExpertParallelGroup itself (e.g. a rank of megatron_mok.emulation.EmulatedGroup) is returned as is."""
+    if isinstance(group, ExpertParallelGroup):
+        if group.device != torch.device(device):
+            raise ValueError(f"group: this expert-parallel group lives on {group.device}, the tensors on {device}")
+        return group
     key = (group, str(device))
     ep_group = _GROUPS.get(key)
     if ep_group is None:
