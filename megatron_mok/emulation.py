@@ -194,7 +194,7 @@ def _tensors_in(value: object) -> list[torch.Tensor]:
 
 def _zero_grad_y(fctx: functional.ForwardContext) -> torch.Tensor:
     # A rank whose y took no part in the loss still runs its backward: its peers wait for it.
-    return fctx.x_all.new_zeros(fctx.schedule.num_tokens, fctx.x_all.shape[1])
+    return torch.zeros_like(fctx.x)
 
 
 class _EmulatedRoutedExperts(torch.autograd.Function):

@@ -33,7 +33,7 @@ class ForwardContext:
     expert_gemm: str  # MoKConfig.expert_gemm: backward runs the same GEMM family as forward
     topk_ids: torch.Tensor  # (num_tokens, topk) int
     topk_weights: torch.Tensor  # (num_tokens, topk) float32
-    x_all: torch.Tensor  # (num_ranks * num_tokens, hidden): the group's rows, re-pulled in backward
+    x: torch.Tensor  # (num_tokens, hidden): this rank's tokens, pulled again in backward when rows is None
     gate_up: torch.Tensor  # (capacity, 2 * ffn_hidden) pre-activation, schedule order
     # The unweighted expert output of route t*topk+k is route_table[route_index[t*topk+k]]
     # (index -1: dropped); see Exchange.route_index.
@@ -45,7 +45,7 @@ class ForwardContext:
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 
-    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_table", "route_index", "rows", "act")
+    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x", "gate_up", "route_table", "route_index", "rows", "act")
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.TENSOR_FIELDS)
@@ -135,8 +135,9 @@ def forward(
 
     stages = stages_for(backend, config.expert_gemm)
     offsets = schedule.expert_offsets
-    x_all = exchange.dispatch_source(x)
-    rows, gate_up, act = stages.dispatch_gate_up(x_all, schedule, fc1, config.dispatch_ring_minibatches)
+    source = exchange.dispatch_source(x)
+    rows, gate_up, act = stages.dispatch_gate_up(source, schedule, fc1, config.dispatch_ring_minibatches)
+    exchange.release(source)
     slot_out = stages.expert_down(act, fc2, offsets)
     route_index = exchange.route_index(schedule, topk_ids)
     route_table = exchange.return_rows(slot_out, schedule)
@@ -148,7 +149,7 @@ def forward(
         expert_gemm=config.expert_gemm,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
-        x_all=x_all,
+        x=x,
         gate_up=gate_up,
         route_table=route_table,
         route_index=route_index,
@@ -192,9 +193,9 @@ def backward(
         bitwise reproducible.
     """
     schedule, exchange = ctx.schedule, ctx.exchange
-    if grad_y.shape != (schedule.num_tokens, ctx.x_all.shape[1]):
-        raise ValueError(f"grad_y must be {(schedule.num_tokens, ctx.x_all.shape[1])}, got {tuple(grad_y.shape)}")
-    grad_y = grad_y.to(ctx.x_all.dtype).contiguous()
+    if grad_y.shape != ctx.x.shape:
+        raise ValueError(f"grad_y must be {tuple(ctx.x.shape)}, got {tuple(grad_y.shape)}")
+    grad_y = grad_y.to(ctx.x.dtype).contiguous()
     offsets = schedule.expert_offsets
 
     stages = stages_for(ctx.backend, ctx.expert_gemm)
@@ -202,7 +203,9 @@ def backward(
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
-    grad_slot_out = stages.pull_route_grads(*exchange.grad_source(grad_y, ctx.topk_weights), schedule)
+    grad_source = exchange.grad_source(grad_y, ctx.topk_weights)
+    grad_slot_out = stages.pull_route_grads(grad_source, schedule)
+    exchange.release(grad_source)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, ctx.gate_up, offsets)
 
     d_x = None
@@ -215,8 +218,14 @@ def backward(
             d_x = stages.combine(table, ctx.route_index, None, topk, grad_y.dtype)
 
     d_fc1 = d_fc2 = None
+    rows = ctx.rows
+    # Whether forward kept its rows depends on the capacity, the ring and the EP size only, so it is
+    # the same on every rank; at EP > 1 every rank joins the pull again, whatever its requires_grad.
+    if rows is None and (need_weight_grads or exchange.num_ranks > 1):
+        source = exchange.dispatch_source(ctx.x)
+        rows = stages.dispatch_rows(source, schedule)
+        exchange.release(source)
     if need_weight_grads:
-        rows = ctx.rows if ctx.rows is not None else stages.dispatch_rows(ctx.x_all, schedule)
         act = ctx.act if ctx.act is not None else stages.swiglu(ctx.gate_up, offsets)
         d_fc1 = stages.segment_weight_grad(grad_gate_up, rows, offsets)
         d_fc2 = stages.segment_weight_grad(grad_slot_out, act, offsets)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from megatron_mok import ops
 from megatron_mok.backends.stages import Stages
 from megatron_mok.backends.tuning import DISPATCH_GEMM_CLUSTER_M, EXPERT_GEMM_CHOICES, ExpertGemmChoice
+from megatron_mok.comm.exchange import GatheredGradRows, GatheredRows, GradSource, RowSource
 from megatron_mok.limits import dispatch_ring_holds_every_row
 from megatron_mok.schedule import Schedule
 
@@ -44,10 +45,10 @@ def grouped_mm_gate_up(rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Ten
 
 
 def grouped_mm_dispatch_gate_up(
-    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int
+    source: RowSource, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # torch's grouped GEMM takes its A operand whole: every row is gathered (no ring), and kept.
-    rows = dispatch_rows(x_all, schedule)
+    rows = dispatch_rows(source, schedule)
     return (rows, *grouped_mm_gate_up(rows, fc1, schedule.expert_offsets))
 
 
@@ -69,13 +70,13 @@ def segment_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: t
 
 
 def dispatch_gate_up(
-    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int
+    source: RowSource, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int
 ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch, into a ring buffer of
     # ring_minibatches minibatches (0: every row). Rows at or past offsets[-1] stay unwritten; every
     # later stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
     rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
-        x_all, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets,
+        _gathered(source).rows, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets,
         cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,
     )
     # A ring shorter than the rows holds only the last minibatches: backward gathers them again.
@@ -104,8 +105,15 @@ def expert_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: to
 # ---- data movement, shared by every family ---------------------------------------------------
 
 
-def dispatch_rows(x_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
-    return ops.dispatch_rows(x_all, schedule.slot_to_route, schedule.topk)
+def _gathered(source: RowSource | GradSource):
+    # The in-kernel exchange's peer sources come with the symmetric-memory exchange.
+    if not isinstance(source, (GatheredRows, GatheredGradRows)):
+        raise TypeError(f"the kernel backend has no kernel yet for a {type(source).__name__} source")
+    return source
+
+
+def dispatch_rows(source: RowSource, schedule: Schedule) -> torch.Tensor:
+    return ops.dispatch_rows(_gathered(source).rows, schedule.slot_to_route, schedule.topk)
 
 
 def combine(
@@ -117,8 +125,9 @@ def combine(
     return ops.combine(table, index, weights, topk)
 
 
-def pull_route_grads(grad_y_all: torch.Tensor, weights_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
-    return ops.pull_grad_rows(grad_y_all, weights_all, schedule.slot_to_route, schedule.topk)
+def pull_route_grads(source: GradSource, schedule: Schedule) -> torch.Tensor:
+    gathered = _gathered(source)
+    return ops.pull_grad_rows(gathered.grad_y, gathered.weights, schedule.slot_to_route, schedule.topk)
 
 
 def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:

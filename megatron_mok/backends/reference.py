@@ -82,14 +82,16 @@ def segment_weight_grad(
     return out
 
 
-def dispatch_rows(x_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+def dispatch_rows(source, schedule: Schedule) -> torch.Tensor:
     """Pull dispatch: gathers the rows of the group's tokens into this rank's schedule order.
 
     Args:
-        x_all: (num_ranks * num_tokens, hidden), the group's activations in rank order.
+        source: Exchange.dispatch_source's; materialized as (num_ranks * num_tokens, hidden), the
+            group's activations in rank order.
     Returns:
         (capacity, hidden); padding rows are zero.
     """
+    x_all = source.materialize()
     route = schedule.slot_to_route
     token_row = torch.where(route >= 0, route // schedule.topk, 0)
     rows = x_all.index_select(0, token_row)
@@ -117,11 +119,11 @@ def expert_gate_up(
 
 
 def dispatch_gate_up(
-    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int = 0
+    source, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act).
     The reference gathers every row (ring_minibatches, the kernel's buffer bound, does not apply)."""
-    rows = dispatch_rows(x_all, schedule)
+    rows = dispatch_rows(source, schedule)
     return (rows, *expert_gate_up(rows, fc1, schedule.expert_offsets))
 
 
@@ -164,15 +166,16 @@ def combine(
     return acc.to(dtype)
 
 
-def pull_route_grads(grad_y_all: torch.Tensor, weights_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+def pull_route_grads(source, schedule: Schedule) -> torch.Tensor:
     """Pull reverse-combine: each row's output gradient, weight * dY of its token, in dY's dtype.
 
     Args:
-        grad_y_all: (num_ranks * num_tokens, hidden) the group's output gradients (Exchange.grad_source).
-        weights_all: (num_ranks * num_tokens * topk,) float32 the group's routing weights.
+        source: Exchange.grad_source's; materialized as the group's output gradients
+            (num_ranks * num_tokens, hidden) and routing weights (num_ranks * num_tokens * topk,) fp32.
     Returns:
         (capacity, hidden); padding rows are zero.
     """
+    grad_y_all, weights_all = source.materialize()
     route = schedule.slot_to_route
     valid = route >= 0
     safe_route = torch.where(valid, route, 0)

@@ -21,20 +21,21 @@ from typing import Optional, Protocol
 
 import torch
 
+from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.schedule import Schedule
 
 Tensor = torch.Tensor
 
 
 class DispatchRows(Protocol):
-    def __call__(self, x_all: Tensor, schedule: Schedule) -> Tensor:
-        """x_all (num_ranks * T, H) -> rows (capacity, H) in schedule order, zero padding rows."""
+    def __call__(self, source: RowSource, schedule: Schedule) -> Tensor:
+        """Exchange.dispatch_source's rows -> rows (capacity, H) in schedule order, zero padding rows."""
         ...
 
 
 class DispatchGateUp(Protocol):
     def __call__(
-        self, x_all: Tensor, schedule: Schedule, fc1: Tensor, ring_minibatches: int
+        self, source: RowSource, schedule: Schedule, fc1: Tensor, ring_minibatches: int
     ) -> tuple[Optional[Tensor], Tensor, Tensor]:
         """-> (rows (capacity, H) or None, gate_up (capacity, 2F), act (capacity, F)). rows is None
         when they went through a bounded ring (MoKConfig.dispatch_ring_minibatches) and backward
@@ -86,8 +87,8 @@ class Combine(Protocol):
 
 
 class PullRouteGrads(Protocol):
-    def __call__(self, grad_y_all: Tensor, weights_all: Tensor, schedule: Schedule) -> Tensor:
-        """(Exchange.grad_source's dY rows and weights) -> (capacity, H): w[route] * dY[route // K]."""
+    def __call__(self, source: GradSource, schedule: Schedule) -> Tensor:
+        """Exchange.grad_source's dY rows and weights -> (capacity, H): w[route] * dY[route // K]."""
         ...
 
 

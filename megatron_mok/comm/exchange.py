@@ -19,12 +19,42 @@ exactly one slot, so nothing is ever summed across ranks.
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from typing import Protocol, Union
 
 import torch
 
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredRows:
+    """The rows a dispatch pulls, gathered into one tensor: (num_ranks * num_tokens, hidden), rank
+    r's token t at row r * num_tokens + t (route // topk, schedule.py)."""
+
+    rows: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredGradRows:
+    """The pull reverse-combine's source gathered: dY (num_ranks * num_tokens, hidden) and the routing
+    weights (num_ranks * num_tokens * topk,) float32, indexed like GatheredRows and by route."""
+
+    grad_y: torch.Tensor
+    weights: torch.Tensor
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.grad_y, self.weights
+
+
+# What dispatch_source / grad_source give: gathered tensors here; through symmetric memory, the peer
+# tables of comm/symmetric.py (same `materialize()` for stages that need one tensor).
+RowSource = Union[GatheredRows, "object"]
+GradSource = Union[GatheredGradRows, "object"]
 
 
 class Exchange(Protocol):
@@ -35,14 +65,17 @@ class Exchange(Protocol):
         """(num_tokens, topk) int ids -> (num_ranks, num_tokens, topk) int64, every rank's in rank order."""
         ...
 
-    def dispatch_source(self, x: torch.Tensor) -> torch.Tensor:
-        """(num_tokens, hidden) -> the rows a schedule's routes name, (num_ranks * num_tokens, hidden):
-        route r reads row r // topk (schedule.py)."""
+    def dispatch_source(self, x: torch.Tensor) -> RowSource:
+        """(num_tokens, hidden) -> where the group's rows can be pulled from: route r reads row
+        r // topk of the group's (num_ranks * num_tokens, hidden) rows (schedule.py)."""
         ...
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dY (num_tokens, hidden), w (num_tokens, topk) fp32) -> the pull reverse-combine's source:
-        (dY rows (num_ranks * num_tokens, hidden), weights (num_ranks * num_tokens * topk,))."""
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
+        """(dY (num_tokens, hidden), w (num_tokens, topk) fp32) -> the pull reverse-combine's source."""
+        ...
+
+    def release(self, source: RowSource | GradSource) -> None:
+        """Every pull from `source` is issued: its buffers may be reused (a no-op for tensors)."""
         ...
 
     def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -68,13 +101,16 @@ class CollectiveExchange:
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(topk_ids.to(torch.int64))
 
-    def dispatch_source(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(x).reshape(-1, x.shape[1])
+    def dispatch_source(self, x: torch.Tensor) -> GatheredRows:
+        return GatheredRows(self.group.all_gather(x).reshape(-1, x.shape[1]))
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GatheredGradRows:
         grad_y_all = self.group.all_gather(grad_y).reshape(-1, grad_y.shape[1])
         weights_all = self.group.all_gather(topk_weights).reshape(-1)
-        return grad_y_all, weights_all
+        return GatheredGradRows(grad_y_all, weights_all)
+
+    def release(self, source) -> None:
+        pass  # the gathered tensors are this rank's own
 
     def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
         ids = topk_ids.to(torch.int64).reshape(-1)
