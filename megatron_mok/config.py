@@ -26,8 +26,8 @@ class MoKConfig:
             backend for Hopper (an error where it cannot run, see backends/__init__.py); "auto" picks the
             kernel where it can run and the reference elsewhere.
         segment_alignment: every local expert's segment of the schedule is padded to a
-            multiple of this many rows (padding rows are marked -1). 1 for the reference;
-            kernels set their M tile so a tile never straddles two experts.
+            multiple of this many rows (padding rows are marked -1). Results do not depend on it:
+            both backends take segments of any length; 1 (the default) adds no padding rows.
         expert_gemm: which GEMMs run the kernel backend's expert projections, forward and
             backward: "grouped_mm", the dispatch kernel, torch's grouped GEMM (CUTLASS) and the
             SwiGLU kernels; "sm90", megatron_mok's persistent warp-specialized TMA + wgmma

@@ -3,20 +3,22 @@
     group = EmulatedGroup(num_ranks=4, device="cuda")       # device="cpu": the reference backend
     ys = group.mok_moe(xs, topk_ids, topk_weights, fc1s, fc2s, config=MoKConfig())  # one per rank
 
-Each emulated rank has its own tensors, its own CUDA stream and its own host thread; the ranks run
-`functional.forward` / `functional.backward` concurrently and meet at the exchange's collectives,
-which an in-process rendezvous implements (`EmulatedRankGroup.all_gather` / `all_to_all`: every rank
-deposits its tensor and an event of its stream, waits for the others, then orders its own stream
-after theirs). So every line of the layer that a rank of a real group runs, an emulated rank runs
-too, collectives included, with the same results: rank r's outputs and gradients are bitwise those
-of a real group's rank r.
+Each emulated rank has its own tensors and buffers and its own CUDA stream. Two exchanges:
 
-Every rendezvous is bounded (`timeout_s`): a rank that never arrives (or fails) turns into an error
-naming the waiting rank and the collective on every other rank, never a hang.
+- `exchange="symmetric"` (the default on CUDA): the in-kernel exchange (comm/symmetric_exchange.py).
+  Each rank's regions are separate allocations and the peer tables point at them, as torch symmetric
+  memory gives one per GPU. The ranks' passes are launched one after the other from this thread,
+  each on its own stream; they meet on the device (bounded signal waits), so nothing blocks the host
+  and a whole step of every rank can be captured in one CUDA graph (fork the ranks' streams from the
+  capture stream). Every line of the layer a real rank runs, an emulated rank runs, kernels included.
+- `exchange="collective"` (the only one on CPU): the collective exchange, whose all-gathers and
+  all-to-alls an in-process rendezvous implements (`EmulatedRankGroup.all_gather` / `all_to_all`);
+  each rank runs in its own host thread and meets the others there. Every rendezvous is bounded
+  (`timeout_s`): a rank that never arrives (or fails) is an error naming the waiting rank and the
+  collective, never a hang. Not capturable (the rendezvous is on the host).
 
-Limits: the threads' host rendezvous cannot be captured in a CUDA graph (the in-kernel exchange
-over symmetric buffers will be); `mok_moe` here takes no shared expert (it is rank-local: add it
-per rank).
+Either way rank r's outputs and gradients are bitwise those of a real group's rank r.
+`mok_moe` here takes no shared expert (it is rank-local: add it per rank).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 
 from megatron_mok import functional
 from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.comm.symmetric import SymmetricPool, emulated_allocator
 from megatron_mok.config import MoKConfig
+from megatron_mok.limits import MAX_EP_RANKS
 from megatron_mok.validation import validate_moe_inputs
 
 
@@ -64,10 +68,17 @@ class _Rendezvous:
 class EmulatedRankGroup(ExpertParallelGroup):
     """One emulated rank: an ExpertParallelGroup whose collectives meet the other ranks in-process."""
 
-    def __init__(self, rank: int, num_ranks: int, device: torch.device, rendezvous: _Rendezvous):
+    def __init__(self, rank: int, num_ranks: int, device: torch.device, rendezvous: _Rendezvous, make_pool=None):
         super().__init__(group=None, rank=rank, num_ranks=num_ranks, device=device)
         self.rendezvous = rendezvous
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._make_pool = make_pool  # None: the collective exchange
+        self._pool = None
+
+    def symmetric_pool(self):
+        if self._make_pool is not None and self._pool is None:
+            self._pool = self._make_pool(self.rank)
+        return self._pool
 
     def _gathered(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         tensor = tensor.contiguous()
@@ -97,15 +108,55 @@ class EmulatedRankGroup(ExpertParallelGroup):
 class EmulatedGroup:
     """R emulated expert-parallel ranks on one device (see the module docstring)."""
 
-    def __init__(self, num_ranks: int, device: str | torch.device = "cuda", *, timeout_s: float = 60.0):
+    def __init__(
+        self, num_ranks: int, device: str | torch.device = "cuda", *, exchange: Optional[str] = None, timeout_s: float = 60.0
+    ):
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
         self.num_ranks = num_ranks
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.exchange = exchange or ("symmetric" if self.device.type == "cuda" else "collective")
+        if self.exchange not in ("symmetric", "collective"):
+            raise ValueError(f"exchange must be 'symmetric' or 'collective', got {self.exchange!r}")
+        make_pool = None
+        if self.exchange == "symmetric":
+            if self.device.type != "cuda":
+                raise ValueError("exchange='symmetric' needs a CUDA device (its kernels read peer buffers)")
+            if num_ranks > MAX_EP_RANKS:
+                raise ValueError(f"exchange='symmetric' addresses at most {MAX_EP_RANKS} ranks (one node), got {num_ranks}")
+            make_pool = self._make_pool
+            self._allocators = emulated_allocator(num_ranks, self.device)
         self.rendezvous = _Rendezvous(num_ranks, timeout_s)
-        self.ranks = [EmulatedRankGroup(r, num_ranks, self.device, self.rendezvous) for r in range(num_ranks)]
+        self.ranks = [EmulatedRankGroup(r, num_ranks, self.device, self.rendezvous, make_pool) for r in range(num_ranks)]
+
+    def _make_pool(self, rank: int) -> SymmetricPool:
+        from megatron_mok import ops
+
+        if ops.extension_error() is not None:
+            raise RuntimeError(f"exchange='symmetric' needs the CUDA extension: {ops.extension_error()}")
+        num_phases = len(ops.exchange_phase_names())
+        return SymmetricPool(rank, self.num_ranks, num_phases, self._allocators(rank), self.device)
+
+    def run_launched(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
+        """Runs body(rank) for every rank (or only `ranks`) from this thread, one after the other, each
+        on its own stream forked from the current one and joined back: for work that waits on the
+        device only (the symmetric exchange), so the ranks meet on the GPU. Capturable in a CUDA graph."""
+        ranks = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        main_stream = torch.cuda.current_stream(self.device)
+        results: list[object] = [None] * self.num_ranks
+        for rank in ranks:
+            stream = self.ranks[rank].stream
+            stream.wait_stream(main_stream)
+            with torch.cuda.stream(stream):
+                results[rank] = body(rank)
+        for rank in ranks:
+            main_stream.wait_stream(self.ranks[rank].stream)
+        for result in results:
+            for tensor in _tensors_in(result):
+                tensor.record_stream(main_stream)
+        return results
 
     def run(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
         """Runs body(rank) for every rank (or only `ranks`, e.g. to test a rank that never arrives),
@@ -175,6 +226,14 @@ class EmulatedGroup:
             validate_moe_inputs(
                 xs[rank], topk_ids[rank], topk_weights[rank], fc1s[rank], fc2s[rank],
                 num_ranks=self.num_ranks, config=config,
+            )
+        if self.exchange == "symmetric":
+            # One autograd node per rank, as on a real group: their backwards meet on the device too,
+            # in whatever order autograd runs them.
+            from megatron_mok.moe import mok_moe
+
+            return self.run_launched(
+                lambda r: mok_moe(xs[r], topk_ids[r], topk_weights[r], fc1s[r], fc2s[r], group=self.ranks[r], config=config)
             )
         flat = [*xs, *topk_ids, *topk_weights, *fc1s, *fc2s]
         return list(_EmulatedRoutedExperts.apply(self, config, *flat))

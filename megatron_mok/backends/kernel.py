@@ -25,6 +25,7 @@ from megatron_mok import ops
 from megatron_mok.backends.stages import Stages
 from megatron_mok.backends.tuning import DISPATCH_GEMM_CLUSTER_M, EXPERT_GEMM_CHOICES, ExpertGemmChoice
 from megatron_mok.comm.exchange import GatheredGradRows, GatheredRows, GradSource, RowSource
+from megatron_mok.comm.symmetric_exchange import PeerGradRows, PeerRows
 from megatron_mok.limits import dispatch_ring_holds_every_row
 from megatron_mok.schedule import Schedule
 
@@ -75,10 +76,16 @@ def dispatch_gate_up(
     # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch, into a ring buffer of
     # ring_minibatches minibatches (0: every row). Rows at or past offsets[-1] stay unwritten; every
     # later stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
-    rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
-        _gathered(source).rows, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets,
-        cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,
-    )
+    if isinstance(source, PeerRows):  # the dispatch warps read the sources' regions directly
+        rows, gate_up, act = ops.dispatch_expert_gemm_swiglu_from_peers(
+            source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk, fc1.contiguous(),
+            schedule.expert_offsets, cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,
+        )
+    else:
+        rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
+            _expect(source, GatheredRows).rows, schedule.slot_to_route, schedule.topk, fc1.contiguous(),
+            schedule.expert_offsets, cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,
+        )
     # A ring shorter than the rows holds only the last minibatches: backward gathers them again.
     return (rows if dispatch_ring_holds_every_row(schedule.capacity, ring_minibatches) else None), gate_up, act
 
@@ -105,15 +112,18 @@ def expert_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: to
 # ---- data movement, shared by every family ---------------------------------------------------
 
 
-def _gathered(source: RowSource | GradSource):
-    # The in-kernel exchange's peer sources come with the symmetric-memory exchange.
-    if not isinstance(source, (GatheredRows, GatheredGradRows)):
-        raise TypeError(f"the kernel backend has no kernel yet for a {type(source).__name__} source")
-    return source
-
-
 def dispatch_rows(source: RowSource, schedule: Schedule) -> torch.Tensor:
-    return ops.dispatch_rows(_gathered(source).rows, schedule.slot_to_route, schedule.topk)
+    if isinstance(source, PeerRows):
+        return ops.dispatch_rows_from_peers(
+            source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk
+        )
+    return ops.dispatch_rows(_expect(source, GatheredRows).rows, schedule.slot_to_route, schedule.topk)
+
+
+def _expect(source, kind: type):
+    if not isinstance(source, kind):
+        raise TypeError(f"the kernel backend reads a {kind.__name__} or its peer form here, got {type(source).__name__}")
+    return source
 
 
 def combine(
@@ -126,7 +136,12 @@ def combine(
 
 
 def pull_route_grads(source: GradSource, schedule: Schedule) -> torch.Tensor:
-    gathered = _gathered(source)
+    if isinstance(source, PeerGradRows):
+        return ops.pull_grad_rows_from_peers(
+            source.grad_tokens.own, list(source.grad_tokens.peer_ptrs), list(source.grad_weights.peer_ptrs),
+            schedule.slot_to_route, schedule.topk,
+        )
+    gathered = _expect(source, GatheredGradRows)
     return ops.pull_grad_rows(gathered.grad_y, gathered.weights, schedule.slot_to_route, schedule.topk)
 
 

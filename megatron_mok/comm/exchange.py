@@ -136,5 +136,11 @@ class CollectiveExchange:
 
 
 def exchange_for(group: ExpertParallelGroup) -> Exchange:
-    """The exchange a call runs over `group`: today the collective one for every backend."""
-    return CollectiveExchange(group)
+    """The exchange a call runs over `group`: through symmetric memory where the group has it
+    (comm/symmetric_exchange.py), else the collective one. Every rank of a group decides alike."""
+    pool = group.symmetric_pool()
+    if pool is None:
+        return CollectiveExchange(group)
+    from megatron_mok.comm.symmetric_exchange import SymmetricExchange
+
+    return SymmetricExchange(group, pool)

@@ -24,6 +24,13 @@ class ExpertParallelGroup:
     num_ranks: int
     device: torch.device
 
+    def symmetric_pool(self):
+        """The group's symmetric buffers (comm/symmetric.py), or None: the exchange then runs on
+        collectives. A process group gets none yet: torch symmetric memory across processes is
+        written (symmetric.torch_symmetric_allocator) but not run on a multi-GPU node; one rank
+        needs no exchange at all. megatron_mok.emulation's ranks have one."""
+        return None
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Returns (num_ranks, *tensor.shape): every rank's `tensor`, in rank order."""
         tensor = tensor.contiguous()
