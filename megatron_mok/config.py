@@ -11,6 +11,8 @@ from megatron_mok.limits import min_dispatch_ring_minibatches
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel")
 ExpertGemm = Literal["auto", "grouped_mm", "sm90"]
+ExchangeKind = Literal["auto", "collective", "symmetric"]
+EXCHANGES: tuple[str, ...] = ("auto", "collective", "symmetric")
 EXPERT_GEMMS: tuple[str, ...] = tuple(EXPERT_GEMM_CHOICES)
 # The shortest ring the dispatching GEMM accepts at the raster the kernel backend runs (the op checks
 # the same bound for the group_m it is given).
@@ -45,6 +47,12 @@ class MoKConfig:
             (capacity, hidden) are kept from forward to backward. Otherwise at least
             MIN_DISPATCH_RING_MINIBATCHES (one more than the minibatches a raster group of the
             GEMM's tiles spans, so the dispatch never waits on itself).
+        exchange: how rows cross expert-parallel ranks (megatron_mok/comm/): "collective",
+            torch.distributed all-gathers and all-to-alls (any device, any EP size; EP times the
+            rows of a balanced routing on every rank); "symmetric", the in-kernel exchange through
+            symmetric memory (pull dispatch, push combine, device-side signals; CUDA ranks of one
+            node with peer access and the extension; an error elsewhere); "auto" (the default):
+            "symmetric" where a group of more than one rank can have it, else "collective".
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one
@@ -57,6 +65,7 @@ class MoKConfig:
     check_expert_ids: bool = True
     expert_gemm: ExpertGemm = "auto"
     dispatch_ring_minibatches: int = 16
+    exchange: ExchangeKind = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -69,6 +78,8 @@ class MoKConfig:
                 f"MoKConfig.dispatch_ring_minibatches must be 0 (no bound) or an int >= "
                 f"{MIN_DISPATCH_RING_MINIBATCHES}, got {ring!r}"
             )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"MoKConfig.exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if not isinstance(self.segment_alignment, int) or self.segment_alignment < 1:
             raise ValueError(
                 f"MoKConfig.segment_alignment must be a positive int, got {self.segment_alignment!r}"

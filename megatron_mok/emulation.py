@@ -73,12 +73,13 @@ class EmulatedRankGroup(ExpertParallelGroup):
         self.rendezvous = rendezvous
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._make_pool = make_pool  # None: the collective exchange
-        self._pool = None
 
     def symmetric_pool(self):
-        if self._make_pool is not None and self._pool is None:
+        if self._make_pool is None:
+            return None, "this EmulatedGroup runs the collective exchange"
+        if self._pool is None:
             self._pool = self._make_pool(self.rank)
-        return self._pool
+        return self._pool, ""
 
     def _gathered(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         tensor = tensor.contiguous()
@@ -227,7 +228,7 @@ class EmulatedGroup:
                 xs[rank], topk_ids[rank], topk_weights[rank], fc1s[rank], fc2s[rank],
                 num_ranks=self.num_ranks, config=config,
             )
-        if self.exchange == "symmetric":
+        if self.exchange == "symmetric" and config.exchange != "collective":
             # One autograd node per rank, as on a real group: their backwards meet on the device too,
             # in whatever order autograd runs them.
             from megatron_mok.moe import mok_moe

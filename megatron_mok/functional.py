@@ -75,7 +75,7 @@ def build_schedule(
         topk_ids: (num_tokens, topk) int32/int64 global expert ids, -1 = dropped; every rank of
             the group passes the same num_tokens and topk.
     """
-    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device))
+    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
     return build_schedule_from_gathered(
         exchange.gather_routing(topk_ids),
         rank=exchange.rank,
@@ -120,7 +120,7 @@ def forward(
     Returns:
         y (num_tokens, hidden) in x.dtype, and the context for `backward`.
     """
-    exchange = exchange_for(get_expert_parallel_group(group, x.device))
+    exchange = exchange_for(get_expert_parallel_group(group, x.device), config.exchange)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
     backend = resolve_backend(config, x, fc1)

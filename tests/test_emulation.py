@@ -150,3 +150,17 @@ def test_bad_group_input_is_a_value_error_before_any_work(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         EmulatedGroup(num_ranks, "cpu").mok_moe(**args)
+
+
+def test_symmetric_exchange_where_it_cannot_run_is_a_named_error():
+    num_ranks, t, h, f, e, k = CPU_CASES["r2"]
+    x, ids, weights, fc1, fc2, _ = make_problem(1, t, h, f, e, k, "uniform", "cpu", torch.float32, 2)
+    with pytest.raises(ValueError, match="exchange='symmetric' cannot run over this group: the group's tensors are on cpu"):
+        mok_moe(x[0], ids[0], weights[0], fc1, fc2, config=MoKConfig(exchange="symmetric"))
+    with pytest.raises(ValueError, match="exchange='symmetric' needs a CUDA device"):
+        EmulatedGroup(2, "cpu", exchange="symmetric")
+
+
+def test_config_exchange_must_be_known():
+    with pytest.raises(ValueError, match="MoKConfig.exchange must be one of"):
+        MoKConfig(exchange="nccl")

@@ -135,11 +135,16 @@ class CollectiveExchange:
         return recv.reshape(-1, hidden)
 
 
-def exchange_for(group: ExpertParallelGroup) -> Exchange:
-    """The exchange a call runs over `group`: through symmetric memory where the group has it
-    (comm/symmetric_exchange.py), else the collective one. Every rank of a group decides alike."""
-    pool = group.symmetric_pool()
+def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
+    """The exchange a call runs over `group` (kind: MoKConfig.exchange): through symmetric memory
+    (comm/symmetric_exchange.py) where the group can have it and kind allows, else the collective
+    one. The choice depends only on the group and the config, so every rank of a group decides alike."""
+    if kind == "collective" or (kind == "auto" and group.num_ranks == 1):
+        return CollectiveExchange(group)
+    pool, reason = group.symmetric_pool()
     if pool is None:
+        if kind == "symmetric":
+            raise ValueError(f"MoKConfig.exchange='symmetric' cannot run over this group: {reason}")
         return CollectiveExchange(group)
     from megatron_mok.comm.symmetric_exchange import SymmetricExchange
 

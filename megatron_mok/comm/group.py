@@ -24,11 +24,50 @@ class ExpertParallelGroup:
     num_ranks: int
     device: torch.device
 
-    def symmetric_pool(self):
-        """The group's symmetric buffers (comm/symmetric.py), or None: the exchange then runs on
-        collectives. A process group gets none yet: torch symmetric memory across processes is
-        written (symmetric.torch_symmetric_allocator) but not run on a multi-GPU node; one rank
-        needs no exchange at all. megatron_mok.emulation's ranks have one."""
+    _pool: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def symmetric_pool(self) -> tuple[Optional[object], str]:
+        """(the group's SymmetricPool (comm/symmetric.py), "") or (None, why not). A process group
+        gets one from torch symmetric memory when its ranks are CUDA devices of one node with peer
+        access and the extension is loaded. Decided from this process's view of the group only (no
+        collective), and alike on every rank: torchrun gives each node LOCAL_WORLD_SIZE contiguous
+        global ranks."""
+        if self._pool is not None:
+            return self._pool, ""
+        reason = self._symmetric_unsupported_reason()
+        if reason is not None:
+            return None, reason
+        from megatron_mok import ops
+        from megatron_mok.comm.symmetric import SymmetricPool, torch_symmetric_allocator
+
+        self._pool = SymmetricPool(
+            self.rank, self.num_ranks, len(ops.exchange_phase_names()), torch_symmetric_allocator(self.group), self.device
+        )
+        return self._pool, ""
+
+    def _symmetric_unsupported_reason(self) -> Optional[str]:
+        import os
+
+        from megatron_mok.limits import MAX_EP_RANKS
+        from megatron_mok.ops import extension_error
+
+        if self.device.type != "cuda":
+            return f"the group's tensors are on {self.device}"
+        if extension_error() is not None:
+            return f"the CUDA extension is not available ({extension_error()})"
+        if self.num_ranks > MAX_EP_RANKS:
+            return f"{self.num_ranks} ranks, more than the {MAX_EP_RANKS} of one node"
+        if self.group is None:
+            return "one rank has nothing to exchange"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        ranks = dist.get_process_group_ranks(self.group)
+        if local < 1 or len({r // local for r in ranks}) != 1:
+            return "the group spans several nodes (or LOCAL_WORLD_SIZE is unset)"
+        # torchrun's convention: global rank g drives local GPU g % LOCAL_WORLD_SIZE.
+        here = torch.cuda.current_device()
+        for peer in sorted({r % local for r in ranks} - {here}):
+            if peer >= torch.cuda.device_count() or not torch.cuda.can_device_access_peer(here, peer):
+                return f"GPU {here} has no peer access to GPU {peer}"
         return None
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
