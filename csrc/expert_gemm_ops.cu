@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "device_info.h"
-#include "expert_gemm_pingpong_sm90.cuh"
 #include "expert_gemm_sm90.cuh"
 #include "expert_wgrad_sm90.cuh"
 #include "failure_record.h"
@@ -210,40 +209,6 @@ at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::
   ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
   p.out = out.data_ptr();
   launch_with_cluster<GemmEpilogue::kStore, false>(cluster_m, a, weight, out, at::Tensor(), p);
-  return out;
-}
-
-// expert_gemm with ping-pong consumers (expert_gemm_pingpong_sm90.cuh), one CTA per SM, clusters of
-// 1. Not used by the layer yet (measured: see that file's head).
-at::Tensor expert_gemm_pingpong(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& expert_offsets,
-                                int64_t group_m) {
-  constexpr const char* kOp = "expert_gemm_pingpong";
-  TORCH_CHECK(a.is_cuda(), kOp, ": a must be a CUDA tensor");
-  const c10::cuda::CUDAGuard guard(a.device());
-  const auto [num_experts, n] = check_expert_gemm(kOp, "a", a, weight, expert_offsets, 1, group_m);
-  TORCH_CHECK(PingPongTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
-              ": this GPU has less shared memory per block than the kernel's ",
-              std::to_string(PingPongTile::kSmemBytes), " bytes");
-  auto out = at::empty({a.size(0), n}, a.options());
-  if (a.size(0) == 0) return out;
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
-  p.out = out.data_ptr();
-  using Tile = PingPongTile;
-  const CUtensorMap b_map = bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k,
-                                                  p.k, Tile::kN, "weight");
-  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
-  const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, p.n_out,
-                                                    ExpertGemmTile::kStoreBox, "out");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  p.timeout_record = timeout_record(stream);
-  auto kernel = expert_gemm_pingpong_kernel<false>;
-  check_register_budget(kernel, kOp);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tile::kSmemBytes)));
-  const int64_t max_tiles = ((int64_t(p.num_rows) + Tile::kM - 1) / Tile::kM + p.num_experts) *
-                            ((int64_t(p.n_out) + Tile::kN - 1) / Tile::kN);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, multiprocessor_count())));
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(a_map, b_map, out_map, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
@@ -444,7 +409,6 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "
       "Tensor");
   m.def("expert_gemm_wgrad(Tensor grad, Tensor inputs, Tensor expert_offsets) -> Tensor");
-  m.def("expert_gemm_pingpong(Tensor a, Tensor weight, Tensor expert_offsets, int group_m) -> Tensor");
   m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
 }
 
@@ -455,7 +419,6 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm_dgrad", &expert_gemm_dgrad);
   m.impl("expert_gemm_dgrad_swiglu", &expert_gemm_dgrad_swiglu);
   m.impl("expert_gemm_wgrad", &expert_gemm_wgrad);
-  m.impl("expert_gemm_pingpong", &expert_gemm_pingpong);
 }
 
 }  // namespace mok

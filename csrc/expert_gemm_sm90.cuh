@@ -435,8 +435,7 @@ enum ExpertGemmWait : int {
   kWaitFreeStage = 0,
   kWaitLoadedStage = 1,
   kWaitDispatchedRows = 2,
-  kWaitTensorCoreTurn = 3,  // the ping-pong kernel's turn barrier (expert_gemm_pingpong_sm90.cuh)
-  kWaitRingSlot = 4,        // the dispatchers: a ring slot's previous minibatch not yet loaded by every tile
+  kWaitRingSlot = 4,  // the dispatchers: a ring slot's previous minibatch not yet loaded by every tile
 };
 
 // A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
