@@ -1,4 +1,4 @@
-// Parameter structs shared by the torch bindings (mok_ops.cu) and the kernels: one source of
+// Parameter structs shared by the torch bindings (bindings/) and the kernels: one source of
 // truth per kernel signature.
 #pragma once
 
@@ -58,7 +58,7 @@ struct SwigluParams {
   int64_t ffn;
 };
 
-// The schedule of one rank from the group's routing (see schedule_sm90.cuh).
+// The schedule of one rank from the group's routing (see moe/schedule_sm90.cuh).
 struct ScheduleParams {
   const void* topk_ids;     // (num_routes,) int32 or int64 global expert ids, -1 = dropped
   int64_t* slot_to_route;   // (capacity,) route per row, -1 for padding
@@ -77,9 +77,9 @@ struct ScheduleParams {
   struct WaitTimeoutRecord* failure_record;  // host-mapped, or null
 };
 
-// Written by a kernel's watchdog (sm90_primitives.cuh) into host-mapped memory when a bounded wait
+// Written by a kernel's watchdog (common/watchdog_sm90.cuh) into host-mapped memory when a bounded wait
 // times out, just before the kernel traps, or by the schedule kernel when an expert id fails its
-// check (wait 0 of kScheduleKernel); read back by the last_wait_timeout op (failure_record.h).
+// check (wait 0 of kScheduleKernel); read back by the last_wait_timeout op (common/failure_record.h).
 struct WaitTimeoutRecord {
   int recorded;  // 1 once the fields below hold a failure
   int kernel;    // WaitingKernel
@@ -89,7 +89,7 @@ struct WaitTimeoutRecord {
 
 enum WaitingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2 };
 
-// Grouped GEMM over the schedule's expert segments (expert_gemm_sm90.cuh): for each row r of
+// Grouped GEMM over the schedule's expert segments (gemm/expert_gemm_sm90.cuh): for each row r of
 // expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with
 // fp32 accumulation, rounded once to bf16. A (num_rows, k) and B (num_experts * n_weight_rows, k)
 // reach the kernel as TMA tensor maps (K-major). Store epilogue: n_weight_rows = n_out. SwiGLU
@@ -135,7 +135,7 @@ struct ExpertGemmParams {
   WaitTimeoutRecord* timeout_record;  // host-mapped; null: trap without a record
 };
 
-// Weight gradients per expert, tokens as the reduction dimension (expert_wgrad_sm90.cuh):
+// Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e], grad (num_rows, m) and inputs (num_rows, n)
 // reaching the kernel as TMA tensor maps; every element of out is written (zeros for an expert
 // with no rows).

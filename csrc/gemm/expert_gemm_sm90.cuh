@@ -56,9 +56,13 @@
 
 #include <cstdint>
 
+#include "common/pipeline_sm90.cuh"
+#include "common/sync_sm90.cuh"
+#include "common/tma_sm90.cuh"
+#include "common/watchdog_sm90.cuh"
+#include "common/wgmma_sm90.cuh"
 #include "mok_params.h"
-#include "sm90_primitives.cuh"
-#include "swiglu_sm90.cuh"
+#include "moe/swiglu_sm90.cuh"
 
 namespace mok {
 

@@ -12,12 +12,13 @@
 #include <algorithm>
 #include <optional>
 
-#include "device_info.h"
-#include "dispatch_combine_sm90.cuh"
-#include "failure_record.h"
+#include "common/device_info.h"
+#include "common/failure_record.h"
 #include "mok_params.h"
-#include "schedule_sm90.cuh"
-#include "swiglu_sm90.cuh"
+#include "moe/combine_sm90.cuh"
+#include "moe/dispatch_sm90.cuh"
+#include "moe/schedule_sm90.cuh"
+#include "moe/swiglu_sm90.cuh"
 
 namespace mok {
 namespace {

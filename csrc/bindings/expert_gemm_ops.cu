@@ -1,4 +1,4 @@
-// Torch bindings of the persistent expert GEMM (expert_gemm_sm90.cuh): ops expert_gemm and
+// Torch bindings of the persistent expert GEMM (gemm/expert_gemm_sm90.cuh): ops expert_gemm and
 // expert_gemm_swiglu of the `megatron_mok` library (fake implementations in megatron_mok/ops.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,17 +14,17 @@
 #include <tuple>
 #include <vector>
 
-#include "device_info.h"
-#include "expert_gemm_sm90.cuh"
-#include "expert_wgrad_sm90.cuh"
-#include "failure_record.h"
+#include "common/device_info.h"
+#include "common/failure_record.h"
+#include "common/tensor_map.h"
+#include "gemm/expert_gemm_sm90.cuh"
+#include "gemm/expert_wgrad_sm90.cuh"
 #include "mok_params.h"
-#include "tensor_map.h"
 
 namespace mok {
 namespace {
 
-// The record a timed-out wait leaves (failure_record.h).
+// The record a timed-out wait leaves (common/failure_record.h).
 WaitTimeoutRecord* timeout_record(cudaStream_t stream) { return failure_record(stream); }
 
 // [kernel, wait, block] of the wait that timed out (or the schedule's failed id check), or [].
@@ -281,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   // A dispatcher waits for the slot of minibatch m - ring only once every minibatch below m is
   // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
   // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
-  // (group_m m-tiles of 128 rows) by one (expert_gemm_sm90.cuh, dispatch_rows_ahead).
+  // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
   const int64_t group_minibatches = (group_m * ExpertGemmTile::kM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
   TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), kOp,
               ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),

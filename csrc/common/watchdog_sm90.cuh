@@ -1,0 +1,67 @@
+// The watchdog of the persistent sm90 kernels' bounded waits. Every wait of common/sync_sm90.cuh
+// ends: past kWaitTimeoutNs the waiting thread tells the CTA's watchdog thread which wait failed,
+// the watchdog records it in the host-mapped failure record and traps, so a broken pipeline
+// surfaces as a CUDA error naming the wait instead of a hang.
+#pragma once
+
+#include <cstdint>
+
+#include "mok_params.h"
+
+namespace mok::sm90 {
+
+constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A wait that can time out reports through a watchdog thread of the same CTA. No printf: a
+// function call anywhere in a kernel with wgmma makes ptxas serialize every wgmma (C7510). The
+// waiting thread records which wait failed in shared memory; the watchdog copies it, with the
+// kernel and block, into a host-mapped WaitTimeoutRecord (which outlives the trap) and traps.
+// The host reads it back: torch.ops.megatron_mok.last_wait_timeout(), printed at exit.
+struct WaitWatch {
+  int failed;    // 0, or 1 + the index of the wait that timed out
+  int finished;  // roles that have finished their work
+};
+
+// A wait past its timeout tells the watchdog which wait failed, then traps.
+__device__ __forceinline__ void fail_if_timed_out(int wait_id, WaitWatch* watch, uint64_t start) {
+  if (global_timer_ns() - start > kWaitTimeoutNs) {
+    *reinterpret_cast<volatile int*>(&watch->failed) = 1 + wait_id;
+    // The watchdog traps within a microsecond or so; should it not, trap here.
+    while (global_timer_ns() - start < 2 * kWaitTimeoutNs) __nanosleep(1000000);
+    asm volatile("trap;");
+  }
+}
+
+__device__ __forceinline__ void mark_finished(WaitWatch* watch) { atomicAdd(&watch->finished, 1); }
+
+// Run by one thread until `roles` roles have called mark_finished.
+__device__ __forceinline__ void watch_waits(WaitWatch* watch, int roles, WaitTimeoutRecord* record, int kernel_id) {
+  volatile WaitWatch* w = watch;
+  while (w->finished < roles) {
+    const int failed = w->failed;
+    if (failed > 0) {
+      volatile WaitTimeoutRecord* r = record;
+      if (r != nullptr) {
+        r->kernel = kernel_id;
+        r->wait = failed - 1;
+        r->block = int(blockIdx.x);
+        __threadfence_system();
+        r->recorded = 1;
+        __threadfence_system();
+      }
+      asm volatile("trap;");
+    }
+    // Every CTA is resident for the whole launch and the kernel ends when the last one exits, so
+    // this poll interval is added to the kernel's time: keep it short (the sleeping warp costs
+    // no issue slots).
+    __nanosleep(1000);
+  }
+}
+
+}  // namespace mok::sm90
