@@ -16,6 +16,7 @@
 
 #include "common/device_info.h"
 #include "common/failure_record.h"
+#include "common/limits.h"
 #include "common/tensor_map.h"
 #include "gemm/expert_gemm_sm90.cuh"
 #include "gemm/expert_wgrad_sm90.cuh"
@@ -236,11 +237,6 @@ std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const
   return {gate_up, act};
 }
 
-// Rows per minibatch of the dispatching GEMM: the dispatch's unit of hand-over to the GEMM. Small
-// enough that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough
-// that a tile rarely spans two.
-constexpr int32_t kDispatchMinibatchRows = 1024;
-
 // Ring minibatches of the dispatching GEMM for `rows` rows: all of them when ring_minibatches is 0 or
 // at least that many (nothing is reused), else ring_minibatches.
 int64_t ring_minibatches_for(int64_t rows, int64_t ring_minibatches) {
@@ -253,7 +249,7 @@ int64_t ring_minibatches_for(int64_t rows, int64_t ring_minibatches) {
 int64_t dispatch_ring_buffer_rows(int64_t rows, int64_t ring_minibatches) {
   const int64_t ring = ring_minibatches_for(rows, ring_minibatches);
   const int64_t minibatches = (rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
-  return ring == minibatches ? rows : ring * kDispatchMinibatchRows + ExpertGemmTile::kM;
+  return ring == minibatches ? rows : ring * kDispatchMinibatchRows + kExpertGemmTileM;
 }
 
 // The pull dispatch and the gate/up projection in one kernel: (rows, gate_up, act) with rows[r] =
@@ -282,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
   // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
   // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
-  const int64_t group_minibatches = (group_m * ExpertGemmTile::kM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  const int64_t group_minibatches = (group_m * kExpertGemmTileM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
   TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), kOp,
               ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),
               " minibatches of ", std::to_string(kDispatchMinibatchRows), " rows that a raster group of group_m = ",

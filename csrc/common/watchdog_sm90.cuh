@@ -6,11 +6,10 @@
 
 #include <cstdint>
 
+#include "common/limits.h"
 #include "mok_params.h"
 
 namespace mok::sm90 {
-
-constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;

@@ -56,6 +56,7 @@
 
 #include <cstdint>
 
+#include "common/limits.h"
 #include "common/pipeline_sm90.cuh"
 #include "common/sync_sm90.cuh"
 #include "common/tma_sm90.cuh"
@@ -73,6 +74,7 @@ enum class GemmEpilogue { kStore, kSwiglu, kSwigluBackward };
 
 struct ExpertGemmTile {
   static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
+  static_assert(kM == kExpertGemmTileM, "megatron_mok/limits.py EXPERT_GEMM_TILE_M is this tile's rows");
   static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
   static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
   // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room
