@@ -25,12 +25,6 @@
 namespace mok {
 namespace {
 
-// The record a timed-out wait leaves (common/failure_record.h).
-WaitTimeoutRecord* timeout_record(cudaStream_t stream) { return failure_record(stream); }
-
-// [kernel, wait, block] of the wait that timed out (or the schedule's failed id check), or [].
-std::vector<int64_t> last_wait_timeout() { return last_recorded_failure(); }
-
 // setmaxnreg moves registers inside the CTA's launch allocation, numRegs per thread as ptxas
 // compiled the kernel: if it gave fewer than the budgets assume (ExpertGemmTile's static_assert
 // takes 168), the consumers' increase would wait forever (until the watchdog traps). Checked once
@@ -148,7 +142,7 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   const size_t smem = Tile::kSmemBytes;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertGemmParams params = p;
-  params.timeout_record = timeout_record(stream);
+  params.failure_record = failure_record(stream);
   auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA, kTransB>;
   check_register_budget(kernel, "expert_gemm");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -379,7 +373,7 @@ at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, c
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), experts * m, n, n, Tile::kStoreBox, "out");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertWgradParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), int32_t(experts), int32_t(rows), int32_t(m),
-                      int32_t(n), timeout_record(stream)};
+                      int32_t(n), failure_record(stream)};
   check_register_budget(expert_wgrad_kernel, kOp);
   C10_CUDA_CHECK(cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(Tile::kSmemBytes)));
@@ -405,7 +399,6 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "
       "Tensor");
   m.def("expert_gemm_wgrad(Tensor grad, Tensor inputs, Tensor expert_offsets) -> Tensor");
-  m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/failure_record.h"
 #include "common/limits.h"
 
 namespace mok {
@@ -23,11 +24,16 @@ std::vector<std::string> compiled_limit_names() {
   return std::vector<std::string>(std::begin(kCompiledLimitNames), std::end(kCompiledLimitNames));
 }
 
+// "" when no kernel of this process failed, else which wait timed out or which check failed, in
+// which kernel and block (common/failure_record.h). Read from host memory: no device needed.
+std::string last_failure() { return last_failure_message(); }
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_mok, m) {
   m.def("compiled_limits() -> int[]", &compiled_limits);
   m.def("compiled_limit_names() -> str[]", &compiled_limit_names);
+  m.def("last_failure() -> str", &last_failure);
 }
 
 }  // namespace mok

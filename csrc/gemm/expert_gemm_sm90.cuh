@@ -56,6 +56,7 @@
 
 #include <cstdint>
 
+#include "common/failure_codes.h"
 #include "common/limits.h"
 #include "common/pipeline_sm90.cuh"
 #include "common/sync_sm90.cuh"
@@ -436,14 +437,6 @@ __device__ __forceinline__ void prefetch_gate_up_row(const TileCoord& c, const E
   sm90::prefetch_l2_bulk(gate + p.n_out, bytes);
 }
 
-// Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
-enum ExpertGemmWait : int {
-  kWaitFreeStage = 0,
-  kWaitLoadedStage = 1,
-  kWaitDispatchedRows = 2,
-  kWaitRingSlot = 4,  // the dispatchers: a ring slot's previous minibatch not yet loaded by every tile
-};
-
 // A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
 template <int kClusterM>
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
@@ -687,7 +680,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
     if (threadIdx.x == 32) {
-      sm90::watch_waits(watch, Tile::kRoles + (kDispatchA ? 1 : 0), p.timeout_record, kExpertGemmKernel);
+      sm90::watch_waits(watch, Tile::kRoles + (kDispatchA ? 1 : 0), p.failure_record, kExpertGemmKernel);
     }
     if constexpr (kDispatchA) {
       if (threadIdx.x >= 128 - Tile::kDispatchThreads) {

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   WgradTileCoord c;
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
-    if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertWgradKernel);
+    if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.failure_record, kExpertWgradKernel);
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
