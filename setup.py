@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import runpy
 import shutil
 
 from setuptools import find_packages, setup
@@ -20,6 +21,14 @@ def _extension_sources() -> list[str]:
         for pattern in patterns
         for path in glob.glob(os.path.join(ROOT, pattern), recursive=True)
     )
+
+
+def _compiled_limit_flags() -> list[str]:
+    """-DMOK_<NAME>=<value> for every entry of megatron_mok/limits.py COMPILED (csrc/common/limits.h),
+    read by running that file on its own: it imports nothing, so neither torch nor the package
+    need be importable here."""
+    limits = runpy.run_path(os.path.join(ROOT, "megatron_mok", "limits.py"))["COMPILED"]
+    return [f"-DMOK_{name}={int(value)}" for name, value in limits.items()]
 
 
 def _cuda_extension():
@@ -61,13 +70,15 @@ def _cuda_extension():
         "-Xptxas=--warn-on-spills",
         "--expt-relaxed-constexpr",
     ]
+    limit_flags = _compiled_limit_flags()
+    nvcc_flags += limit_flags
     # Build-time variants for measurements, e.g. MOK_NVCC_FLAGS=-DMOK_EXPERT_GEMM_STAGES=3.
     nvcc_flags += os.environ.get("MOK_NVCC_FLAGS", "").split()
     extension = CUDAExtension(
         name="megatron_mok._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"] + limit_flags, "nvcc": nvcc_flags},
     )
     return [extension], {"build_ext": BuildExtension}
 

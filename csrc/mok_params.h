@@ -1,10 +1,23 @@
-// Parameter structs shared by the torch bindings (mok_ops.cu) and the kernels: one source of
+// Parameter structs shared by the torch bindings (bindings/) and the kernels: one source of
 // truth per kernel signature.
 #pragma once
 
 #include <cstdint>
 
 namespace mok {
+
+// What a kernel leaves in host-mapped memory just before it traps: which bounded wait timed out
+// (the watchdog of a persistent kernel, common/watchdog_sm90.cuh) or which in-kernel check failed
+// (the schedule kernel's expert ids). It outlives the trap; the last_failure op names it
+// (common/failure_codes.h holds the names, common/failure_record.h the host side).
+struct FailureRecord {
+  int recorded;  // 1 once the fields below hold a failure
+  int kernel;    // FailingKernel (common/failure_codes.h)
+  int check;     // the kernel's wait or check that failed (common/failure_codes.h)
+  int block;     // blockIdx.x of the CTA that saw it
+  int peer;      // the peer rank the wait or check was about, -1 for none (no kernel has peers yet)
+  int call;      // the layer call id the kernel ran for, -1 for none (not passed to kernels yet)
+};
 
 // Row gather in schedule order: rows[s] = w[route] * src[route / topk] for route =
 // slot_to_route[s] (w = 1 when weights is null), zero where the route is -1. Pull dispatch of the
@@ -58,7 +71,7 @@ struct SwigluParams {
   int64_t ffn;
 };
 
-// The schedule of one rank from the group's routing (see schedule_sm90.cuh).
+// The schedule of one rank from the group's routing (see moe/schedule_sm90.cuh).
 struct ScheduleParams {
   const void* topk_ids;     // (num_routes,) int32 or int64 global expert ids, -1 = dropped
   int64_t* slot_to_route;   // (capacity,) route per row, -1 for padding
@@ -74,22 +87,10 @@ struct ScheduleParams {
   // > 0: every id must lie in [-1, num_experts_checked) (the group's experts); the count kernel
   // records a violation in failure_record and traps. 0: no check.
   int64_t num_experts_checked;
-  struct WaitTimeoutRecord* failure_record;  // host-mapped, or null
+  FailureRecord* failure_record;  // host-mapped, or null
 };
 
-// Written by a kernel's watchdog (sm90_primitives.cuh) into host-mapped memory when a bounded wait
-// times out, just before the kernel traps, or by the schedule kernel when an expert id fails its
-// check (wait 0 of kScheduleKernel); read back by the last_wait_timeout op (failure_record.h).
-struct WaitTimeoutRecord {
-  int recorded;  // 1 once the fields below hold a failure
-  int kernel;    // WaitingKernel
-  int wait;      // the kernel's wait index (names: megatron_mok/ops.py WAIT_NAMES)
-  int block;
-};
-
-enum WaitingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2 };
-
-// Grouped GEMM over the schedule's expert segments (expert_gemm_sm90.cuh): for each row r of
+// Grouped GEMM over the schedule's expert segments (gemm/expert_gemm_sm90.cuh): for each row r of
 // expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with
 // fp32 accumulation, rounded once to bf16. A (num_rows, k) and B (num_experts * n_weight_rows, k)
 // reach the kernel as TMA tensor maps (K-major). Store epilogue: n_weight_rows = n_out. SwiGLU
@@ -132,10 +133,10 @@ struct ExpertGemmParams {
   int32_t k;              // reduction size
   int32_t group_m;        // raster: m-tiles per group, m fastest inside (a multiple of the cluster size)
   ExpertGemmDispatch dispatch;  // used by the dispatching kernels only
-  WaitTimeoutRecord* timeout_record;  // host-mapped; null: trap without a record
+  FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 
-// Weight gradients per expert, tokens as the reduction dimension (expert_wgrad_sm90.cuh):
+// Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e], grad (num_rows, m) and inputs (num_rows, n)
 // reaching the kernel as TMA tensor maps; every element of out is written (zeros for an expert
 // with no rows).
@@ -146,7 +147,7 @@ struct ExpertWgradParams {
   int32_t num_rows;
   int32_t m;
   int32_t n;
-  WaitTimeoutRecord* timeout_record;
+  FailureRecord* failure_record;
 };
 
 }  // namespace mok

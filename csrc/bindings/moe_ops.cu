@@ -1,8 +1,7 @@
-// Torch bindings of the MoK kernels: the `megatron_mok` op library (CUDA implementations).
-// Schemas and fake (meta) implementations for torch.compile live in megatron_mok/ops.py's
-// registration of the same names; argument checks here guard the kernels' assumptions.
+// Torch bindings of the memory-bound MoK stages (moe/): schedule, row dispatch, combine and their
+// backward counterparts, SwiGLU. Schemas and CUDA implementations here (fake implementations for
+// torch.compile in megatron_mok/ops.py); the argument checks guard the kernels' assumptions.
 #include <ATen/ATen.h>
-#include <Python.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,12 +11,14 @@
 #include <algorithm>
 #include <optional>
 
-#include "device_info.h"
-#include "dispatch_combine_sm90.cuh"
-#include "failure_record.h"
+#include "common/device_info.h"
+#include "common/failure_record.h"
+#include "common/limits.h"
 #include "mok_params.h"
-#include "schedule_sm90.cuh"
-#include "swiglu_sm90.cuh"
+#include "moe/combine_sm90.cuh"
+#include "moe/dispatch_sm90.cuh"
+#include "moe/schedule_sm90.cuh"
+#include "moe/swiglu_sm90.cuh"
 
 namespace mok {
 namespace {
@@ -68,12 +69,17 @@ bool row_packs_ok(int64_t row_elems, at::ScalarType dtype, std::initializer_list
 
 constexpr int kThreads = 128;
 
+// The per-token tables of scatter_rows_kernel (topk int64) and combine_kernel (topk int64 + float)
+// fit the dynamic shared memory a launch gets without opting in.
+static_assert(kMaxTopk * (sizeof(int64_t) + sizeof(float)) <= 48 * 1024, "MOK_MAX_TOPK is too large");
+
 at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& weights,
                        const at::Tensor& slot_to_route, int64_t topk) {
   check_cuda(src, "src");
   check_index(slot_to_route, "slot_to_route");
   TORCH_CHECK(src.dim() == 2 && topk > 0, "gather rows: src must be 2-D and topk > 0");
-  TORCH_CHECK(topk <= 4096, "gather rows: topk must be at most 4096, got ", std::to_string(topk));
+  TORCH_CHECK(topk <= kMaxTopk, "gather rows: topk must be at most ", std::to_string(kMaxTopk), ", got ",
+              std::to_string(topk));
   if (weights.has_value()) {
     check_cuda(*weights, "weights");
     TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == src.size(0) * topk,
@@ -113,7 +119,7 @@ at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::
   check_cuda(table, "table");
   check_index(index, "index");
   TORCH_CHECK(table.dim() == 2 && topk > 0 && index.numel() % topk == 0, "combine: bad shapes");
-  TORCH_CHECK(topk <= 4096, "combine: topk must be at most 4096, got ", std::to_string(topk));
+  TORCH_CHECK(topk <= kMaxTopk, "combine: topk must be at most ", std::to_string(kMaxTopk), ", got ", std::to_string(topk));
   const int64_t num_tokens = index.numel() / topk;
   if (weights.has_value()) {
     check_cuda(*weights, "weights");
@@ -259,7 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const 
 
 }  // namespace
 
-TORCH_LIBRARY(megatron_mok, m) {
+TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def("build_schedule(Tensor topk_ids_all, int rank, int num_local_experts, int alignment, int num_experts_checked) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk) -> Tensor");
   m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
@@ -280,9 +286,3 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
 }
 
 }  // namespace mok
-
-// `import megatron_mok._C` loads the library above; the module itself has no Python API.
-extern "C" PyObject* PyInit__C(void) {
-  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}

@@ -1,4 +1,4 @@
-// Torch bindings of the persistent expert GEMM (expert_gemm_sm90.cuh): ops expert_gemm and
+// Torch bindings of the persistent expert GEMM (gemm/expert_gemm_sm90.cuh): ops expert_gemm and
 // expert_gemm_swiglu of the `megatron_mok` library (fake implementations in megatron_mok/ops.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,22 +14,16 @@
 #include <tuple>
 #include <vector>
 
-#include "device_info.h"
-#include "expert_gemm_pingpong_sm90.cuh"
-#include "expert_gemm_sm90.cuh"
-#include "expert_wgrad_sm90.cuh"
-#include "failure_record.h"
+#include "common/device_info.h"
+#include "common/failure_record.h"
+#include "common/limits.h"
+#include "common/tensor_map.h"
+#include "gemm/expert_gemm_sm90.cuh"
+#include "gemm/expert_wgrad_sm90.cuh"
 #include "mok_params.h"
-#include "tensor_map.h"
 
 namespace mok {
 namespace {
-
-// The record a timed-out wait leaves (failure_record.h).
-WaitTimeoutRecord* timeout_record(cudaStream_t stream) { return failure_record(stream); }
-
-// [kernel, wait, block] of the wait that timed out (or the schedule's failed id check), or [].
-std::vector<int64_t> last_wait_timeout() { return last_recorded_failure(); }
 
 // setmaxnreg moves registers inside the CTA's launch allocation, numRegs per thread as ptxas
 // compiled the kernel: if it gave fewer than the budgets assume (ExpertGemmTile's static_assert
@@ -148,7 +142,7 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   const size_t smem = Tile::kSmemBytes;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertGemmParams params = p;
-  params.timeout_record = timeout_record(stream);
+  params.failure_record = failure_record(stream);
   auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA, kTransB>;
   check_register_budget(kernel, "expert_gemm");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -213,40 +207,6 @@ at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::
   return out;
 }
 
-// expert_gemm with ping-pong consumers (expert_gemm_pingpong_sm90.cuh), one CTA per SM, clusters of
-// 1. Not used by the layer yet (measured: see that file's head).
-at::Tensor expert_gemm_pingpong(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& expert_offsets,
-                                int64_t group_m) {
-  constexpr const char* kOp = "expert_gemm_pingpong";
-  TORCH_CHECK(a.is_cuda(), kOp, ": a must be a CUDA tensor");
-  const c10::cuda::CUDAGuard guard(a.device());
-  const auto [num_experts, n] = check_expert_gemm(kOp, "a", a, weight, expert_offsets, 1, group_m);
-  TORCH_CHECK(PingPongTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
-              ": this GPU has less shared memory per block than the kernel's ",
-              std::to_string(PingPongTile::kSmemBytes), " bytes");
-  auto out = at::empty({a.size(0), n}, a.options());
-  if (a.size(0) == 0) return out;
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
-  p.out = out.data_ptr();
-  using Tile = PingPongTile;
-  const CUtensorMap b_map = bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k,
-                                                  p.k, Tile::kN, "weight");
-  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), p.num_rows, p.k, p.k, Tile::kM, "a");
-  const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, p.n_out,
-                                                    ExpertGemmTile::kStoreBox, "out");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  p.timeout_record = timeout_record(stream);
-  auto kernel = expert_gemm_pingpong_kernel<false>;
-  check_register_budget(kernel, kOp);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tile::kSmemBytes)));
-  const int64_t max_tiles = ((int64_t(p.num_rows) + Tile::kM - 1) / Tile::kM + p.num_experts) *
-                            ((int64_t(p.n_out) + Tile::kN - 1) / Tile::kN);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, multiprocessor_count())));
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(a_map, b_map, out_map, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
 int64_t check_swiglu_weight(const char* op, int64_t two_ffn) {
   TORCH_CHECK(two_ffn % 16 == 0, op, ": weight must hold gate and up rows of a multiple of 8 each, got ",
               std::to_string(two_ffn), " rows");
@@ -271,11 +231,6 @@ std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const
   return {gate_up, act};
 }
 
-// Rows per minibatch of the dispatching GEMM: the dispatch's unit of hand-over to the GEMM. Small
-// enough that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough
-// that a tile rarely spans two.
-constexpr int32_t kDispatchMinibatchRows = 1024;
-
 // Ring minibatches of the dispatching GEMM for `rows` rows: all of them when ring_minibatches is 0 or
 // at least that many (nothing is reused), else ring_minibatches.
 int64_t ring_minibatches_for(int64_t rows, int64_t ring_minibatches) {
@@ -288,7 +243,7 @@ int64_t ring_minibatches_for(int64_t rows, int64_t ring_minibatches) {
 int64_t dispatch_ring_buffer_rows(int64_t rows, int64_t ring_minibatches) {
   const int64_t ring = ring_minibatches_for(rows, ring_minibatches);
   const int64_t minibatches = (rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
-  return ring == minibatches ? rows : ring * kDispatchMinibatchRows + ExpertGemmTile::kM;
+  return ring == minibatches ? rows : ring * kDispatchMinibatchRows + kExpertGemmTileM;
 }
 
 // The pull dispatch and the gate/up projection in one kernel: (rows, gate_up, act) with rows[r] =
@@ -316,8 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   // A dispatcher waits for the slot of minibatch m - ring only once every minibatch below m is
   // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
   // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
-  // (group_m m-tiles of 128 rows) by one (expert_gemm_sm90.cuh, dispatch_rows_ahead).
-  const int64_t group_minibatches = (group_m * ExpertGemmTile::kM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
+  const int64_t group_minibatches = (group_m * kExpertGemmTileM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
   TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), kOp,
               ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),
               " minibatches of ", std::to_string(kDispatchMinibatchRows), " rows that a raster group of group_m = ",
@@ -418,7 +373,7 @@ at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, c
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), experts * m, n, n, Tile::kStoreBox, "out");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   ExpertWgradParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), int32_t(experts), int32_t(rows), int32_t(m),
-                      int32_t(n), timeout_record(stream)};
+                      int32_t(n), failure_record(stream)};
   check_register_budget(expert_wgrad_kernel, kOp);
   C10_CUDA_CHECK(cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(Tile::kSmemBytes)));
@@ -444,8 +399,6 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "
       "Tensor");
   m.def("expert_gemm_wgrad(Tensor grad, Tensor inputs, Tensor expert_offsets) -> Tensor");
-  m.def("expert_gemm_pingpong(Tensor a, Tensor weight, Tensor expert_offsets, int group_m) -> Tensor");
-  m.def("last_wait_timeout() -> int[]", &last_wait_timeout);
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
@@ -455,7 +408,6 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm_dgrad", &expert_gemm_dgrad);
   m.impl("expert_gemm_dgrad_swiglu", &expert_gemm_dgrad_swiglu);
   m.impl("expert_gemm_wgrad", &expert_gemm_wgrad);
-  m.impl("expert_gemm_pingpong", &expert_gemm_pingpong);
 }
 
 }  // namespace mok

@@ -2,8 +2,8 @@
 // Reference: swiglu_reference / swiglu_backward_reference in megatron_mok/reference.py.
 #pragma once
 
+#include "common/vec_utils.cuh"
 #include "mok_params.h"
-#include "vec_utils.cuh"
 
 namespace mok {
 

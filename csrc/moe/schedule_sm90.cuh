@@ -18,6 +18,8 @@
 // (One block doing everything took 80-200 us on an H200 for 65-131k routes: one SM's loads.)
 #pragma once
 
+#include "common/failure_codes.h"
+#include "common/watchdog_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
@@ -36,15 +38,7 @@ __host__ __device__ inline int schedule_blocks(int64_t num_routes) {
 // An expert id outside [-1, num_experts_checked): record which block saw it, then trap (the ids
 // are the caller's input; a wrong one must not become a silently dropped route).
 __device__ __noinline__ void fail_expert_id_check(const ScheduleParams& p) {
-  volatile WaitTimeoutRecord* r = p.failure_record;
-  if (r != nullptr) {
-    r->kernel = kScheduleKernel;
-    r->wait = 0;
-    r->block = int(blockIdx.x);
-    __threadfence_system();
-    r->recorded = 1;
-    __threadfence_system();
-  }
+  record_failure(p.failure_record, kScheduleKernel, kCheckExpertIds, -1, -1);
   asm volatile("trap;");
 }
 

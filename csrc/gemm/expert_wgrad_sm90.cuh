@@ -2,7 +2,7 @@
 //   out[e] (m, n) = grad[seg_e]^T (m x rows_e) . inputs[seg_e] (rows_e x n)
 // (d fc1 = d gate_up^T . rows, d fc2 = d out^T . act). Reference: segment_weight_grad_reference.
 //
-// The same persistent warp-specialized structure as expert_gemm_sm90.cuh (one CTA per SM, a TMA
+// The same persistent warp-specialized structure as gemm/expert_gemm_sm90.cuh (one CTA per SM, a TMA
 // producer thread, two wgmma consumer warpgroups, the store epilogue), with both operands MN-major:
 // grad (rows, m) and inputs (rows, n) are read as stored, in 64-row K blocks from the segment's
 // first row, through TMA boxes of 64 columns x 64 rows (A: two, one per consumer's 64 rows of m;
@@ -16,7 +16,7 @@
 // c, c + grid, ... (static: the tile count does not depend on the routing).
 #pragma once
 
-#include "expert_gemm_sm90.cuh"
+#include "gemm/expert_gemm_sm90.cuh"
 
 namespace mok {
 
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   WgradTileCoord c;
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
-    if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.timeout_record, kExpertWgradKernel);
+    if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles, p.failure_record, kExpertWgradKernel);
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;

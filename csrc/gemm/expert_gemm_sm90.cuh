@@ -56,9 +56,15 @@
 
 #include <cstdint>
 
+#include "common/failure_codes.h"
+#include "common/limits.h"
+#include "common/pipeline_sm90.cuh"
+#include "common/sync_sm90.cuh"
+#include "common/tma_sm90.cuh"
+#include "common/watchdog_sm90.cuh"
+#include "common/wgmma_sm90.cuh"
 #include "mok_params.h"
-#include "sm90_primitives.cuh"
-#include "swiglu_sm90.cuh"
+#include "moe/swiglu_sm90.cuh"
 
 namespace mok {
 
@@ -69,6 +75,7 @@ enum class GemmEpilogue { kStore, kSwiglu, kSwigluBackward };
 
 struct ExpertGemmTile {
   static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
+  static_assert(kM == kExpertGemmTileM, "megatron_mok/limits.py EXPERT_GEMM_TILE_M is this tile's rows");
   static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
   static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
   // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room
@@ -430,15 +437,6 @@ __device__ __forceinline__ void prefetch_gate_up_row(const TileCoord& c, const E
   sm90::prefetch_l2_bulk(gate + p.n_out, bytes);
 }
 
-// Wait indices of this kernel, named in megatron_mok/ops.py WAIT_NAMES.
-enum ExpertGemmWait : int {
-  kWaitFreeStage = 0,
-  kWaitLoadedStage = 1,
-  kWaitDispatchedRows = 2,
-  kWaitTensorCoreTurn = 3,  // the ping-pong kernel's turn barrier (expert_gemm_pingpong_sm90.cuh)
-  kWaitRingSlot = 4,        // the dispatchers: a ring slot's previous minibatch not yet loaded by every tile
-};
-
 // A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
 template <int kClusterM>
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
@@ -682,7 +680,7 @@ __global__ void __launch_bounds__(ExpertGemmTile::kThreads, 1)
   if (warpgroup == 0) {
     sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
     if (threadIdx.x == 32) {
-      sm90::watch_waits(watch, Tile::kRoles + (kDispatchA ? 1 : 0), p.timeout_record, kExpertGemmKernel);
+      sm90::watch_waits(watch, Tile::kRoles + (kDispatchA ? 1 : 0), p.failure_record, kExpertGemmKernel);
     }
     if constexpr (kDispatchA) {
       if (threadIdx.x >= 128 - Tile::kDispatchThreads) {

@@ -1,0 +1,49 @@
+// The sizes and limits the kernels share with Python, defined once in megatron_mok/limits.py
+// (`COMPILED`): setup.py passes each entry to nvcc and the host compiler as -DMOK_<NAME>=<value>,
+// and this header turns them into constants, refusing to compile without them. The ops
+// compiled_limits / compiled_limit_names report what a build was compiled with, so Python can
+// check dict(zip(names, values)) == limits.COMPILED and a stale build cannot disagree silently.
+#pragma once
+
+#include <cstdint>
+
+#ifndef MOK_EXPERT_GEMM_TILE_M
+#error "MOK_EXPERT_GEMM_TILE_M is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
+#ifndef MOK_DISPATCH_MINIBATCH_ROWS
+#error "MOK_DISPATCH_MINIBATCH_ROWS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
+#ifndef MOK_MAX_TOPK
+#error "MOK_MAX_TOPK is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
+#ifndef MOK_WAIT_TIMEOUT_NS
+#error "MOK_WAIT_TIMEOUT_NS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
+
+namespace mok {
+
+// Rows per m-tile of the sm90 expert GEMMs (gemm/tile_sm90.cuh asserts its Tile::kM equals it).
+constexpr int kExpertGemmTileM = MOK_EXPERT_GEMM_TILE_M;
+// Rows per minibatch of the dispatching GEMM: the unit in which the in-kernel dispatch hands rows
+// to the GEMM (a ready counter per minibatch) and in which its ring buffer is reused. Small enough
+// that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough that
+// a tile rarely spans two.
+constexpr int32_t kDispatchMinibatchRows = MOK_DISPATCH_MINIBATCH_ROWS;
+// Largest topk of the row gather and combine kernels (their per-token tables live in shared memory).
+constexpr int64_t kMaxTopk = MOK_MAX_TOPK;
+// Every bounded wait of a kernel gives up after this long (common/watchdog_sm90.cuh).
+constexpr uint64_t kWaitTimeoutNs = MOK_WAIT_TIMEOUT_NS;
+
+// The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
+#define MOK_COMPILED_LIMITS(X) X(EXPERT_GEMM_TILE_M) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS)
+#define MOK_LIMIT_NAME(name) #name,
+#define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
+inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};
+inline constexpr int64_t kCompiledLimitValues[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_VALUE)};
+#undef MOK_LIMIT_NAME
+#undef MOK_LIMIT_VALUE
+static_assert(sizeof(kCompiledLimitNames) / sizeof(kCompiledLimitNames[0]) ==
+                  sizeof(kCompiledLimitValues) / sizeof(kCompiledLimitValues[0]),
+              "one value per compiled limit name");
+
+}  // namespace mok

@@ -1,0 +1,80 @@
+// The watchdog of the persistent sm90 kernels' bounded waits. Every wait of common/sync_sm90.cuh
+// ends: past kWaitTimeoutNs the waiting thread tells the CTA's watchdog thread which wait failed,
+// the watchdog records it in the host-mapped failure record and traps, so a broken pipeline
+// surfaces as a CUDA error naming the wait instead of a hang.
+#pragma once
+
+#include <cstdint>
+
+#include "common/failure_codes.h"
+#include "common/limits.h"
+#include "mok_params.h"
+
+namespace mok {
+
+// Fills the host-mapped record (null: nothing to fill) before the caller traps: the fields first,
+// then `recorded`, each write made visible to the host in that order.
+__device__ __forceinline__ void record_failure(FailureRecord* record, int kernel, int check, int peer, int call) {
+  volatile FailureRecord* r = record;
+  if (r != nullptr) {
+    r->kernel = kernel;
+    r->check = check;
+    r->block = int(blockIdx.x);
+    r->peer = peer;
+    r->call = call;
+    __threadfence_system();
+    r->recorded = 1;
+    __threadfence_system();
+  }
+}
+
+}  // namespace mok
+
+namespace mok::sm90 {
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A wait that can time out reports through a watchdog thread of the same CTA. No printf: a
+// function call anywhere in a kernel with wgmma makes ptxas serialize every wgmma (C7510). The
+// waiting thread records which wait failed in shared memory; the watchdog copies it, with the
+// kernel and block, into the host-mapped FailureRecord (which outlives the trap) and traps.
+// The host reads it back: torch.ops.megatron_mok.last_failure().
+struct WaitWatch {
+  int failed;    // 0, or 1 + the index of the wait that timed out
+  int finished;  // roles that have finished their work
+};
+
+// A wait past its timeout tells the watchdog which wait failed, then traps.
+__device__ __forceinline__ void fail_if_timed_out(int wait_id, WaitWatch* watch, uint64_t start) {
+  if (global_timer_ns() - start > kWaitTimeoutNs) {
+    *reinterpret_cast<volatile int*>(&watch->failed) = 1 + wait_id;
+    // The watchdog traps within a microsecond or so; should it not, trap here.
+    while (global_timer_ns() - start < 2 * kWaitTimeoutNs) __nanosleep(1000000);
+    asm volatile("trap;");
+  }
+}
+
+__device__ __forceinline__ void mark_finished(WaitWatch* watch) { atomicAdd(&watch->finished, 1); }
+
+// Run by one thread until `roles` roles have called mark_finished.
+// (No wait is about a peer yet, nor does a kernel know its layer call: both are recorded as -1.)
+__device__ __forceinline__ void watch_waits(WaitWatch* watch, int roles, FailureRecord* record, int kernel_id) {
+  volatile WaitWatch* w = watch;
+  while (w->finished < roles) {
+    const int failed = w->failed;
+    if (failed > 0) {
+      record_failure(record, kernel_id, failed - 1, -1, -1);
+      asm volatile("trap;");
+    }
+    // Every CTA is resident for the whole launch and the kernel ends when the last one exits, so
+    // this poll interval is added to the kernel's time: keep it short (the sleeping warp costs
+    // no issue slots).
+    __nanosleep(1000);
+  }
+}
+
+}  // namespace mok::sm90

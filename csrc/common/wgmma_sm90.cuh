@@ -1,0 +1,107 @@
+// Hopper (sm_90a) warpgroup MMA: shared-memory matrix descriptors, wgmma m64n256k16 (bf16 -> fp32)
+// and its fences, stmatrix from the accumulator fragment, and register reallocation between
+// warpgroups (setmaxnreg).
+#pragma once
+
+#include <cstdint>
+
+#include "common/sync_sm90.cuh"
+
+namespace mok::sm90 {
+
+// ---- wgmma -----------------------------------------------------------------------------------
+
+// Shared-memory matrix descriptor for a K-major tile written by TMA with 128-byte swizzle:
+// rows of 64 bf16 (128 B), 8-row swizzle atoms 1024 B apart (the stride byte offset).
+// The tile must start 1024-byte aligned; advancing K by 16 elements adds 32 B to the start.
+__device__ __forceinline__ uint64_t smem_descriptor_sw128(const void* tile) {
+  const uint64_t addr = smem_u32(tile);
+  uint64_t desc = (addr & 0x3FFFF) >> 4;  // start address, 16-byte units
+  desc |= uint64_t(16 >> 4) << 16;        // leading byte offset (unused with 128-byte swizzle)
+  desc |= uint64_t(1024 >> 4) << 32;      // stride byte offset between 8-row atoms
+  desc |= uint64_t(1) << 62;              // 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across wgmma fences and waits.
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor for an MN-major tile (N contiguous) written by TMA boxes of 64
+// MN-elements x K rows with 128-byte swizzle: each K row of a box is 128 bytes, 8-row atoms 1024 B
+// apart (stride byte offset), boxes `mn_block_bytes` apart along MN (leading byte offset). The
+// canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) of the PTX ISA. Advancing K by 16
+// elements adds 16 rows = 2048 bytes to the start.
+__device__ __forceinline__ uint64_t smem_descriptor_sw128_mn(const void* tile, uint32_t mn_block_bytes) {
+  const uint64_t addr = smem_u32(tile);
+  uint64_t desc = (addr & 0x3FFFF) >> 4;
+  desc |= uint64_t((mn_block_bytes >> 4) & 0x3FFF) << 16;  // leading byte offset: next 64 MN-elements
+  desc |= uint64_t(1024 >> 4) << 32;                         // stride byte offset: next 8 K rows
+  desc |= uint64_t(1) << 62;                                 // 128-byte swizzle
+  return desc;
+}
+
+// wgmma.mma_async m64n256k16, bf16 x bf16 -> fp32, A and B in shared memory, each K-major
+// (kTrans = 0) or MN-major (kTrans = 1).
+// d: this thread's 128 accumulators (layout in gemm/expert_gemm_sm90.cuh); scale_d = 0 zeroes them first.
+template <int kTransB = 0, int kTransA = 0>
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %132, %131;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));
+}
+
+
+// Four 8x8 bf16 matrices from the mma accumulator fragment (lane l holds row l / 4, columns
+// 2 * (l % 4) + {0, 1} of matrix i in r_i) to shared memory; lane 8 * i + j gives the address of
+// matrix i's row j (16 contiguous bytes), so any row swizzle is the caller's addressing.
+__device__ __forceinline__ void stmatrix_x4(void* row_address, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(row_address)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// ---- register reallocation between warpgroups -------------------------------------------------
+
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+}  // namespace mok::sm90
