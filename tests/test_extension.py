@@ -73,8 +73,8 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
                  ("kSwiglu", 2, "false", "false"), ("kSwiglu", 1, "true", "false"), ("kSwiglu", 2, "true", "false"),
                  ("kStore", 1, "false", "true"), ("kSwigluBackward", 1, "false", "true")]
     source.write_text(
-        '#include "expert_gemm_sm90.cuh"\n'
-        '#include "expert_wgrad_sm90.cuh"\n'
+        '#include "gemm/expert_gemm_sm90.cuh"\n'
+        '#include "gemm/expert_wgrad_sm90.cuh"\n'
         "#define MAP const __grid_constant__ CUtensorMap\n"
         + "".join(
             f"template __global__ void mok::expert_gemm_kernel<mok::GemmEpilogue::{e}, {c}, {g}, {t}>("
@@ -84,6 +84,7 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
     )
     result = subprocess.run(
         ["nvcc", "-O3", "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{CSRC}",
+         *(f"-DMOK_{name}={value}" for name, value in limits.COMPILED.items()),
          "-c", str(source), "-o", str(tmp_path / "expert_gemm_check.o")],
         capture_output=True, text=True, timeout=600,
     )
