@@ -219,3 +219,20 @@ def test_te_spec_around_mok_experts():
     assert qkv.__name__.startswith("TE"), qkv
     mlp = spec.submodules.mlp
     assert mlp.keywords["submodules"].experts is MoKGroupedExperts
+
+
+@pytest.mark.parametrize("config", sorted(p.stem for p in (REPO / "configs").glob("*.yaml")))
+def test_every_config_parses_with_the_flags_added(config):
+    """Each configs/*.yaml, plus whatever the fallbacks add where nothing is installed, is a valid
+    Megatron command line (every key an exact option, mok accepted)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_mok.arguments import load_config
+    from megatron_mok.megatron.register import add_mok_arguments
+
+    parser = add_mok_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    argv = load_config(config)
+    argv += resolve([("c", argv)], probe_missing(*TE, *APEX)).added
+    args, unknown = parser.parse_known_args(argv)
+    assert unknown == [], unknown
+    assert args.transformer_impl == "local" and args.moe_token_dispatcher_type == "mok"
