@@ -10,7 +10,8 @@ torchrun), so memory peaks don't mix; flags after `--` go to every run. The tabl
 TFLOP/s/GPU (Megatron's count, `--log-throughput`), the peak memory of each rank, the speed-up over
 the first dispatcher and whether the lm-loss curves agree (max relative difference over all
 iterations; "agree" = equal to 4 significant digits at every iteration). `--out` receives
-throughput.json, throughput.png (matplotlib, if installed) and each run's logs.
+throughput.json, throughput.md (the tables), throughput.png (matplotlib, if installed) and each
+run's logs (runs/DISPATCHER/rankN.log).
 
 `--profile` trains one more iteration under torch.profiler and splits its GPU time (kernels summed;
 CPU time on a CPU) into the MoE layers' forward and backward and the rest of the step; that
@@ -25,10 +26,12 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -89,7 +92,32 @@ def _install_log_hooks(run_dir: Path, records: list[dict]) -> None:
     training.training_log = training_log
 
 
-def _install_model_probe(meta: dict) -> None:
+def _write_meta(run_dir: Path, meta: dict, final: bool) -> None:
+    """This rank's facts: the run's shape from Megatron's arguments, its experts, and at the end
+    (`final`) the peak memory."""
+    import torch
+
+    try:
+        from megatron.training import get_args
+
+        args = get_args()
+        meta.update(
+            global_batch_size=args.global_batch_size,
+            seq_length=args.seq_length,
+            world_size=args.world_size,
+            transformer_impl=args.transformer_impl,
+            params_dtype=str(args.params_dtype).replace("torch.", ""),
+        )
+    except Exception:  # before Megatron parsed its arguments
+        pass
+    on_gpu = torch.cuda.is_available()
+    meta["device"] = torch.cuda.get_device_name() if on_gpu else "cpu"
+    meta["peak_allocated_bytes"] = torch.cuda.max_memory_allocated() if on_gpu and final else None
+    meta["peak_reserved_bytes"] = torch.cuda.max_memory_reserved() if on_gpu and final else None
+    (run_dir / f"rank{_rank()}.json").write_text(json.dumps(meta))
+
+
+def _install_model_probe(run_dir: Path, meta: dict) -> None:
     """Notes the experts module of the MoE layers Megatron builds (SequentialMLP, TEGroupedMLP, ...)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -101,6 +129,7 @@ def _install_model_probe(meta: dict) -> None:
     def model_provider(*args, **kwargs):
         model = original(*args, **kwargs)
         meta["experts"] = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
+        _write_meta(run_dir, meta, final=False)  # a run stopped later still has its shape
         return model
 
     gpt_training.model_provider = model_provider
@@ -263,15 +292,15 @@ def worker_main(argv: list[str]) -> None:
     run_dir: Path = options.worker
     pretrain_argv = options.pretrain_argv[1:] if options.pretrain_argv[:1] == ["--"] else options.pretrain_argv
 
-    import torch
-
     from megatron_mok.megatron.cpu_compat import apply_cpu_patches
 
     apply_cpu_patches()  # before megatron.training is imported (no-op with CUDA)
+    # The driver stops an overlong run with SIGTERM: exit through `finally` to write the peak.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     records: list[dict] = []
     meta: dict[str, Any] = {"rank": _rank()}
     _install_log_hooks(run_dir, records)
-    _install_model_probe(meta)
+    _install_model_probe(run_dir, meta)
     if options.profile_call:
         _install_profiler(run_dir, options.profile_call)
 
@@ -280,28 +309,7 @@ def worker_main(argv: list[str]) -> None:
     try:
         pretrain.main(pretrain_argv)
     finally:
-        try:
-            from megatron.training import get_args
-
-            args = get_args()
-            meta.update(
-                global_batch_size=args.global_batch_size,
-                seq_length=args.seq_length,
-                world_size=args.world_size,
-                transformer_impl=args.transformer_impl,
-                params_dtype=str(args.params_dtype).replace("torch.", ""),
-            )
-        except Exception:  # failed before Megatron parsed its arguments
-            pass
-        if torch.cuda.is_available():
-            meta.update(
-                device=torch.cuda.get_device_name(),
-                peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-            )
-        else:
-            meta.update(device="cpu", peak_allocated_bytes=None, peak_reserved_bytes=None)
-        (run_dir / f"rank{_rank()}.json").write_text(json.dumps(meta))
+        _write_meta(run_dir, meta, final=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,9 +388,20 @@ def run_one(dispatcher: str, options, run_dir: Path, port: int, index: int, coun
     with open(log_path, "w") as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(port), cwd=options.cwd
     ) as child:
+        def stop() -> None:  # past --timeout: SIGTERM (the worker writes its peak), then SIGKILL
+            print(f"[rank {_rank()}] {dispatcher}: stopping the run after {options.timeout:.0f} s (--timeout)", flush=True)
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+        timer = threading.Timer(options.timeout, stop)
+        timer.start()
         for line in child.stdout:
             log.write(line)
-            tail = (tail + [line.rstrip()])[-40:]
+            if not line.startswith(MARKER):
+                tail = (tail + [line.rstrip()])[-40:]
             if line.startswith(MARKER) and reporter:
                 record = json.loads(line[len(MARKER):])
                 loss = record["losses"].get(LOSS_KEY)
@@ -390,11 +409,8 @@ def run_one(dispatcher: str, options, run_dir: Path, port: int, index: int, coun
                 print(f"    {dispatcher:>10}  iteration {record['iteration']:3d}/{total_iters}  {record['ms']:9.1f} ms{shown}", flush=True)
             elif line.startswith("megatron_mok:") and first:
                 print("    " + line.rstrip(), flush=True)
-        try:
-            child.wait(timeout=options.timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        child.wait()
+        timer.cancel()
     if child.returncode != 0:
         print(f"[rank {_rank()}] {dispatcher}: exit code {child.returncode} after {time.perf_counter() - started:.0f} s;"
               f" last lines of {log_path}:", flush=True)
@@ -505,9 +521,11 @@ def format_tables(report: dict) -> str:
                 digits = cmp["min_digits"]
                 shown = "all" if digits == math.inf else f"{digits:.0f}"
                 agree = f"{'yes' if cmp['agree_4_digits'] else 'NO'} ({shown} digits)"
-        spread = f"{run['median_ms']:.1f}"
+        name = run["dispatcher"]
+        if run["rc"] != 0:  # stopped early: the iterations it logged are still timed
+            name += f" (exit code {run['rc']} after {len(run['iterations'])} iterations)"
         lines.append(
-            f"| {run['dispatcher']} | {', '.join(run['experts']) or '-'} | {spread} | {_fmt(run.get('tokens_per_s_per_gpu'), ',.0f')} | "
+            f"| {name} | {', '.join(run['experts']) or '-'} | {run['median_ms']:.1f} | {_fmt(run.get('tokens_per_s_per_gpu'), ',.0f')} | "
             f"{_fmt(run.get('tflops_per_gpu'), '.1f')} | {_peak(run['peak_allocated_gib'])} | {_fmt(run.get('speedup'), '.2f')}x | {diff} | {agree} |"
         )
     profiled = [run for run in runs if "profile" in run]
@@ -581,7 +599,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None, help="folder for throughput.json/png and logs (default: /tmp/mok_throughput/CONFIG)")
     parser.add_argument("--profile", action="store_true", help="split one more step's time into MoE layers vs the rest (torch.profiler)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is stopped (its logged iterations still count)")
     options = parser.parse_args(argv)
     options.megatron_args = megatron_args
     options.cwd = os.getcwd()
@@ -625,10 +643,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "throughput.json").write_text(json.dumps(report, indent=1, default=str))
         skipped = write_plot(report, out / "throughput.png")
+        tables = format_tables(report)
+        (out / "throughput.md").write_text(tables + "\n")
         print()
-        print(format_tables(report))
+        print(tables)
         print()
-        print(f"wrote {out / 'throughput.json'}" + (f"; {skipped}" if skipped else f" and {out / 'throughput.png'}"))
+        print(f"wrote {out / 'throughput.json'}, throughput.md" + (f"; {skipped}" if skipped else " and throughput.png"))
     group.close()
     return 0 if all(code == 0 for code in codes) else 1
 
