@@ -498,46 +498,55 @@ def _peak(values: list) -> str:
     return f"{max(known):.1f}" if len(known) == 1 else f"{max(known):.1f} (min {min(known):.1f}, {len(known)} ranks)"
 
 
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _agreement(run: dict, first: str) -> tuple[str, str]:
+    """(max relative difference, verdict) of a run's lm loss against the first dispatcher's."""
+    if run["dispatcher"] == first:
+        return "-", "(baseline)"
+    cmp = run.get("loss_vs_first", {})
+    if cmp.get("agree_4_digits") is None:
+        return "-", "-"
+    digits = "all" if cmp["min_digits"] == math.inf else f"{cmp['min_digits']:.0f}"
+    return _fmt(cmp["max_rel_diff"], ".1e"), f"{'yes' if cmp['agree_4_digits'] else 'NO'} ({digits} digits)"
+
+
 def format_tables(report: dict) -> str:
     runs = report["runs"]
     first = runs[0]["dispatcher"]
-    header = (f"Megatron end to end: --config {report['config']}, {report['world_size']} rank(s) on {report['device']}, "
-              f"{report['iters']} iterations, median after {report['warmup']} warm-up, seed {report['seed']}")
-    lines = [header, "",
-             f"| dispatcher | experts | ms/iteration | tokens/s/GPU | TFLOP/s/GPU | peak GiB/rank | speed-up vs {first} | lm loss vs {first}: max rel. diff | agree (4 s.d.) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        f"Megatron end to end: --config {report['config']}, {report['world_size']} rank(s) on {report['device']}, "
+        f"{report['iters']} iterations, median after {report['warmup']} warm-up, seed {report['seed']}",
+        "",
+        _row("dispatcher", "experts", "ms/iteration", "tokens/s/GPU", "TFLOP/s/GPU", "peak GiB/rank",
+             f"speed-up vs {first}", f"lm loss vs {first}: max rel. diff", "agree (4 s.d.)"),
+        _row("---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"),
+    ]
     for run in runs:
+        experts = ", ".join(run["experts"]) or "-"
         if "median_ms" not in run:
-            lines.append(f"| {run['dispatcher']} | {', '.join(run['experts']) or '-'} | failed (exit code {run['rc']}, log {run['log']}) | | | | | | |")
+            lines.append(_row(run["dispatcher"], experts, f"failed (exit code {run['rc']}, log {run['log']})", *[""] * 6))
             continue
-        cmp = run.get("loss_vs_first", {})
-        if run["dispatcher"] == first:
-            agree, diff = "(baseline)", "-"
-        else:
-            diff = _fmt(cmp.get("max_rel_diff"), ".1e")
-            if cmp.get("agree_4_digits") is None:
-                agree = "-"
-            else:
-                digits = cmp["min_digits"]
-                shown = "all" if digits == math.inf else f"{digits:.0f}"
-                agree = f"{'yes' if cmp['agree_4_digits'] else 'NO'} ({shown} digits)"
         name = run["dispatcher"]
         if run["rc"] != 0:  # stopped early: the iterations it logged are still timed
             name += f" (exit code {run['rc']} after {len(run['iterations'])} iterations)"
-        lines.append(
-            f"| {name} | {', '.join(run['experts']) or '-'} | {run['median_ms']:.1f} | {_fmt(run.get('tokens_per_s_per_gpu'), ',.0f')} | "
-            f"{_fmt(run.get('tflops_per_gpu'), '.1f')} | {_peak(run['peak_allocated_gib'])} | {_fmt(run.get('speedup'), '.2f')}x | {diff} | {agree} |"
-        )
+        lines.append(_row(
+            name, experts, f"{run['median_ms']:.1f}", _fmt(run.get("tokens_per_s_per_gpu"), ",.0f"),
+            _fmt(run.get("tflops_per_gpu"), ".1f"), _peak(run["peak_allocated_gib"]), _fmt(run.get("speedup"), ".2f") + "x",
+            *_agreement(run, first),
+        ))
     profiled = [run for run in runs if "profile" in run]
     if profiled:
         clock = profiled[0]["profile"]["clock"]
-        lines += ["", f"Where one training step's time goes (torch.profiler, {clock}; the profiled iteration is not in the medians)", "",
-                  "| dispatcher | MoE forward ms | MoE backward ms | MoE ms | rest ms | step ms | MoE share |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", f"Where one training step's time goes (torch.profiler, {clock}; that iteration is not in the medians)", "",
+                  _row("dispatcher", "MoE forward ms", "MoE backward ms", "MoE ms", "rest ms", "step ms", "MoE share"),
+                  _row("---", "---:", "---:", "---:", "---:", "---:", "---:")]
         for run in profiled:
             p = run["profile"]
-            lines.append(f"| {run['dispatcher']} | {p['moe_forward_ms']:.1f} | {p['moe_backward_ms']:.1f} | {p['moe_ms']:.1f} | "
-                         f"{p['rest_ms']:.1f} | {p['step_ms']:.1f} | {_fmt(p['moe_share'], '.0%')} |")
+            times = (p[k] for k in ("moe_forward_ms", "moe_backward_ms", "moe_ms", "rest_ms", "step_ms"))
+            lines.append(_row(run["dispatcher"], *(f"{t:.1f}" for t in times), _fmt(p["moe_share"], ".0%")))
     impls = sorted({run["transformer_impl"] for run in runs if run.get("transformer_impl")})
     if impls:
         lines += ["", f"transformer impl: {', '.join(impls)}"]
@@ -591,15 +600,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     megatron_args: list[str] = []
     if "--" in argv:
         argv, megatron_args = argv[: argv.index("--")], argv[argv.index("--") + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="tiny", help="configs/NAME.yaml or a path (default: tiny)")
-    parser.add_argument("--dispatchers", default="mok,alltoall", help="comma-separated; the first is the baseline of the speed-up")
+    parser.add_argument("--dispatchers", default="mok,alltoall", help="comma-separated; the first is the speed-up's baseline")
     parser.add_argument("--iters", type=int, default=20, help="training iterations per dispatcher (default 20)")
-    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (default: iters // 4, at least 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (default iters // 4, >= 1)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", type=Path, default=None, help="folder for throughput.json/png and logs (default: /tmp/mok_throughput/CONFIG)")
-    parser.add_argument("--profile", action="store_true", help="split one more step's time into MoE layers vs the rest (torch.profiler)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is stopped (its logged iterations still count)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the results (default /tmp/mok_throughput/CONFIG)")
+    parser.add_argument("--profile", action="store_true", help="split one more step into MoE layers vs the rest (torch.profiler)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is stopped (logged iterations count)")
     options = parser.parse_args(argv)
     options.megatron_args = megatron_args
     options.cwd = os.getcwd()

@@ -3,13 +3,17 @@
 megatron-core 0.19's defaults assume both. What breaks without them, read from its source
 (megatron/training/arguments.py defaults; the modules named below):
 
-| default | who needs what | missing it |
-| --- | --- | --- |
-| `--transformer-impl transformer_engine` | the TE layer spec | `TypeError: 'NoneType' object is not callable` |
-| RoPE fusion on (`--no-rope-fusion` absent), RoPE models | TE's fused RoPE | `TransformerConfig`: "apply_rope_fusion is not available" |
-| persist layer norm on (`--no-persist-layer-norm` absent), local impl | torch norms (`WrappedTorchNorm`: the local spec without apex, and RMSNorm always) | assert "persist_layer_norm not supported by torch LayerNorm" |
-| gradient accumulation fusion on | apex's `fused_weight_gradient_mlp_cuda` in every local linear, also GPTModel's output layer under the TE spec | `RuntimeError` in `ColumnParallelLinear.__init__` |
-| masked softmax fusion on, local impl | apex's `scaled_masked_softmax_cuda` / `scaled_upper_triang_masked_softmax_cuda` (local `DotProductAttention`, bf16/fp16, seq <= 4096) | `ImportError` in the first forward |
+- `--transformer-impl transformer_engine` (default): the TE layer spec; without TE
+  `TypeError: 'NoneType' object is not callable`.
+- RoPE fusion (on unless `--no-rope-fusion`), RoPE models: TE's fused RoPE; without TE,
+  TransformerConfig raises "apply_rope_fusion is not available".
+- persist layer norm (on unless `--no-persist-layer-norm`), local impl: torch norms
+  (`WrappedTorchNorm`: the local spec's norm without apex, and RMSNorm always) assert it is off.
+- gradient accumulation fusion (on): apex's `fused_weight_gradient_mlp_cuda` in every local linear,
+  GPTModel's output layer under the TE spec too; without it `ColumnParallelLinear` raises.
+- masked softmax fusion (on), local impl: apex's `scaled_masked_softmax_cuda` and
+  `scaled_upper_triang_masked_softmax_cuda` (local `DotProductAttention`, bf16/fp16, seq <= 4096);
+  without them `ImportError` in the first forward.
 
 Not needed: the bias-SwiGLU, bias-GeLU and bias-dropout-add fusions are `torch.compile`
 functions (megatron/core/jit.py), with or without TE and apex; the attention backend (`auto`)
