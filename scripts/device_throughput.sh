@@ -2,16 +2,18 @@
 # One device call on a lent 1x H200 (python3 with torch 2.11+cu130; no megatron-core, Transformer
 # Engine or apex; no network): install megatron-core from the wheels carried in .whl/ into
 # /tmp/site, build the CUDA extension, run scripts/throughput.py for proxy_1gpu (DeepSeek-V3 MoE
-# layer) and proxy_qwen3_30b_1gpu (Qwen3-30B-A3B MoE layer) with mok,alltoall, 20 iterations each.
+# layer) and proxy_qwen3_30b_1gpu (Qwen3-30B-A3B MoE layer) with alltoall and mok, 20 iterations
+# each; alltoall first, so the speed-up column reads as mok over alltoall.
 # The two tables print last.
 #
 #     bash scripts/device_throughput.sh                 # from the repository root; carry .whl
 #
-# Knobs (environment): ITERS (20), CONFIGS ("proxy_1gpu proxy_qwen3_30b_1gpu"), DISPATCHERS
-# (mok,alltoall), PROFILE=1 (one more step per run under torch.profiler: MoE layers vs the rest),
-# REBUILD=1 (build even if megatron_mok/_C*.so exists), SKIP_BUILD=1, RUN_TIMEOUT (seconds per
-# training run, 180), BUDGET (seconds for the whole script, 540), MOK_BACKEND (kernel: a missing extension fails instead of timing the
-# reference). A CPU smoke test: SKIP_BUILD=1 MOK_BACKEND=reference CONFIGS=tiny ITERS=3.
+# Knobs (environment): ITERS (20); CONFIGS ("proxy_1gpu proxy_qwen3_30b_1gpu"); DISPATCHERS
+# (alltoall,mok: the first is the baseline); PROFILE=1 (one more step per run under torch.profiler:
+# MoE layers vs the rest); REBUILD=1 (build even if megatron_mok/_C*.so exists); SKIP_BUILD=1;
+# RUN_TIMEOUT (seconds per training run, 180); BUDGET (seconds for the whole script, 540);
+# MOK_BACKEND (kernel: a missing extension fails instead of timing the reference).
+# A CPU smoke test: SKIP_BUILD=1 MOK_BACKEND=reference CONFIGS=tiny ITERS=3.
 #
 # Files in $OUT (flat; the device tool brings back 8): build.log, CONFIG.json, CONFIG.png,
 # CONFIG.md for each config, logs.tar.gz (every run's Megatron log and the drivers' output).
@@ -20,13 +22,15 @@
 # hardly matters), then per training run ~30-45 s of start-up (imports, model init, torch.compile
 # warm-ups) plus 20 iterations: proxy_1gpu ~0.85 s (mok) / ~1.1 s (alltoall) each, the Qwen3
 # proxy well under 1 s (mok) / ~1-2 s (alltoall, 128 SequentialMLP experts). Four runs ~3-4 min.
-# The Qwen3 proxy is cut to 6 layers and vocab 32768 for memory and time (configs/README.md).
+# The build measured 2 min 39 s on a busy 2-core CPU host (both units in parallel, 1 min 45 s CPU),
+# so about 1-1.5 min there; the whole script ~5-6 min. The Qwen3 proxy is cut to 6 layers and vocab
+# 32768 for memory and time (configs/proxy_qwen3_30b_1gpu.yaml).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/mok_out}
 ITERS=${ITERS:-20}
 CONFIGS=${CONFIGS:-proxy_1gpu proxy_qwen3_30b_1gpu}
-DISPATCHERS=${DISPATCHERS:-mok,alltoall}
+DISPATCHERS=${DISPATCHERS:-alltoall,mok}
 SCRATCH=/tmp/mok_throughput
 mkdir -p "$OUT" "$SCRATCH"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

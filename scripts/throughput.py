@@ -602,7 +602,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         argv, megatron_args = argv[: argv.index("--")], argv[argv.index("--") + 1:]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="tiny", help="configs/NAME.yaml or a path (default: tiny)")
-    parser.add_argument("--dispatchers", default="mok,alltoall", help="comma-separated; the first is the speed-up's baseline")
+    parser.add_argument("--dispatchers", default="alltoall,mok", help="comma-separated; the first is the baseline (speed-up, loss)")
     parser.add_argument("--iters", type=int, default=20, help="training iterations per dispatcher (default 20)")
     parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (default iters // 4, >= 1)")
     parser.add_argument("--seed", type=int, default=1234)
