@@ -82,11 +82,22 @@ def split_config_flag(argv: list[str]) -> tuple[str, list[str]]:
     return name, rest
 
 
-def build_megatron_argv(argv: list[str]) -> list[str]:
-    """CPU flags (without CUDA) < the named config < the command line (argparse: last wins)."""
+def megatron_argv_sources(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(name, flags) in precedence order: CPU flags (without CUDA) < the named config < the
+    command line (argparse: last wins)."""
     name, rest = split_config_flag(argv)
     base = [] if torch.cuda.is_available() else list(CPU_FLAGS)
-    return base + load_config(name) + rest
+    path = resolve_config_path(name).resolve()
+    shown = path.relative_to(REPO_CONFIGS.parent) if path.is_relative_to(REPO_CONFIGS.parent) else path
+    return [("megatron_mok's CPU flags", base), (str(shown), load_config(name)), ("the command line", rest)]
+
+
+def build_megatron_argv(argv: list[str]) -> list[str]:
+    """The sources above joined, plus the flags that make them run without Transformer Engine or
+    apex where those are missing (megatron_mok/megatron/fallbacks.py)."""
+    from megatron_mok.megatron.fallbacks import fallback_argv
+
+    return fallback_argv(megatron_argv_sources(argv))
 
 
 def set_single_process_env() -> None:

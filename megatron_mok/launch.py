@@ -4,9 +4,11 @@
     torchrun --nproc-per-node 8 -m megatron_mok.launch path/to/pretrain_gpt.py ...
 
 `--moe-token-dispatcher-type mok` then works in that script: register() widens Megatron's
-choices and makes Megatron's MoE specs build the MoK layer. Without CUDA, the CPU patches are
-applied too (pass the CPU flags yourself: --distributed-backend gloo --use-cpu-initialization
---transformer-impl local, see README).
+choices and makes Megatron's MoE specs build the MoK layer. Without Transformer Engine or apex the
+flags that switch Megatron to its local implementation and unfused kernels are added, as in
+`megatron_mok.pretrain` (megatron_mok/megatron/fallbacks.py). Without CUDA, the CPU patches are
+applied too (pass the CPU flags yourself: --distributed-backend gloo --use-cpu-initialization, see
+README).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_mok.launch: no such script: {script}")
 
     from megatron_mok.arguments import set_single_process_env
+    from megatron_mok.megatron.fallbacks import fallback_argv
 
+    script_argv = fallback_argv([("the command line", argv[1:])])
     set_single_process_env()
     from megatron_mok.megatron.cpu_compat import apply_cpu_patches
 
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # The script's own imports (e.g. Megatron-LM's top-level packages) resolve from its folder.
     sys.path.insert(0, str(script.parent))
-    sys.argv = [str(script), *argv[1:]]
+    sys.argv = [str(script), *script_argv]
     runpy.run_path(str(script), run_name="__main__")
 
 

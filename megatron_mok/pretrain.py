@@ -5,7 +5,11 @@
     torchrun --nproc-per-node 8 -m megatron_mok.pretrain --config proxy_8gpu
 
 Arguments are Megatron's; `--config NAME` picks configs/NAME.yaml (default: tiny) and later
-command-line flags override it. Without CUDA the run uses gloo and the reference backend.
+command-line flags override it. Without CUDA the run uses gloo and the reference backend. Without
+Transformer Engine or apex, the flags that switch Megatron to its local implementation and unfused
+kernels are added and named in one line (megatron_mok/megatron/fallbacks.py); an explicit request
+for a missing package (`--transformer-impl transformer_engine` without it) stops with an error
+before Megatron starts.
 """
 
 from __future__ import annotations

@@ -10,6 +10,25 @@ from typing import Any, Iterator, Optional
 import torch
 
 
+def layer_spec(args: Any):
+    """The GPT layer spec of Megatron's arguments: Transformer Engine's or the local one, with
+    MoK's MoE layer when --moe-token-dispatcher-type is mok."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from megatron_mok.megatron.specs import get_gpt_layer_with_mok_spec
+
+    use_te = args.transformer_impl == "transformer_engine"
+    common = dict(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
+    if args.num_experts and args.moe_token_dispatcher_type == "mok":
+        return get_gpt_layer_with_mok_spec(args.num_experts, use_te=use_te, normalization=args.normalization, **common)
+    if use_te:  # TE's norms read config.normalization
+        return get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm, **common)
+    return get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, normalization=args.normalization, **common)
+
+
 def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
@@ -19,30 +38,14 @@ def model_provider(
 ):
     """A GPTModel whose MoE layers use MoK's spec when --moe-token-dispatcher-type is mok."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
     from megatron.training import get_args
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron_mok.megatron.specs import get_gpt_layer_with_mok_spec
-
     args = get_args()
     transformer_config = config if config is not None else core_transformer_config_from_args(args)
-    use_te = args.transformer_impl == "transformer_engine"
-    common = dict(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
-    if args.num_experts and args.moe_token_dispatcher_type == "mok":
-        layer_spec = get_gpt_layer_with_mok_spec(args.num_experts, use_te=use_te, **common)
-    elif use_te:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm, **common)
-    else:
-        layer_spec = get_gpt_layer_local_spec(
-            args.num_experts, args.moe_grouped_gemm, normalization=args.normalization, **common
-        )
     return GPTModel(
         config=transformer_config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=layer_spec(args),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -51,10 +51,19 @@ def get_mok_moe_module_spec(use_te: Optional[bool] = None):
 
 
 def get_gpt_layer_with_mok_spec(
-    num_experts: int, use_te: Optional[bool] = None, qk_layernorm: bool = False, **kwargs
+    num_experts: int,
+    use_te: Optional[bool] = None,
+    qk_layernorm: bool = False,
+    normalization: Optional[str] = None,
+    **kwargs,
 ) -> ModuleSpec:
     """A GPT layer spec (Transformer Engine's when installed, else Megatron's local one) whose MLP
-    is the MoK MoE layer. Extra keyword arguments go to Megatron's layer-spec function."""
+    is the MoK MoE layer. Extra keyword arguments go to Megatron's layer-spec function.
+
+    normalization: "LayerNorm" or "RMSNorm", for the local spec (which otherwise builds apex's
+    FusedLayerNorm where apex is installed, and that refuses RMSNorm); TE's norms read
+    `config.normalization` themselves.
+    """
     if use_te is None:
         use_te = _transformer_engine_available()
     if use_te:
@@ -63,7 +72,11 @@ def get_gpt_layer_with_mok_spec(
         )
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, **kwargs
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=qk_layernorm,
+            normalization=normalization,
+            **kwargs,
         )
     spec.submodules.mlp = get_mok_moe_module_spec(use_te=use_te)
     return spec

@@ -1,0 +1,666 @@
+"""End-to-end Megatron throughput of MoE dispatchers, from the same seed, one table.
+
+    python scripts/throughput.py --config proxy_1gpu --dispatchers mok,alltoall --iters 20
+    torchrun --nproc-per-node 8 scripts/throughput.py --config proxy_8gpu --dispatchers mok,alltoall
+    python scripts/throughput.py --config tiny --iters 4 --profile -- --moe-router-topk 4
+
+Each dispatcher trains in its own `python -m megatron_mok.pretrain` process (one per rank under
+torchrun), so memory peaks don't mix; flags after `--` go to every run. The table gives, after
+`--warmup` iterations: the median time per iteration (Megatron's own `interval-time`), tokens/s/GPU,
+TFLOP/s/GPU (Megatron's count, `--log-throughput`), the peak memory of each rank, the speed-up over
+the first dispatcher and whether the lm-loss curves agree (max relative difference over all
+iterations; "agree" = equal to 4 significant digits at every iteration). `--out` receives
+throughput.json, throughput.md (the tables), throughput.png (matplotlib, if installed) and each
+run's logs (runs/DISPATCHER/rankN.log).
+
+`--profile` trains one more iteration under torch.profiler and splits its GPU time (kernels summed;
+CPU time on a CPU) into the MoE layers' forward and backward and the rest of the step; that
+iteration is left out of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "MOK_THROUGHPUT "  # a worker's per-iteration record on stdout, JSON after the marker
+LOSS_KEY = "lm loss"
+MOE_FORWARD, MOE_BACKWARD, STEP = "mok_throughput::moe_forward", "mok_throughput::moe_backward", "mok_throughput::step"
+_ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+_TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
+GIB = 1024**3
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one rank of one training run, with Megatron's log hooked in-process.
+# ------------------------------------------------------------------------------------------------
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _install_log_hooks(run_dir: Path, records: list[dict]) -> None:
+    """Records every iteration's lm loss (exact, from the loss dict), Megatron's elapsed ms and
+    TFLOP/s (from the log line it builds) on the last rank, which holds the loss."""
+    from megatron.training import training
+
+    last_message: list[str] = []
+    original_print, original_log = training.print_rank_last, training.training_log
+
+    def print_rank_last(message: Any) -> None:
+        if isinstance(message, str):
+            last_message.append(message)
+        original_print(message)
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
+        last_message.clear()
+        result = original_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+        line = next((m for m in reversed(last_message) if _ELAPSED.search(m)), None)
+        if line is not None and _rank() == _world() - 1:
+            tflops = _TFLOPS.search(line)
+            record = {
+                "iteration": int(iteration),
+                "ms": float(_ELAPSED.search(line).group(1)),
+                "tflops": float(tflops.group(1)) if tflops else None,
+                "losses": {key: float(value) for key, value in loss_dict.items()},
+            }
+            records.append(record)
+            with open(run_dir / "iterations.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            print(MARKER + json.dumps(record), flush=True)
+        return result
+
+    training.print_rank_last = print_rank_last
+    training.training_log = training_log
+
+
+def _write_meta(run_dir: Path, meta: dict, final: bool) -> None:
+    """This rank's facts: the run's shape from Megatron's arguments, its experts, and at the end
+    (`final`) the peak memory."""
+    import torch
+
+    try:
+        from megatron.training import get_args
+
+        args = get_args()
+        meta.update(
+            global_batch_size=args.global_batch_size,
+            seq_length=args.seq_length,
+            world_size=args.world_size,
+            transformer_impl=args.transformer_impl,
+            params_dtype=str(args.params_dtype).replace("torch.", ""),
+        )
+    except Exception:  # before Megatron parsed its arguments
+        pass
+    on_gpu = torch.cuda.is_available()
+    meta["device"] = torch.cuda.get_device_name() if on_gpu else "cpu"
+    meta["peak_allocated_bytes"] = torch.cuda.max_memory_allocated() if on_gpu and final else None
+    meta["peak_reserved_bytes"] = torch.cuda.max_memory_reserved() if on_gpu and final else None
+    (run_dir / f"rank{_rank()}.json").write_text(json.dumps(meta))
+
+
+def _install_model_probe(run_dir: Path, meta: dict) -> None:
+    """Notes the experts module of the MoE layers Megatron builds (SequentialMLP, TEGroupedMLP, ...)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_mok.megatron import gpt_training
+
+    original = gpt_training.model_provider
+
+    @functools.wraps(original)
+    def model_provider(*args, **kwargs):
+        model = original(*args, **kwargs)
+        meta["experts"] = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
+        _write_meta(run_dir, meta, final=False)  # a run stopped later still has its shape
+        return model
+
+    gpt_training.model_provider = model_provider
+
+
+class _Profiled:
+    """Marks the MoE layers' forward and backward with profiler ranges during one train_step."""
+
+    active = False
+    open_ranges: list[Any] = []
+
+
+def _open_range(name: str) -> None:
+    import torch
+
+    handle = torch.autograd.profiler.record_function(name)
+    handle.__enter__()
+    _Profiled.open_ranges.append(handle)
+
+
+def _close_range() -> None:
+    if _Profiled.open_ranges:
+        _Profiled.open_ranges.pop().__exit__(None, None, None)
+
+
+def _range_functions():
+    import torch
+
+    class OpenBackwardRange(torch.autograd.Function):
+        """Identity on the layer's output: its backward runs first, so it opens the range."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            _open_range(MOE_BACKWARD)
+            return grad
+
+    class CloseBackwardRange(torch.autograd.Function):
+        """Identity on the layer's input: its backward runs once every path through the layer
+        (router, experts, shared experts) has produced the input's gradient."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            _close_range()
+            return grad
+
+    return OpenBackwardRange, CloseBackwardRange
+
+
+def _kernel_us(event, skip: frozenset) -> float:
+    """GPU time of the device activity an event and its CPU descendants launched, in us."""
+    own = sum(k.duration for k in event.kernels if k.name not in skip)
+    return own + sum(_kernel_us(child, skip) for child in event.cpu_children)
+
+
+def summarize_profile(events, on_gpu: bool) -> dict:
+    """MoE forward / backward / rest of one step, in ms (GPU kernel time, or CPU time on a CPU).
+    Only outermost MoE ranges count (a recomputed forward inside a backward is part of it)."""
+    from torch.autograd import DeviceType
+
+    ranges = (MOE_FORWARD, MOE_BACKWARD)
+    skip = frozenset((*ranges, STEP))  # the ranges' own GPU-timeline annotations
+
+    def nested(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name in ranges:
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
+    moe = {name: 0.0 for name in ranges}
+    calls = {name: 0 for name in ranges}
+    for event in cpu_events:
+        if event.name in ranges and not nested(event):
+            moe[event.name] += _kernel_us(event, skip) if on_gpu else event.cpu_time_total
+            calls[event.name] += 1
+    if on_gpu:
+        total = sum(k.duration for e in cpu_events for k in e.kernels if k.name not in skip)
+    else:
+        total = sum(e.cpu_time_total for e in cpu_events if e.name == STEP)
+    moe_us = moe[MOE_FORWARD] + moe[MOE_BACKWARD]
+    return {
+        "clock": "GPU kernel time" if on_gpu else "CPU time",
+        "moe_forward_ms": moe[MOE_FORWARD] / 1e3,
+        "moe_backward_ms": moe[MOE_BACKWARD] / 1e3,
+        "moe_ms": moe_us / 1e3,
+        "rest_ms": (total - moe_us) / 1e3,
+        "step_ms": total / 1e3,
+        "moe_share": moe_us / total if total > 0 else None,
+        "moe_forward_calls": calls[MOE_FORWARD],
+        "moe_backward_calls": calls[MOE_BACKWARD],
+    }
+
+
+def _install_profiler(run_dir: Path, profile_call: int) -> None:
+    """Runs train_step number `profile_call` under torch.profiler with the MoE ranges on."""
+    import torch
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training import training
+
+    OpenBackwardRange, CloseBackwardRange = _range_functions()
+    original_forward, original_step = MoELayer.forward, training.train_step
+    calls = [0]
+
+    def forward(self, hidden_states, intermediate_tensors=None, *args, **kwargs):
+        if not _Profiled.active or intermediate_tensors is not None or not torch.is_grad_enabled():
+            return original_forward(self, hidden_states, intermediate_tensors, *args, **kwargs)
+        hidden_states = CloseBackwardRange.apply(hidden_states)
+        with torch.autograd.profiler.record_function(MOE_FORWARD):
+            output, bias = original_forward(self, hidden_states, None, *args, **kwargs)
+        return OpenBackwardRange.apply(output), bias
+
+    def train_step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] != profile_call:
+            return original_step(*args, **kwargs)
+        on_gpu = torch.cuda.is_available()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            _Profiled.active = True
+            try:
+                with torch.autograd.profiler.record_function(STEP):
+                    result = original_step(*args, **kwargs)
+                if on_gpu:
+                    torch.cuda.synchronize()
+            finally:
+                _Profiled.active = False
+                while _Profiled.open_ranges:
+                    _close_range()
+        started = time.perf_counter()
+        summary = summarize_profile(prof.events(), on_gpu)
+        summary["iteration_call"] = profile_call
+        summary["analysis_s"] = round(time.perf_counter() - started, 2)
+        if _rank() == _world() - 1:
+            (run_dir / "profile.json").write_text(json.dumps(summary, indent=1))
+        return result
+
+    MoELayer.forward = forward
+    training.train_step = train_step
+
+
+def worker_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="throughput.py --worker")
+    parser.add_argument("--worker", type=Path, required=True, help="run folder")
+    parser.add_argument("--profile-call", type=int, default=0)
+    parser.add_argument("pretrain_argv", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    run_dir: Path = options.worker
+    pretrain_argv = options.pretrain_argv[1:] if options.pretrain_argv[:1] == ["--"] else options.pretrain_argv
+
+    from megatron_mok.megatron.cpu_compat import apply_cpu_patches
+
+    apply_cpu_patches()  # before megatron.training is imported (no-op with CUDA)
+    # The driver stops an overlong run with SIGTERM: exit through `finally` to write the peak.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    records: list[dict] = []
+    meta: dict[str, Any] = {"rank": _rank()}
+    _install_log_hooks(run_dir, records)
+    _install_model_probe(run_dir, meta)
+    if options.profile_call:
+        _install_profiler(run_dir, options.profile_call)
+
+    from megatron_mok import pretrain
+
+    try:
+        pretrain.main(pretrain_argv)
+    finally:
+        _write_meta(run_dir, meta, final=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver: one worker per dispatcher (per rank), then the table.
+# ------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Group:
+    """The drivers' own gloo group under torchrun (port choice, barriers); nothing otherwise."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = _rank(), _world()
+        self.dist = None
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            self.dist = dist
+
+    def broadcast(self, value: Any) -> Any:
+        if self.dist is None:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.dist is not None:
+            self.dist.barrier()
+
+    def close(self) -> None:
+        if self.dist is not None:
+            self.dist.destroy_process_group()
+
+
+def _child_env(port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env.update(
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=str(port),
+        RANK=str(_rank()),
+        WORLD_SIZE=str(_world()),
+        LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+        PYTHONUNBUFFERED="1",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_one(dispatcher: str, options, run_dir: Path, port: int, index: int, count: int) -> int:
+    """Trains one dispatcher on this rank; streams its progress on the reporting ranks."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (*run_dir.glob("rank*.json"), run_dir / "iterations.jsonl", run_dir / "profile.json"):
+        stale.unlink(missing_ok=True)
+    total_iters = options.iters + (1 if options.profile else 0)
+    pretrain_argv = [
+        "--config", options.config, *options.megatron_args,
+        "--moe-token-dispatcher-type", dispatcher, "--train-iters", str(total_iters), "--seed", str(options.seed),
+        "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
+    ]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(run_dir)]
+    if options.profile:
+        cmd += ["--profile-call", str(total_iters)]
+    cmd += ["--", *pretrain_argv]
+    reporter, first = _rank() == _world() - 1, _rank() == 0
+    log_path = run_dir / f"rank{_rank()}.log"
+    if reporter:
+        print(f"[{index}/{count}] {dispatcher}: python -m megatron_mok.pretrain {' '.join(pretrain_argv)}  (log: {log_path})", flush=True)
+    started = time.perf_counter()
+    tail: list[str] = []
+    with open(log_path, "w") as log, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(port), cwd=options.cwd
+    ) as child:
+        def stop() -> None:  # past --timeout: SIGTERM (the worker writes its peak), then SIGKILL
+            print(f"[rank {_rank()}] {dispatcher}: stopping the run after {options.timeout:.0f} s (--timeout)", flush=True)
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+        timer = threading.Timer(options.timeout, stop)
+        timer.start()
+        for line in child.stdout:
+            log.write(line)
+            if not line.startswith(MARKER):
+                tail = (tail + [line.rstrip()])[-40:]
+            if line.startswith(MARKER) and reporter:
+                record = json.loads(line[len(MARKER):])
+                loss = record["losses"].get(LOSS_KEY)
+                shown = f"  {LOSS_KEY} {loss:.6f}" if loss is not None else ""
+                print(f"    {dispatcher:>10}  iteration {record['iteration']:3d}/{total_iters}  {record['ms']:9.1f} ms{shown}", flush=True)
+            elif line.startswith("megatron_mok:") and first:
+                print("    " + line.rstrip(), flush=True)
+        child.wait()
+        timer.cancel()
+    if child.returncode != 0:
+        print(f"[rank {_rank()}] {dispatcher}: exit code {child.returncode} after {time.perf_counter() - started:.0f} s;"
+              f" last lines of {log_path}:", flush=True)
+        print("\n".join("    " + t for t in tail), flush=True)
+    elif reporter:
+        print(f"    {dispatcher}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    return child.returncode
+
+
+def significant_digits_agreeing(got: float, want: float) -> float:
+    """How many significant digits of `want` `got` reproduces: n such that |got - want| <= 0.5
+    units of the n-th digit (inf when equal)."""
+    if got == want:
+        return math.inf
+    if want == 0:
+        return 0.0
+    exponent = math.floor(math.log10(abs(want)))
+    # |d| <= 0.5 * 10^(exponent - n + 1)  <=>  n <= exponent + 1 + log10(0.5 / |d|)
+    return max(0.0, math.floor(exponent + 1 + math.log10(0.5 / abs(got - want))))
+
+
+def compare_losses(losses: dict[int, float], baseline: dict[int, float]) -> dict:
+    common = sorted(set(losses) & set(baseline))
+    if not common:
+        return {"iterations": 0, "max_rel_diff": None, "min_digits": None, "agree_4_digits": None}
+    rel = [abs(losses[i] - baseline[i]) / abs(baseline[i]) if baseline[i] else math.inf for i in common]
+    digits = [significant_digits_agreeing(losses[i], baseline[i]) for i in common]
+    worst = common[max(range(len(common)), key=lambda j: rel[j])]
+    return {
+        "iterations": len(common),
+        "max_rel_diff": max(rel),
+        "worst_iteration": worst,
+        "min_digits": min(digits),
+        "agree_4_digits": min(digits) >= 4,
+        "missing": sorted(set(baseline) ^ set(losses)),
+    }
+
+
+def summarize_run(dispatcher: str, rc: int, run_dir: Path, options) -> dict:
+    records = []
+    path = run_dir / "iterations.jsonl"
+    if path.exists():
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+    meta = next((r for r in ranks if "global_batch_size" in r), ranks[0] if ranks else {})
+    timed = [r for r in records if options.warmup < r["iteration"] <= options.iters]
+    run: dict[str, Any] = {
+        "dispatcher": dispatcher,
+        "rc": rc,
+        "iterations": records,
+        "timed_iterations": [r["iteration"] for r in timed],
+        "experts": sorted({e for r in ranks for e in r.get("experts", [])}),
+        "transformer_impl": meta.get("transformer_impl"),
+        "device": meta.get("device"),
+        "peak_allocated_gib": [r["peak_allocated_bytes"] / GIB if r.get("peak_allocated_bytes") is not None else None for r in ranks],
+        "peak_reserved_gib": [r["peak_reserved_bytes"] / GIB if r.get("peak_reserved_bytes") is not None else None for r in ranks],
+        "log": str(run_dir),
+    }
+    if timed:
+        ms = statistics.median(r["ms"] for r in timed)
+        tflops = [r["tflops"] for r in timed if r["tflops"] is not None]
+        run["median_ms"] = ms
+        run["min_ms"], run["max_ms"] = min(r["ms"] for r in timed), max(r["ms"] for r in timed)
+        if "global_batch_size" in meta:
+            tokens = meta["global_batch_size"] * meta["seq_length"]
+            run["tokens_per_iteration"] = tokens
+            run["tokens_per_s_per_gpu"] = tokens / (ms / 1e3) / meta["world_size"]
+        run["tflops_per_gpu"] = statistics.median(tflops) if tflops else None
+    profile = run_dir / "profile.json"
+    if profile.exists():
+        run["profile"] = json.loads(profile.read_text())
+    return run
+
+
+def _fmt(value: Optional[float], spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _peak(values: list) -> str:
+    known = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if not known:
+        return "n/a (CPU)"
+    return f"{max(known):.1f}" if len(known) == 1 else f"{max(known):.1f} (min {min(known):.1f}, {len(known)} ranks)"
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _agreement(run: dict, first: str) -> tuple[str, str]:
+    """(max relative difference, verdict) of a run's lm loss against the first dispatcher's."""
+    if run["dispatcher"] == first:
+        return "-", "(baseline)"
+    cmp = run.get("loss_vs_first", {})
+    if cmp.get("agree_4_digits") is None:
+        return "-", "-"
+    digits = "all" if cmp["min_digits"] == math.inf else f"{cmp['min_digits']:.0f}"
+    return _fmt(cmp["max_rel_diff"], ".1e"), f"{'yes' if cmp['agree_4_digits'] else 'NO'} ({digits} digits)"
+
+
+def format_tables(report: dict) -> str:
+    runs = report["runs"]
+    first = runs[0]["dispatcher"]
+    lines = [
+        f"Megatron end to end: --config {report['config']}, {report['world_size']} rank(s) on {report['device']}, "
+        f"{report['iters']} iterations, median after {report['warmup']} warm-up, seed {report['seed']}",
+        "",
+        _row("dispatcher", "experts", "ms/iteration", "tokens/s/GPU", "TFLOP/s/GPU", "peak GiB/rank",
+             f"speed-up vs {first}", f"lm loss vs {first}: max rel. diff", "agree (4 s.d.)"),
+        _row("---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"),
+    ]
+    for run in runs:
+        experts = ", ".join(run["experts"]) or "-"
+        if "median_ms" not in run:
+            lines.append(_row(run["dispatcher"], experts, f"failed (exit code {run['rc']}, log {run['log']})", *[""] * 6))
+            continue
+        name = run["dispatcher"]
+        if run["rc"] != 0:  # stopped early: the iterations it logged are still timed
+            name += f" (exit code {run['rc']} after {len(run['iterations'])} iterations)"
+        lines.append(_row(
+            name, experts, f"{run['median_ms']:.1f}", _fmt(run.get("tokens_per_s_per_gpu"), ",.0f"),
+            _fmt(run.get("tflops_per_gpu"), ".1f"), _peak(run["peak_allocated_gib"]), _fmt(run.get("speedup"), ".2f") + "x",
+            *_agreement(run, first),
+        ))
+    profiled = [run for run in runs if "profile" in run]
+    if profiled:
+        clock = profiled[0]["profile"]["clock"]
+        lines += ["", f"Where one training step's time goes (torch.profiler, {clock}; that iteration is not in the medians)", "",
+                  _row("dispatcher", "MoE forward ms", "MoE backward ms", "MoE ms", "rest ms", "step ms", "MoE share"),
+                  _row("---", "---:", "---:", "---:", "---:", "---:", "---:")]
+        for run in profiled:
+            p = run["profile"]
+            times = (p[k] for k in ("moe_forward_ms", "moe_backward_ms", "moe_ms", "rest_ms", "step_ms"))
+            lines.append(_row(run["dispatcher"], *(f"{t:.1f}" for t in times), _fmt(p["moe_share"], ".0%")))
+    impls = sorted({run["transformer_impl"] for run in runs if run.get("transformer_impl")})
+    if impls:
+        lines += ["", f"transformer impl: {', '.join(impls)}"]
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: Path) -> Optional[str]:
+    """Throughput bars and the loss curves overlaid; returns why not when it could not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        return f"no PNG: matplotlib is not installed ({error})"
+    runs = [run for run in report["runs"] if "median_ms" in run]
+    if not runs:
+        return "no PNG: no run finished"
+    figure, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [run["dispatcher"] for run in runs]
+    values = [run.get("tokens_per_s_per_gpu") or 0.0 for run in runs]
+    drawn = bars.bar(names, values, color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(runs)])
+    for bar, run in zip(drawn, runs):
+        bars.annotate(f"{run.get('speedup', 0):.2f}x\n{run['median_ms']:.0f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                      ha="center", va="bottom", fontsize=9)
+    bars.set_ylim(0, max(values + [1.0]) * 1.2)  # room for the labels
+    bars.set_ylabel("tokens/s/GPU")
+    bars.set_title(f"{report['config']}: median after {report['warmup']} warm-up iterations")
+    for i, run in enumerate(runs):
+        points = [(r["iteration"], r["losses"][LOSS_KEY]) for r in run["iterations"] if LOSS_KEY in r["losses"]]
+        diff = run.get("loss_vs_first", {}).get("max_rel_diff")
+        label = run["dispatcher"] + (f" (max rel. diff {diff:.1e})" if i and diff is not None else "")
+        if points:  # dashed over solid: equal curves stay visible
+            curves.plot(*zip(*points), marker=".", linestyle="-" if i == 0 else "--", label=label)
+    curves.xaxis.get_major_locator().set_params(integer=True)
+    curves.set_xlabel("iteration")
+    curves.set_ylabel(LOSS_KEY)
+    curves.set_title("loss curves (same seed)")
+    curves.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        worker_main(argv)
+        return 0
+    megatron_args: list[str] = []
+    if "--" in argv:
+        argv, megatron_args = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny", help="configs/NAME.yaml or a path (default: tiny)")
+    parser.add_argument("--dispatchers", default="alltoall,mok", help="comma-separated; the first is the baseline (speed-up, loss)")
+    parser.add_argument("--iters", type=int, default=20, help="training iterations per dispatcher (default 20)")
+    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (default iters // 4, >= 1)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the results (default /tmp/mok_throughput/CONFIG)")
+    parser.add_argument("--profile", action="store_true", help="split one more step into MoE layers vs the rest (torch.profiler)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is stopped (logged iterations count)")
+    options = parser.parse_args(argv)
+    options.megatron_args = megatron_args
+    options.cwd = os.getcwd()
+    dispatchers = [d for d in options.dispatchers.split(",") if d]
+    if options.warmup is None:
+        options.warmup = max(1, options.iters // 4)
+    if not dispatchers or options.iters <= options.warmup:
+        parser.error("need at least one dispatcher and --iters > --warmup")
+    config_stem = Path(options.config).stem
+    out = (options.out or Path("/tmp/mok_throughput") / config_stem).resolve()
+
+    group = _Group()
+    reporter = group.rank == group.world - 1
+    codes = []
+    for index, dispatcher in enumerate(dispatchers, 1):
+        port = group.broadcast(_free_port() if group.rank == 0 else None)
+        codes.append(run_one(dispatcher, options, out / "runs" / dispatcher, port, index, len(dispatchers)))
+        group.barrier()  # every rank's files are written
+    if reporter:
+        runs = [summarize_run(d, rc, out / "runs" / d, options) for d, rc in zip(dispatchers, codes)]
+        base = runs[0]
+        base_losses = {r["iteration"]: r["losses"][LOSS_KEY] for r in base["iterations"] if LOSS_KEY in r["losses"]}
+        for run in runs:
+            if "median_ms" in run and "median_ms" in base:
+                run["speedup"] = base["median_ms"] / run["median_ms"]
+            losses = {r["iteration"]: r["losses"][LOSS_KEY] for r in run["iterations"] if LOSS_KEY in r["losses"]}
+            run["loss_vs_first"] = compare_losses(losses, base_losses)
+        report = {
+            "config": options.config,
+            "dispatchers": dispatchers,
+            "iters": options.iters,
+            "warmup": options.warmup,
+            "seed": options.seed,
+            "profile": options.profile,
+            "world_size": group.world,
+            "device": next((run["device"] for run in runs if run.get("device")), "unknown"),
+            "megatron_args": megatron_args,
+            "command": [sys.executable, *sys.argv],
+            "runs": runs,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "throughput.json").write_text(json.dumps(report, indent=1, default=str))
+        skipped = write_plot(report, out / "throughput.png")
+        tables = format_tables(report)
+        (out / "throughput.md").write_text(tables + "\n")
+        print()
+        print(tables)
+        print()
+        print(f"wrote {out / 'throughput.json'}, throughput.md" + (f"; {skipped}" if skipped else " and throughput.png"))
+    group.close()
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
