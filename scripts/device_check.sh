@@ -4,7 +4,7 @@
 # digests.log, bench.log, bench_layer.json/png); a table prints last. Exits non-zero when the build,
 # any test or the digest comparison failed (the benchmarks still run, for the record).
 #   DIGESTS=docs/log/digests_....json  compare scripts/digests.py against that file
-#   SKIP_BENCH=1 / SKIP_LAYER=1        skip the benchmarks / the layer benchmark
+#   SKIP_BENCH=1 / SKIP_GEMM=1 / SKIP_LAYER=1   skip the benchmarks / the expert-GEMM one / the layer one
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/mok_out}
@@ -58,6 +58,6 @@ for r in rows[2:]:
     print(d["Kernel Name"][:60], "us", d.get("gpu__time_duration.sum"), "tensor%", d.get("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"), "L2 hit%", d.get("lts__t_sector_hit_rate.pct"))
 PY
 fi
-[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_expert_gemm.py ${GEMM_ARGS:-} 2>"$OUT/bench_gemm.err" | tee "$OUT/bench_gemm.log"
+[ "${SKIP_BENCH:-0}" = 1 ] || [ "${SKIP_GEMM:-0}" = 1 ] || python3 scripts/bench_expert_gemm.py ${GEMM_ARGS:-} 2>"$OUT/bench_gemm.err" | tee "$OUT/bench_gemm.log"
 [ "${SKIP_BENCH:-0}" = 1 ] || [ "${SKIP_LAYER:-0}" = 1 ] || python3 scripts/bench_layer.py --out "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.log"
 exit $status
