@@ -123,7 +123,7 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
         events[0].record()
         schedule = build_schedule(s["ids"], num_local_experts=s["fc1"].shape[0])
         events[1].record()
-        _, gate_up, act = st.dispatch_gate_up(s["x"], schedule, s["fc1"], MoKConfig().dispatch_ring_minibatches)
+        _, gate_up, act = st.dispatch_gate_up(exchange.dispatch_source(s["x"]), schedule, s["fc1"], MoKConfig().dispatch_ring_minibatches)
         events[2].record()
         out = st.expert_down(act, s["fc2"], schedule.expert_offsets)
         events[3].record()
