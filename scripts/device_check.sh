@@ -25,7 +25,7 @@ awk '/Function : .*expert_gemm_kernel/{on=1} /Function : /&&!/expert_gemm_kernel
 status=0
 # Every GPU test module and the extension's checks; on a Hopper GPU a kernel test fails (not skips)
 # when the extension cannot load (tests/cuda_checks.py).
-MEGATRON_MOK_REQUIRE_EXTENSION=1 python3 -m pytest -q -p no:cacheprovider tests/test_extension.py tests/test_gpu_*.py \
+MEGATRON_MOK_REQUIRE_EXTENSION=1 python3 -m pytest -q -p no:cacheprovider tests/ops/test_extension.py tests/*/test_gpu_*.py \
     ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1 || status=1
 tail -25 "$OUT/tests.log"
 if [ -n "${DIGESTS:-}" ]; then

@@ -4,7 +4,7 @@ and a token's fixed-order sum over k are the same arithmetic wherever they run, 
 puts each expert's rows in the same order (source rank, token, k) in both. So the comparison is
 exact: any difference is a wrong route, a wrong slot or a changed reduction order.
 
-Here: the reference backend on CPU. tests/test_gpu_emulation.py: the kernel backend on a Hopper GPU.
+Here: the reference backend on CPU. tests/comm/test_gpu_emulation.py: the kernel backend on a Hopper GPU.
 """
 
 from __future__ import annotations

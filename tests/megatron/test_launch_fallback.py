@@ -18,7 +18,7 @@ import yaml
 from megatron_mok.megatron import fallbacks
 from megatron_mok.megatron.fallbacks import MissingPackageError, resolve
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TE = (fallbacks.TE_MODULE,)
 APEX = (fallbacks.APEX_NORM_MODULE, fallbacks.APEX_GRAD_ACCUM_MODULE, *fallbacks.APEX_SOFTMAX_MODULES)

@@ -15,7 +15,7 @@ import torch
 
 from megatron_mok import limits
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
 REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
 HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
 needs_toolchain = pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")

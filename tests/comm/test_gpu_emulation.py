@@ -1,6 +1,6 @@
 """EmulatedGroup with the kernel backend on a Hopper GPU: every rank's outputs and gradients bitwise
 those of the EP = 1 kernel on the concatenated problem, same expert-GEMM family (why exact: see
-tests/test_emulation.py)."""
+tests/comm/test_emulation.py)."""
 
 from __future__ import annotations
 
