@@ -4,7 +4,7 @@ Megatron-LM assumes a CUDA device throughout: it allocates bookkeeping tensors w
 ``device="cuda"`` / ``device=torch.cuda.current_device()``, moves models with ``.cuda()``,
 synchronises timers with ``torch.cuda.synchronize()``, creates CUDA streams (DDP setup, the
 MoE all-to-all dispatcher) and checks ``param.type() == "torch.cuda.FloatTensor"``.
-Whatever has a Megatron flag is handled with flags (see ``notes/cpu_pretrain.md``: gloo,
+Whatever has a Megatron flag is handled with flags (see ``docs/cpu.md``: gloo,
 ``--inference-rng-tracker``, ``--rerun-mode disabled``, ...); :func:`apply_cpu_patches`
 covers the rest with a few process-wide patches.
 

@@ -25,7 +25,7 @@ from megatron_mok.moe import mok_moe
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
     """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`,
-    `--mok-expert-gemm` and `--mok-dispatch-ring-minibatches`, else default."""
+    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches` and `--mok-exchange`, else default."""
     explicit = getattr(config, "mok_config", None)
     if explicit is not None:
         if not isinstance(explicit, MoKConfig):
@@ -42,6 +42,7 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
         ("mok_backend", "backend"),
         ("mok_expert_gemm", "expert_gemm"),
         ("mok_dispatch_ring_minibatches", "dispatch_ring_minibatches"),
+        ("mok_exchange", "exchange"),
     ):
         value = getattr(args, flag, None) if args is not None else None
         if value is not None:

@@ -2,7 +2,8 @@
 
 - widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
   parser takes the choices of --moe-token-dispatcher-type;
-- adds MoK's own flags (--mok-backend, --mok-expert-gemm) to every Megatron argument parser;
+- adds MoK's own flags (--mok-backend, --mok-expert-gemm, --mok-dispatch-ring-minibatches,
+  --mok-exchange) to every Megatron argument parser;
 - checks mok's unsupported combinations when a TransformerConfig is built;
 - makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok.
 """
@@ -13,7 +14,8 @@ import argparse
 import functools
 import typing
 
-from megatron_mok.config import BACKENDS, EXPERT_GEMMS, MoKConfig
+from megatron_mok.config import BACKENDS, EXCHANGES, EXPERT_GEMMS, MoKConfig
+from megatron_mok.limits import DISPATCH_MINIBATCH_ROWS
 
 DISPATCHER_TYPE = "mok"
 _registered = False
@@ -51,9 +53,18 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--mok-dispatch-ring-minibatches",
         type=int,
         default=MoKConfig.dispatch_ring_minibatches,
-        help="Ring buffer of the sm90 gate/up GEMM's in-kernel dispatch, in minibatches of 1024 rows "
+        help="Ring buffer of the sm90 gate/up GEMM's in-kernel dispatch, in minibatches of "
+        f"{DISPATCH_MINIBATCH_ROWS} rows "
         "(bounded whatever the routing; backward gathers the rows again for the fc1 weight gradient); "
         "0 keeps every dispatched row from forward to backward instead.",
+    )
+    group.add_argument(
+        "--mok-exchange",
+        choices=EXCHANGES,
+        default="auto",
+        help="How rows cross expert-parallel ranks: symmetric (the in-kernel exchange through "
+        "symmetric memory: GPUs of one node with peer access), collective (torch.distributed "
+        "all-gather / all-to-all, anywhere), or auto (symmetric where it can run at EP > 1).",
     )
     return parser
 
