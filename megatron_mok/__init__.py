@@ -4,18 +4,18 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.functional import ForwardContext, Grads, backward, build_schedule, forward, recompute_forward_context
 from megatron_mok.moe import mok_moe
 from megatron_mok.schedule import Schedule
-from megatron_mok.workspace import Workspace, get_workspace
+from megatron_mok.comm import ExpertParallelGroup, get_expert_parallel_group
 
 __all__ = [
+    "ExpertParallelGroup",
     "ForwardContext",
     "Grads",
     "MoKConfig",
     "Schedule",
-    "Workspace",
     "backward",
     "build_schedule",
     "forward",
-    "get_workspace",
+    "get_expert_parallel_group",
     "mok_moe",
     "recompute_forward_context",
     "register",

@@ -5,13 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES, EXPERT_GEMM_GROUP_M
+from megatron_mok.limits import min_dispatch_ring_minibatches
+
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel")
 ExpertGemm = Literal["auto", "grouped_mm", "sm90"]
-EXPERT_GEMMS: tuple[str, ...] = ("auto", "grouped_mm", "sm90")
-# One more than the 1024-row minibatches that a raster group of 16 m-tiles of 128 rows spans
-# (ops.EXPERT_GEMM_GROUP_M; the op checks the same bound for its group_m).
-MIN_DISPATCH_RING_MINIBATCHES = 3
+ExchangeKind = Literal["auto", "collective", "symmetric"]
+EXCHANGES: tuple[str, ...] = ("auto", "collective", "symmetric")
+EXPERT_GEMMS: tuple[str, ...] = tuple(EXPERT_GEMM_CHOICES)
+# The shortest ring the dispatching GEMM accepts at the raster the kernel backend runs (the op checks
+# the same bound for the group_m it is given).
+MIN_DISPATCH_RING_MINIBATCHES = min_dispatch_ring_minibatches(EXPERT_GEMM_GROUP_M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,32 +25,38 @@ class MoKConfig:
 
     Attributes:
         backend: "reference" runs the exact PyTorch implementation; "kernel" the CUDA kernel
-            backend for Hopper (an error where it cannot run, see backends.py); "auto" picks the
+            backend for Hopper (an error where it cannot run, see backends/__init__.py); "auto" picks the
             kernel where it can run and the reference elsewhere.
         segment_alignment: every local expert's segment of the schedule is padded to a
-            multiple of this many rows (padding rows are marked -1). 1 for the reference;
-            kernels set their M tile so a tile never straddles two experts.
+            multiple of this many rows (padding rows are marked -1). Results do not depend on it:
+            both backends take segments of any length; 1 (the default) adds no padding rows.
         expert_gemm: which GEMMs run the kernel backend's expert projections, forward and
             backward: "grouped_mm", the dispatch kernel, torch's grouped GEMM (CUTLASS) and the
             SwiGLU kernels; "sm90", megatron_mok's persistent warp-specialized TMA + wgmma
-            kernels (csrc/expert_gemm_sm90.cuh, csrc/expert_wgrad_sm90.cuh): gate/up with the
+            kernels (csrc/gemm/): gate/up with the
             dispatch inside (handed over minibatch by minibatch) and SwiGLU in its epilogue, down,
             the dgrads reading the weights as stored (SwiGLU backward in the down dgrad's
             epilogue) and the weight gradients; "auto" (the default), per projection the one
-            measured faster on the H200 (megatron_mok/kernels.py AUTO_KERNEL_STAGES,
+            measured faster on the H200 (backends/tuning.py EXPERT_GEMM_CHOICES,
             docs/performance.md). All give results within the same bound, bitwise reproducible.
         dispatch_ring_minibatches: the kernel backend's in-kernel dispatch (the "sm90" gate/up
             GEMM) writes the dispatched rows into a ring of this many minibatches of
-            ops.DISPATCH_MINIBATCH_ROWS rows, reused once every GEMM tile has loaded a slot, so
+            limits.DISPATCH_MINIBATCH_ROWS rows, reused once every GEMM tile has loaded a slot, so
             that buffer is bounded whatever the routing (all tokens to one expert included); the
             weight gradient of fc1 then gathers the rows again in backward. 0: no bound, the rows
             (capacity, hidden) are kept from forward to backward. Otherwise at least
             MIN_DISPATCH_RING_MINIBATCHES (one more than the minibatches a raster group of the
             GEMM's tiles spans, so the dispatch never waits on itself).
+        exchange: how rows cross expert-parallel ranks (megatron_mok/comm/): "collective",
+            torch.distributed all-gathers and all-to-alls (any device, any EP size; EP times the
+            rows of a balanced routing on every rank); "symmetric", the in-kernel exchange through
+            symmetric memory (pull dispatch, push combine, device-side signals; CUDA ranks of one
+            node with peer access and the extension; an error elsewhere); "auto" (the default):
+            "symmetric" where a group of more than one rank can have it, else "collective".
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one
-            (`ops.last_wait_timeout()` and a message at exit name it; without the extension, a
+            (`ops.last_failure()` and a message at exit name it; without the extension, a
             `torch._assert_async` device-side assert).
     """
 
@@ -54,6 +65,7 @@ class MoKConfig:
     check_expert_ids: bool = True
     expert_gemm: ExpertGemm = "auto"
     dispatch_ring_minibatches: int = 16
+    exchange: ExchangeKind = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -66,6 +78,8 @@ class MoKConfig:
                 f"MoKConfig.dispatch_ring_minibatches must be 0 (no bound) or an int >= "
                 f"{MIN_DISPATCH_RING_MINIBATCHES}, got {ring!r}"
             )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"MoKConfig.exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if not isinstance(self.segment_alignment, int) or self.segment_alignment < 1:
             raise ValueError(
                 f"MoKConfig.segment_alignment must be a positive int, got {self.segment_alignment!r}"

@@ -4,8 +4,9 @@
     y, ctx = forward(x, topk_ids, topk_weights, fc1, fc2, group=ep_group, schedule=schedule)
     grads = backward(ctx, dy, fc1, fc2)
 
-`mok_moe` wraps these in an autograd.Function. The backend named by `MoKConfig.backend` runs
-each pass; today that is the reference (`megatron_mok.reference`), the oracle of the kernels.
+`mok_moe` wraps these in an autograd.Function. Each pass is one fixed sequence of stages: the
+backend chosen for the call (`MoKConfig.backend`, backends/) supplies the per-rank stages, and the
+exchange (comm/exchange.py) everything that crosses expert-parallel ranks.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import reference as ref
-from megatron_mok.backends import resolve_backend
+from megatron_mok.backends import resolve_backend, stages_for
+from megatron_mok.comm import Exchange, ProcessGroup, exchange_for, get_expert_parallel_group
 from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import Schedule, build_schedule_from_gathered
-from megatron_mok.stages import stages_for
 from megatron_mok.validation import check_expert_ids, validate_moe_inputs
-from megatron_mok.workspace import ProcessGroup, Workspace, get_workspace
 
 
 @dataclasses.dataclass
@@ -29,15 +28,15 @@ class ForwardContext:
     """What backward needs from forward."""
 
     schedule: Schedule
-    workspace: Workspace
+    exchange: Exchange
     backend: str
     expert_gemm: str  # MoKConfig.expert_gemm: backward runs the same GEMM family as forward
     topk_ids: torch.Tensor  # (num_tokens, topk) int
     topk_weights: torch.Tensor  # (num_tokens, topk) float32
-    x_all: torch.Tensor  # (num_ranks * num_tokens, hidden): the group's rows, re-pulled in backward
+    x: torch.Tensor  # (num_tokens, hidden): this rank's tokens, pulled again in backward when rows is None
     gate_up: torch.Tensor  # (capacity, 2 * ffn_hidden) pre-activation, schedule order
     # The unweighted expert output of route t*topk+k is route_table[route_index[t*topk+k]]
-    # (index -1: dropped); see reference.route_index_reference.
+    # (index -1: dropped); see Exchange.route_index.
     route_table: torch.Tensor  # (num_rows, hidden)
     route_index: torch.Tensor  # (num_tokens * topk,) int64
     # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
@@ -46,7 +45,7 @@ class ForwardContext:
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 
-    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x_all", "gate_up", "route_table", "route_index", "rows", "act")
+    TENSOR_FIELDS = ("topk_ids", "topk_weights", "x", "gate_up", "route_table", "route_index", "rows", "act")
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.TENSOR_FIELDS)
@@ -76,19 +75,18 @@ def build_schedule(
         topk_ids: (num_tokens, topk) int32/int64 global expert ids, -1 = dropped; every rank of
             the group passes the same num_tokens and topk.
     """
-    workspace = get_workspace(group, topk_ids.device)
-    topk_ids_all = workspace.all_gather(topk_ids.to(torch.int64))
+    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
     return build_schedule_from_gathered(
-        topk_ids_all,
-        rank=workspace.rank,
+        exchange.gather_routing(topk_ids),
+        rank=exchange.rank,
         num_local_experts=num_local_experts,
         segment_alignment=config.segment_alignment,
         check_expert_ids=config.check_expert_ids,
     )
 
 
-def _check_schedule(schedule: Schedule, topk_ids: torch.Tensor, num_local_experts: int, workspace: Workspace, config: MoKConfig) -> None:
-    expected = (workspace.num_ranks, workspace.rank, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config.segment_alignment)
+def _check_schedule(schedule: Schedule, topk_ids: torch.Tensor, num_local_experts: int, exchange: Exchange, config: MoKConfig) -> None:
+    expected = (exchange.num_ranks, exchange.rank, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config.segment_alignment)
     got = (schedule.num_ranks, schedule.rank, schedule.num_tokens, schedule.topk, schedule.num_local_experts, schedule.segment_alignment)
     if expected != got:
         raise ValueError(
@@ -122,35 +120,36 @@ def forward(
     Returns:
         y (num_tokens, hidden) in x.dtype, and the context for `backward`.
     """
-    workspace = get_workspace(group, x.device)
+    exchange = exchange_for(get_expert_parallel_group(group, x.device), config.exchange)
     if validate:
-        validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=workspace.num_ranks, config=config)
-    backend = resolve_backend(config, x, fc1, workspace.num_ranks)
+        validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
+    backend = resolve_backend(config, x, fc1)
     num_local_experts = fc1.shape[0]
     if schedule is None:
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
     else:
-        _check_schedule(schedule, topk_ids, num_local_experts, workspace, config)
+        _check_schedule(schedule, topk_ids, num_local_experts, exchange, config)
         if config.check_expert_ids and not schedule.expert_ids_checked and topk_ids.device.type != "cpu":
             # (validate_moe_inputs checks CPU ids; on CUDA the schedule build does, and this one skipped it.)
-            check_expert_ids(topk_ids, num_local_experts * workspace.num_ranks)
+            check_expert_ids(topk_ids, num_local_experts * exchange.num_ranks)
 
     stages = stages_for(backend, config.expert_gemm)
     offsets = schedule.expert_offsets
-    x_all = workspace.all_gather(x).reshape(-1, x.shape[1])
-    rows, gate_up, act = stages.dispatch_gate_up(x_all, schedule, fc1, config.dispatch_ring_minibatches)
+    source = exchange.dispatch_source(x)
+    rows, gate_up, act = stages.dispatch_gate_up(source, schedule, fc1, config.dispatch_ring_minibatches)
+    exchange.release(source)
     slot_out = stages.expert_down(act, fc2, offsets)
-    route_index = ref.route_index_reference(schedule, topk_ids)
-    route_table = ref.return_rows_reference(slot_out, schedule, workspace)
+    route_index = exchange.route_index(schedule, topk_ids)
+    route_table = exchange.return_rows(slot_out, schedule)
     y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)
     ctx = ForwardContext(
         schedule=schedule,
-        workspace=workspace,
+        exchange=exchange,
         backend=backend,
         expert_gemm=config.expert_gemm,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
-        x_all=x_all,
+        x=x,
         gate_up=gate_up,
         route_table=route_table,
         route_index=route_index,
@@ -193,10 +192,10 @@ def backward(
         need_weight_grads (None otherwise). Each reduction has a fixed order, so the gradients are
         bitwise reproducible.
     """
-    schedule, workspace = ctx.schedule, ctx.workspace
-    if grad_y.shape != (schedule.num_tokens, ctx.x_all.shape[1]):
-        raise ValueError(f"grad_y must be {(schedule.num_tokens, ctx.x_all.shape[1])}, got {tuple(grad_y.shape)}")
-    grad_y = grad_y.to(ctx.x_all.dtype).contiguous()
+    schedule, exchange = ctx.schedule, ctx.exchange
+    if grad_y.shape != ctx.x.shape:
+        raise ValueError(f"grad_y must be {tuple(ctx.x.shape)}, got {tuple(grad_y.shape)}")
+    grad_y = grad_y.to(ctx.x.dtype).contiguous()
     offsets = schedule.expert_offsets
 
     stages = stages_for(ctx.backend, ctx.expert_gemm)
@@ -204,18 +203,29 @@ def backward(
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
-    grad_slot_out = stages.pull_route_grads(grad_y, ctx.topk_weights, schedule, workspace)
+    grad_source = exchange.grad_source(grad_y, ctx.topk_weights)
+    grad_slot_out = stages.pull_route_grads(grad_source, schedule)
+    exchange.release(grad_source)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, ctx.gate_up, offsets)
 
     d_x = None
-    if need_input_grads:
+    # The return of the dX rows crosses ranks: at EP > 1 every rank runs it, whatever its own
+    # requires_grad flags say, or the ranks that skipped it would leave the others waiting.
+    if need_input_grads or exchange.num_ranks > 1:
         grad_rows = stages.dgrad_rows(grad_gate_up, fc1, offsets)
-        table = ref.return_rows_reference(grad_rows, schedule, workspace)
-        d_x = stages.combine(table, ctx.route_index, None, topk, grad_y.dtype)
+        table = exchange.return_rows(grad_rows, schedule)
+        if need_input_grads:
+            d_x = stages.combine(table, ctx.route_index, None, topk, grad_y.dtype)
 
     d_fc1 = d_fc2 = None
+    rows = ctx.rows
+    # Whether forward kept its rows depends on the capacity, the ring and the EP size only, so it is
+    # the same on every rank; at EP > 1 every rank joins the pull again, whatever its requires_grad.
+    if rows is None and (need_weight_grads or exchange.num_ranks > 1):
+        source = exchange.dispatch_source(ctx.x)
+        rows = stages.dispatch_rows(source, schedule)
+        exchange.release(source)
     if need_weight_grads:
-        rows = ctx.rows if ctx.rows is not None else stages.dispatch_rows(ctx.x_all, schedule)
         act = ctx.act if ctx.act is not None else stages.swiglu(ctx.gate_up, offsets)
         d_fc1 = stages.segment_weight_grad(grad_gate_up, rows, offsets)
         d_fc2 = stages.segment_weight_grad(grad_slot_out, act, offsets)

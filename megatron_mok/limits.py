@@ -22,11 +22,16 @@ MAX_TOPK = 4096
 # Every bounded wait of a kernel gives up after this long, records which wait and traps.
 WAIT_TIMEOUT_NS = 10 * 1000 * 1000 * 1000
 
+# Most ranks of an expert-parallel group whose buffers the in-kernel exchange addresses (one NVLink
+# node): the kernels take the peers' addresses by value in their params.
+MAX_EP_RANKS = 8
+
 COMPILED = {
     "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,
     "DISPATCH_MINIBATCH_ROWS": DISPATCH_MINIBATCH_ROWS,
     "MAX_TOPK": MAX_TOPK,
     "WAIT_TIMEOUT_NS": WAIT_TIMEOUT_NS,
+    "MAX_EP_RANKS": MAX_EP_RANKS,
 }
 
 

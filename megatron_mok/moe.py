@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron_mok import functional
 from megatron_mok.config import MoKConfig
 from megatron_mok.validation import validate_moe_inputs
-from megatron_mok.workspace import ProcessGroup, get_workspace
+from megatron_mok.comm import ProcessGroup, get_expert_parallel_group
 
 
 class _RoutedExperts(torch.autograd.Function):
@@ -41,7 +41,7 @@ class _RoutedExperts(torch.autograd.Function):
         return grads.x, None, grads.topk_weights, grads.fc1, grads.fc2, None, None
 
 
-def shared_expert_reference(x: torch.Tensor, shared_fc1: torch.Tensor, shared_fc2: torch.Tensor) -> torch.Tensor:
+def shared_expert(x: torch.Tensor, shared_fc1: torch.Tensor, shared_fc2: torch.Tensor) -> torch.Tensor:
     """The shared expert: shared_fc2 @ (silu(gate x) * (up x)), SwiGLU in fp32. Returns x.dtype."""
     gate_up = x @ shared_fc1.t()
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -80,12 +80,12 @@ def mok_moe(
     Returns:
         (num_tokens, hidden) in x.dtype.
     """
-    num_ranks = get_workspace(group, x.device).num_ranks if isinstance(x, torch.Tensor) else 1
+    num_ranks = get_expert_parallel_group(group, x.device).num_ranks if isinstance(x, torch.Tensor) else 1
     validate_moe_inputs(
         x, topk_ids, topk_weights, fc1, fc2,
         num_ranks=num_ranks, config=config, shared_fc1=shared_fc1, shared_fc2=shared_fc2,
     )
     y = _RoutedExperts.apply(x, topk_ids, topk_weights, fc1, fc2, group, config)
     if shared_fc1 is not None:
-        y = y + shared_expert_reference(x, shared_fc1, shared_fc2)
+        y = y + shared_expert(x, shared_fc1, shared_fc2)
     return y

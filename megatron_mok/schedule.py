@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from megatron_mok.limits import schedule_capacity
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -49,11 +51,6 @@ class Schedule:
         return self.route_to_slot.shape[0]
 
 
-def schedule_capacity(num_routes: int, num_local_experts: int, segment_alignment: int) -> int:
-    """Worst-case rows: every route of the group lands here and every segment needs full padding."""
-    return num_routes + num_local_experts * (segment_alignment - 1)
-
-
 def build_schedule_from_gathered(
     topk_ids_all: torch.Tensor,
     *,
@@ -63,7 +60,7 @@ def build_schedule_from_gathered(
     check_expert_ids: bool = False,
 ) -> Schedule:
     """Builds this rank's schedule from the group's routing: two CUDA kernels where the extension
-    is loaded (csrc/schedule_sm90.cuh), else `build_schedule_reference`; both give the same result.
+    is loaded (csrc/moe/schedule_sm90.cuh), else `build_schedule_torch`; both give the same result.
 
     Args:
         topk_ids_all: (num_ranks, num_tokens, topk) int32/int64 global expert ids, -1 = dropped.
@@ -72,7 +69,7 @@ def build_schedule_from_gathered(
         check_expert_ids: check every id against [-1, num_ranks * num_local_experts) (every rank
             sees the whole group's ids, so all fail alike instead of one rank leaving the others
             in a collective). The kernel checks while it reads the ids and traps on a bad one
-            (ops.last_wait_timeout() names it): no extra launches or host work before the layer's
+            (ops.last_failure() names it): no extra launches or host work before the layer's
             first large kernel. Elsewhere `validation.check_expert_ids` (a ValueError on CPU, a
             device-side assert on CUDA).
     """
@@ -96,16 +93,17 @@ def build_schedule_from_gathered(
         from megatron_mok.validation import check_expert_ids as check
 
         check(topk_ids_all, num_experts)
-    schedule = build_schedule_reference(
+    schedule = build_schedule_torch(
         topk_ids_all, rank=rank, num_local_experts=num_local_experts, segment_alignment=segment_alignment
     )
     return dataclasses.replace(schedule, expert_ids_checked=check_expert_ids)
 
 
-def build_schedule_reference(
+def build_schedule_torch(
     topk_ids_all: torch.Tensor, *, rank: int, num_local_experts: int, segment_alignment: int = 1
 ) -> Schedule:
-    """The schedule in PyTorch ops (the reference of the schedule kernel); arguments as above."""
+    """The schedule in PyTorch ops: the schedule off CUDA, and the reference of the schedule kernel;
+    arguments as above."""
     num_ranks, num_tokens, topk = topk_ids_all.shape
     device = topk_ids_all.device
     num_routes = num_ranks * num_tokens * topk

@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
 from megatron_mok import MoKConfig, build_schedule, ops  # noqa: E402
-from megatron_mok.kernels import (  # noqa: E402
+from megatron_mok.backends import tuning  # noqa: E402
+from megatron_mok.backends.kernel import (  # noqa: E402
     grouped_mm_dgrad_rows,
     grouped_mm_dgrad_swiglu,
     grouped_mm_gate_up,
@@ -71,11 +72,11 @@ def make_inputs(shape, seed):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--clusters", default="1,2")
-    parser.add_argument("--group-m", default=str(ops.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
+    parser.add_argument("--group-m", default=str(tuning.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument(
         "--ring", type=int, default=MoKConfig().dispatch_ring_minibatches,
-        help="ring buffer of the dispatch_ring row, in minibatches of 1024 rows (default: MoKConfig's)",
+        help="ring buffer of the dispatch_ring row, in minibatches of limits.DISPATCH_MINIBATCH_ROWS rows (default: MoKConfig's)",
     )
     parser.add_argument(
         "--projections", default="dispatch+gate_up+swiglu,dispatch_ring+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up,wgrad_gate_up,wgrad_down"
@@ -129,12 +130,6 @@ def main() -> None:
                 lambda s: grouped_mm_dgrad_rows(s["gate_up"], s["fc1"], s["offsets"]),
                 lambda s, c, g: ops.expert_gemm_dgrad(s["gate_up"], s["fc1"], s["offsets"], g),
                 2 * t * k * 2 * f * h,
-            ),
-            # The ping-pong kernel (csrc/expert_gemm_pingpong_sm90.cuh), clusters of 1 in every column.
-            "down_pingpong": (
-                lambda s: segment_matmul(s["act"], s["fc2"], s["offsets"]),
-                lambda s, c, g: ops.expert_gemm_pingpong(s["act"], s["fc2"], s["offsets"], g),
-                2 * t * k * h * f,
             ),
             "wgrad_gate_up": (
                 lambda s: segment_weight_grad(s["gate_up"], s["rows"], s["offsets"]),

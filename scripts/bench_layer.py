@@ -110,12 +110,11 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
     import statistics
 
     from megatron_mok import build_schedule
-    from megatron_mok.stages import stages_for
-    from megatron_mok.reference import return_rows_reference, route_index_reference
-    from megatron_mok.workspace import get_workspace
+    from megatron_mok.backends import stages_for
+    from megatron_mok.comm import exchange_for, get_expert_parallel_group
 
     st = stages_for("kernel", expert_gemm)
-    workspace = get_workspace(None, s["x"].device)
+    exchange = exchange_for(get_expert_parallel_group(None, s["x"].device))
     # dispatch_gate_up is one stage: the sm90 GEMM folds the dispatch into its loads.
     names = ("schedule", "dispatch+gate_up+swiglu", "down_gemm", "combine")
     samples = {n: [] for n in names}
@@ -128,8 +127,8 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
         events[2].record()
         out = st.expert_down(act, s["fc2"], schedule.expert_offsets)
         events[3].record()
-        table = return_rows_reference(out, schedule, workspace)
-        index = route_index_reference(schedule, s["ids"])
+        table = exchange.return_rows(out, schedule)
+        index = exchange.route_index(schedule, s["ids"])
         st.combine(table, index, s["weights"], schedule.topk, s["x"].dtype)
         events[4].record()
         events[-1].synchronize()

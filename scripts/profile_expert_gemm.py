@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_expert_gemm import SHAPES, make_inputs  # noqa: E402
 
 from megatron_mok import ops  # noqa: E402
-from megatron_mok.kernels import segment_matmul  # noqa: E402
+from megatron_mok.backends.kernel import segment_matmul  # noqa: E402
 
 
 def main() -> None:

@@ -9,19 +9,26 @@ import pytest
 import torch
 
 
-def hopper_kernels_available() -> bool:
-    """A Hopper GPU is present and the megatron_mok CUDA extension loaded."""
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return False
+def hopper_gpu_present() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def require_extension() -> None:
+    """Fails the calling test when the CUDA extension did not load: on a Hopper GPU (or wherever
+    the kernels are expected) a missing extension is a broken build, never a reason to skip."""
     from megatron_mok import ops
 
-    return ops.extension_error() is None
+    if ops.extension_error() is not None:
+        pytest.fail(f"the megatron_mok CUDA extension did not load: {ops.extension_error()}")
 
 
-# pytestmark of the test modules that run the kernels (skipped cleanly elsewhere).
+# pytestmark of the test modules that run the kernels: skipped without a Hopper GPU; on one, the
+# `hopper_extension` fixture (tests/conftest.py) fails every test of the module if the extension
+# cannot load.
 NEEDS_HOPPER_KERNELS = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not hopper_kernels_available(), reason="needs a Hopper GPU and the built CUDA extension"),
+    pytest.mark.skipif(not hopper_gpu_present(), reason="needs a Hopper GPU"),
+    pytest.mark.usefixtures("hopper_extension"),
 ]
 
 

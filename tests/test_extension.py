@@ -1,5 +1,7 @@
 """Where a CUDA toolchain and a CUDA build of torch exist, the extension must have been built
-(CI has nvcc but no GPU: a kernel that does not compile for sm_90a fails here)."""
+(CI has nvcc but no GPU: a kernel that does not compile for sm_90a fails here). CI also sets
+MEGATRON_MOK_REQUIRE_EXTENSION=1, so a machine that lost its toolchain fails instead of skipping the
+compile checks."""
 
 from __future__ import annotations
 
@@ -11,17 +13,42 @@ import subprocess
 import pytest
 import torch
 
+from megatron_mok import limits
+
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
+HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
+needs_toolchain = pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+
+OPS = (
+    "build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward",
+    "swiglu_backward", "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "expert_gemm_dgrad",
+    "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad",
+)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or torch.version.cuda is None, reason="no CUDA toolchain")
-def test_cuda_extension_is_built_and_registers_every_op():
+@needs_toolchain
+def test_toolchain_is_present_where_required():
+    assert HAS_TOOLCHAIN, "MEGATRON_MOK_REQUIRE_EXTENSION=1 but nvcc or a CUDA build of torch is missing"
+
+
+@needs_toolchain
+@pytest.mark.parametrize("name", OPS)
+def test_cuda_extension_is_built_and_registers_a_cuda_kernel(name):
     from megatron_mok.ops import extension_error
 
     assert extension_error() is None, f"megatron_mok._C did not load: {extension_error()}"
-    for name in ("build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward",
-                 "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "expert_gemm_dgrad", "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad", "expert_gemm_pingpong", "last_wait_timeout"):
-        assert hasattr(torch.ops.megatron_mok, name), name
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_mok::{name}", "CUDA"), name
+    # The fake (meta) implementation beside the wrapper (megatron_mok/ops/): torch.compile needs it.
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_mok::{name}", "Meta"), name
+
+
+@needs_toolchain
+def test_extension_was_compiled_with_the_limits_python_uses():
+    from megatron_mok.ops import compiled_limits, last_failure
+
+    assert compiled_limits() == limits.COMPILED, "a stale build: rebuild the extension (pip install -e .)"
+    assert last_failure() is None
 
 
 def test_kernel_backend_is_not_chosen_for_cpu_tensors():

@@ -148,11 +148,23 @@ def test_frozen_weights_skip_weight_grads():
     assert x.grad is not None and fc1.grad is None and fc2.grad is None
 
 
-def test_reference_backend_forced():
-    inputs = make_inputs(SHAPES["small"], "uniform", torch.float32, seed=9)
-    y_auto, _ = run_mok(*inputs)
-    y_ref, _ = run_mok(*inputs, config=MoKConfig(backend="reference"))
-    assert torch.equal(y_auto, y_ref)
+def test_reference_backend_forced_where_the_kernel_could_run(monkeypatch):
+    """backend="reference" must win over a kernel that could run (here: one pretended runnable, so
+    "auto" picks it), and the forced call must run the reference's stages end to end."""
+    import megatron_mok.backends as backends
+    from megatron_mok.backends.reference import REFERENCE_STAGES
+
+    x, ids, weights, fc1, fc2, grad = make_inputs(SHAPES["small"], "uniform", torch.float32, seed=9)
+    monkeypatch.setattr(backends, "kernel_unsupported_reason", lambda *args, **kwargs: None)
+    assert backends.resolve_backend(MoKConfig(), x, fc1) == "kernel"
+    assert backends.resolve_backend(MoKConfig(backend="reference"), x, fc1) == "reference"
+    tables = []
+    real_stages_for = backends.stages_for
+    monkeypatch.setattr("megatron_mok.functional.stages_for", lambda *a: tables.append(real_stages_for(*a)) or tables[-1])
+    y, _ = run_mok(x, ids, weights, fc1, fc2, grad, config=MoKConfig(backend="reference"))
+    assert len(tables) == 2 and all(table is REFERENCE_STAGES for table in tables)  # forward, backward
+    y_ref, _ = run_oracle(x, ids, weights, fc1, fc2, grad)
+    assert relative_error(y, y_ref) <= TOLERANCE[torch.float32]
 
 
 def test_kernel_backend_on_cpu_is_an_error():

@@ -1,6 +1,7 @@
-"""Exact PyTorch reference of every MoK stage.
+"""The reference backend: every MoK stage in exact PyTorch.
 
-These functions are the reference backend and the oracle every fused kernel is tested against.
+These functions are the backend that runs anywhere (CPU, any GPU, any dtype) and the oracle every
+fused kernel is tested against.
 Each takes and returns fixed-shape tensors (shapes depend only on the schedule's capacity, never
 on the routing), so the whole layer runs without a host synchronization and is deterministic:
 every reduction here is either a GEMM with a fixed reduction order or an explicit loop over k.
@@ -17,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_mok.backends.stages import Stages
 from megatron_mok.schedule import Schedule
-from megatron_mok.workspace import Workspace
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -37,7 +38,7 @@ def _alignment(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
-def segment_matmul_reference(
+def segment_matmul(
     rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """out[i] = rows[i] @ weight[e].T for every row i of segment e.
@@ -61,13 +62,13 @@ def segment_matmul_reference(
     return torch.where(in_segment.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def segment_weight_grad_reference(
+def segment_weight_grad(
     grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """dW[e] = grad_out[seg e].T @ inputs[seg e], the reduction over a segment's rows.
 
     Args:
-        grad_out: (capacity, N); inputs: (capacity, K); offsets as in segment_matmul_reference.
+        grad_out: (capacity, N); inputs: (capacity, K); offsets as in segment_matmul.
     Returns:
         (num_local_experts, N, K) in grad_out.dtype; an expert with no rows gets zeros.
     """
@@ -81,50 +82,52 @@ def segment_weight_grad_reference(
     return out
 
 
-def dispatch_rows_reference(x_all: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+def dispatch_rows(source, schedule: Schedule) -> torch.Tensor:
     """Pull dispatch: gathers the rows of the group's tokens into this rank's schedule order.
 
     Args:
-        x_all: (num_ranks * num_tokens, hidden), the group's activations in rank order.
+        source: Exchange.dispatch_source's; materialized as (num_ranks * num_tokens, hidden), the
+            group's activations in rank order.
     Returns:
         (capacity, hidden); padding rows are zero.
     """
+    x_all = source.materialize()
     route = schedule.slot_to_route
     token_row = torch.where(route >= 0, route // schedule.topk, 0)
     rows = x_all.index_select(0, token_row)
     return torch.where((route >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def swiglu_reference(gate_up: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """silu(gate) * up in fp32, rounded once. gate_up: (rows, 2F), gate columns first.
 
-    `offsets` is unused: rows past the last segment are already zero (segment_matmul_reference).
+    `offsets` is unused: rows past the last segment are already zero (segment_matmul).
     """
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-def expert_gate_up_reference(
+def expert_gate_up(
     rows: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate/up projection and SwiGLU of every segment: (gate_up (capacity, 2F), act (capacity, F)).
 
     act is computed from the rounded gate_up, so backward's SwiGLU derivative sees the same values.
     """
-    gate_up = segment_matmul_reference(rows, fc1, offsets)
-    return gate_up, swiglu_reference(gate_up, offsets)
+    gate_up = segment_matmul(rows, fc1, offsets)
+    return gate_up, swiglu(gate_up, offsets)
 
 
-def dispatch_gate_up_reference(
-    x_all: torch.Tensor, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int = 0
+def dispatch_gate_up(
+    source, schedule: Schedule, fc1: torch.Tensor, ring_minibatches: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pull dispatch, then the gate/up projection and SwiGLU: (rows (capacity, H), gate_up, act).
     The reference gathers every row (ring_minibatches, the kernel's buffer bound, does not apply)."""
-    rows = dispatch_rows_reference(x_all, schedule)
-    return (rows, *expert_gate_up_reference(rows, fc1, schedule.expert_offsets))
+    rows = dispatch_rows(source, schedule)
+    return (rows, *expert_gate_up(rows, fc1, schedule.expert_offsets))
 
 
-def swiglu_backward_reference(
+def swiglu_backward(
     gate_up: torch.Tensor, grad_act: torch.Tensor, offsets: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """d(gate_up) from d(act) for act = silu(gate) * up, in fp32, rounded once."""
@@ -137,55 +140,14 @@ def swiglu_backward_reference(
     return torch.cat((grad_gate, grad_up), dim=-1).to(gate_up.dtype)
 
 
-def route_index_reference(schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Where each of this rank's routes finds its result after `return_rows_reference`.
-
-    Args:
-        topk_ids: (num_tokens, topk) this rank's routing.
-    Returns:
-        (num_tokens * topk,) int64: route t*topk+k reads table[index[t*topk+k]]; -1 for a
-        dropped route. It depends on the routing only, so forward and backward share it.
-    """
-    ids = topk_ids.to(torch.int64).reshape(-1)
-    if schedule.num_ranks == 1:
-        return torch.where(ids >= 0, schedule.route_to_slot, -1)
-    routes_per_rank = schedule.num_tokens * schedule.topk
-    owner = torch.where(ids >= 0, ids // schedule.num_local_experts, 0)
-    local_route = torch.arange(routes_per_rank, device=ids.device, dtype=torch.int64)
-    return torch.where(ids >= 0, owner * routes_per_rank + local_route, -1)
-
-
-def return_rows_reference(slot_rows: torch.Tensor, schedule: Schedule, workspace: Workspace) -> torch.Tensor:
-    """Push combine: makes every computed row reachable from its route's source rank.
-
-    Each route is computed by exactly one rank (the owner of its expert); the source reads the
-    owner's copy (at `route_index_reference`), so no value is ever summed across ranks and the
-    result is deterministic.
-
-    Args:
-        slot_rows: (capacity, hidden) per-row results in this rank's schedule order.
-    Returns:
-        the table (num_rows, hidden): with one rank `slot_rows` itself (nothing moves); with several
-        the all-to-all receive buffer, block r holding rank r's rows for this rank's routes.
-    """
-    if schedule.num_ranks == 1:
-        return slot_rows
-    hidden = slot_rows.shape[1]
-    # Row `capacity` is the zero row that routes owned by other ranks read.
-    padded = torch.cat((slot_rows, slot_rows.new_zeros(1, hidden)), dim=0)
-    send = padded.index_select(0, schedule.route_to_slot)
-    recv = workspace.all_to_all(send.view(schedule.num_ranks, schedule.num_tokens * schedule.topk, hidden))
-    return recv.reshape(-1, hidden)
-
-
-def gather_route_rows_reference(table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
+def gather_route_rows(table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
     """(num_tokens, topk, hidden): table[index], zero where index is -1."""
     padded = torch.cat((table, table.new_zeros(1, table.shape[1])), dim=0)
     safe = torch.where(index >= 0, index, table.shape[0])
     return padded.index_select(0, safe).view(-1, topk, table.shape[1])
 
 
-def combine_reference(
+def combine(
     table: torch.Tensor, index: torch.Tensor, topk_weights: Optional[torch.Tensor], topk: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """y[t] = sum over k (ascending) of w[t, k] * table[index[t, k]] in fp32, rounded once to dtype.
@@ -193,7 +155,7 @@ def combine_reference(
     Routes with index -1 are skipped whatever their weight; topk_weights None means all ones.
     Returns: (num_tokens, hidden) in dtype.
     """
-    route_rows = gather_route_rows_reference(table, index, topk)
+    route_rows = gather_route_rows(table, index, topk)
     acc = torch.zeros(route_rows.shape[0], route_rows.shape[2], dtype=torch.float32, device=table.device)
     for k in range(topk):
         rows_k = route_rows[:, k].float()
@@ -204,45 +166,58 @@ def combine_reference(
     return acc.to(dtype)
 
 
-def pull_route_grads_reference(
-    grad_y: torch.Tensor, topk_weights: torch.Tensor, schedule: Schedule, workspace: Workspace
-) -> torch.Tensor:
+def pull_route_grads(source, schedule: Schedule) -> torch.Tensor:
     """Pull reverse-combine: each row's output gradient, weight * dY of its token, in dY's dtype.
 
     Args:
-        grad_y: (num_tokens, hidden) gradient of this rank's output.
-        topk_weights: (num_tokens, topk) float32.
+        source: Exchange.grad_source's; materialized as the group's output gradients
+            (num_ranks * num_tokens, hidden) and routing weights (num_ranks * num_tokens * topk,) fp32.
     Returns:
         (capacity, hidden); padding rows are zero.
     """
-    grad_y_all = workspace.all_gather(grad_y).reshape(-1, grad_y.shape[1])
-    weights_all = workspace.all_gather(topk_weights).reshape(-1)
+    grad_y_all, weights_all = source.materialize()
     route = schedule.slot_to_route
     valid = route >= 0
     safe_route = torch.where(valid, route, 0)
     rows = grad_y_all.index_select(0, safe_route // schedule.topk).float()
     weight = torch.where(valid, weights_all.index_select(0, safe_route), 0.0)
-    return (rows * weight.unsqueeze(1)).to(grad_y.dtype)
+    return (rows * weight.unsqueeze(1)).to(grad_y_all.dtype)
 
 
-def route_weight_grads_reference(
+def route_weight_grads(
     grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int
 ) -> torch.Tensor:
     """d topk_weights[t, k] = <dY[t], table[index[t, k]]> in fp32; zero for dropped routes."""
-    route_rows = gather_route_rows_reference(table, index, topk)
+    route_rows = gather_route_rows(table, index, topk)
     grads = torch.einsum("th,tkh->tk", grad_y.float(), route_rows.float())
     return torch.where(index.view(-1, topk) >= 0, grads, 0.0)
 
 
-def dgrad_swiglu_reference(
+def dgrad_swiglu(
     grad_out: torch.Tensor, fc2: torch.Tensor, gate_up: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """d gate_up (capacity, 2F) from d out (capacity, H): the down projection's dgrad, grad_act =
     grad_out @ fc2[e] per segment (rounded like every matmul stage), then the SwiGLU backward."""
-    grad_act = segment_matmul_reference(grad_out, fc2.transpose(1, 2), offsets)
-    return swiglu_backward_reference(gate_up, grad_act, offsets)
+    grad_act = segment_matmul(grad_out, fc2.transpose(1, 2), offsets)
+    return swiglu_backward(gate_up, grad_act, offsets)
 
 
-def dgrad_rows_reference(grad_gate_up: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def dgrad_rows(grad_gate_up: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """d rows (capacity, H) = d gate_up @ fc1[e] per segment: the gate/up projection's dgrad."""
-    return segment_matmul_reference(grad_gate_up, fc1.transpose(1, 2), offsets)
+    return segment_matmul(grad_gate_up, fc1.transpose(1, 2), offsets)
+
+
+REFERENCE_STAGES = Stages(
+    dispatch_rows=dispatch_rows,
+    dispatch_gate_up=dispatch_gate_up,
+    expert_down=segment_matmul,
+    segment_matmul=segment_matmul,
+    swiglu=swiglu,
+    swiglu_backward=swiglu_backward,
+    segment_weight_grad=segment_weight_grad,
+    dgrad_swiglu=dgrad_swiglu,
+    dgrad_rows=dgrad_rows,
+    combine=combine,
+    pull_route_grads=pull_route_grads,
+    route_weight_grads=route_weight_grads,
+)

@@ -1,28 +1,31 @@
-"""Which implementation runs a MoK call.
+"""Backends: the stage contract (stages.py), the reference (reference.py), the CUDA kernels
+(kernel.py) with their tuning table (tuning.py), and here the choice of which one runs a call.
 
-The kernel backend needs: one expert-parallel rank (for now), CUDA tensors on a Hopper GPU (the
-extension is built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
+The kernel backend needs CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
+extension loaded, bf16 activations, and hidden and ffn sizes
 that are multiples of 8 (16-byte rows for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
+Any expert-parallel size: the stages are per rank, and what crosses ranks is the exchange's
+(comm/exchange.py), the same for both backends.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_mok.config import MoKConfig
+from megatron_mok.backends.stages import Stages
+
+if TYPE_CHECKING:  # config imports backends.tuning: no import of config at run time here
+    from megatron_mok.config import MoKConfig
 
 _warned: set[str] = set()
 
 
-def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, num_ranks: int = 1) -> Optional[str]:
+def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[str]:
     """None if the kernel backend can run this call, else why not."""
-    if num_ranks != 1:
-        # The stages are written for any EP size, but no multi-GPU run has verified them yet.
-        return f"the kernel backend runs one expert-parallel rank so far (this group has {num_ranks})"
     if not x.is_cuda:
         return f"x is on {x.device}, the kernel needs CUDA tensors"
     from megatron_mok.ops import extension_error
@@ -40,11 +43,11 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, num_ranks: int
     return None
 
 
-def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, num_ranks: int) -> str:
+def resolve_backend(config: "MoKConfig", x: torch.Tensor, fc1: torch.Tensor) -> str:
     """Returns "reference" or "kernel" for this call, or raises where "kernel" cannot run."""
     if config.backend == "reference":
         return "reference"
-    reason = kernel_unsupported_reason(x, fc1, num_ranks)
+    reason = kernel_unsupported_reason(x, fc1)
     if reason is None:
         return "kernel"
     if config.backend == "kernel":
@@ -53,3 +56,19 @@ def resolve_backend(config: MoKConfig, x: torch.Tensor, fc1: torch.Tensor, num_r
         _warned.add(reason)
         warnings.warn(f"megatron_mok: running the reference backend because {reason}", stacklevel=3)
     return "reference"
+
+
+def stages_for(backend: str, expert_gemm: str = "auto") -> Stages:
+    """The stage table of a backend; expert_gemm (MoKConfig.expert_gemm) picks the kernel backend's
+    expert GEMMs. The tables import lazily: the reference needs no extension."""
+    if backend == "reference":
+        from megatron_mok.backends.reference import REFERENCE_STAGES
+
+        return REFERENCE_STAGES
+    if backend == "kernel":
+        from megatron_mok.backends.kernel import KERNEL_STAGES
+
+        if expert_gemm not in KERNEL_STAGES:
+            raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(KERNEL_STAGES)}")
+        return KERNEL_STAGES[expert_gemm]
+    raise ValueError(f"unknown backend {backend!r}")

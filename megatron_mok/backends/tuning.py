@@ -1,0 +1,50 @@
+"""The kernel backend's tuning table: which kernel runs each expert projection, and its launch shape.
+
+Every entry is a choice measured on the H200 (scripts/bench_expert_gemm.py, docs/performance.md);
+none changes a result: every family gives the same bound against fp32 and is bitwise reproducible
+run to run. Limits that the kernels and Python must agree on live in megatron_mok/limits.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The expert projections of a pass, as `MoKConfig.expert_gemm` families choose them.
+PROJECTIONS = ("gate_up", "down", "dgrad_down", "dgrad_gate_up", "weight_grads")
+FAMILIES = ("grouped_mm", "sm90")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGemmChoice:
+    """The GEMM family per projection: "sm90" (csrc/gemm/) or "grouped_mm" (torch's CUTLASS)."""
+
+    gate_up: str  # the pull dispatch + gate/up + SwiGLU (sm90: dispatch inside the GEMM)
+    down: str
+    dgrad_down: str  # the down projection's dgrad with the SwiGLU backward
+    dgrad_gate_up: str  # d rows from d gate_up
+    weight_grads: str  # d fc1 and d fc2
+
+    def __post_init__(self) -> None:
+        for name in PROJECTIONS:
+            if getattr(self, name) not in FAMILIES:
+                raise ValueError(f"ExpertGemmChoice.{name} must be one of {FAMILIES}, got {getattr(self, name)!r}")
+
+
+EXPERT_GEMM_CHOICES = {
+    # Per projection the faster on the H200, same inputs, one run: ours for down, the gate/up dgrad and
+    # the weight gradients; torch's CUTLASS for gate/up and the down dgrad with the SwiGLU backward.
+    "auto": ExpertGemmChoice(
+        gate_up="grouped_mm", down="sm90", dgrad_down="grouped_mm", dgrad_gate_up="sm90", weight_grads="sm90"
+    ),
+    "grouped_mm": ExpertGemmChoice(*(["grouped_mm"] * len(PROJECTIONS))),
+    "sm90": ExpertGemmChoice(*(["sm90"] * len(PROJECTIONS))),
+}
+
+# CTAs per cluster of the sm90 expert GEMMs. 2: pairs of CTAs share each weight slice through TMA
+# multicast; 1: none. The dispatching gate/up GEMM runs pairs, the others single CTAs.
+DISPATCH_GEMM_CLUSTER_M = 2
+EXPERT_GEMM_CLUSTER_M = 1
+
+# The tile raster of the sm90 expert GEMMs: within an expert, groups of this many m-tiles are walked
+# m fastest, so the CTAs working at once share weight slices and rows in L2.
+EXPERT_GEMM_GROUP_M = 16

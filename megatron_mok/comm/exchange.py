@@ -1,0 +1,151 @@
+"""The exchange: every byte that crosses expert-parallel ranks in a MoK pass, as one stage.
+
+MoK moves data between ranks at four points, and only there:
+
+- the routing all-gather: every rank learns the group's top-k ids and builds the same schedule;
+- the source of the rows the dispatch pulls (forward: x; backward: dY with the routing weights);
+- the return of per-row results to the route's source rank (forward: the down projection's rows,
+  the push combine; backward: the dX rows, the push reverse-dispatch), and where the source finds
+  each route's row afterwards (the route index the fixed-order combine reads).
+
+`Exchange` is that contract; `CollectiveExchange` implements it with fixed-size torch.distributed
+collectives (all-gather, equal-split all-to-all), on any device and any EP size, with no receive
+count on the host. The in-kernel exchange (peer pulls and pushes through symmetric memory) is
+another implementation of the same contract, so it replaces this stage and nothing else.
+
+Determinism: each route is computed by exactly one rank (the owner of its expert) and returned to
+exactly one slot, so nothing is ever summed across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Union
+
+import torch
+
+from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredRows:
+    """The rows a dispatch pulls, gathered into one tensor: (num_ranks * num_tokens, hidden), rank
+    r's token t at row r * num_tokens + t (route // topk, schedule.py)."""
+
+    rows: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredGradRows:
+    """The pull reverse-combine's source gathered: dY (num_ranks * num_tokens, hidden) and the routing
+    weights (num_ranks * num_tokens * topk,) float32, indexed like GatheredRows and by route."""
+
+    grad_y: torch.Tensor
+    weights: torch.Tensor
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.grad_y, self.weights
+
+
+# What dispatch_source / grad_source give: gathered tensors here; through symmetric memory, the peer
+# tables of comm/symmetric.py (same `materialize()` for stages that need one tensor).
+RowSource = Union[GatheredRows, "object"]
+GradSource = Union[GatheredGradRows, "object"]
+
+
+class Exchange(Protocol):
+    rank: int
+    num_ranks: int
+
+    def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, topk) int ids -> (num_ranks, num_tokens, topk) int64, every rank's in rank order."""
+        ...
+
+    def dispatch_source(self, x: torch.Tensor) -> RowSource:
+        """(num_tokens, hidden) -> where the group's rows can be pulled from: route r reads row
+        r // topk of the group's (num_ranks * num_tokens, hidden) rows (schedule.py)."""
+        ...
+
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
+        """(dY (num_tokens, hidden), w (num_tokens, topk) fp32) -> the pull reverse-combine's source."""
+        ...
+
+    def release(self, source: RowSource | GradSource) -> None:
+        """Every pull from `source` is issued: its buffers may be reused (a no-op for tensors)."""
+        ...
+
+    def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens * topk,) int64: where route t*topk+k of this rank finds its row in the table
+        `return_rows` gives; -1 for a dropped route. Depends on the routing only (forward and
+        backward share it)."""
+        ...
+
+    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        """(capacity, hidden) per-row results in this rank's schedule order -> the table its source
+        ranks read at `route_index`."""
+        ...
+
+
+class CollectiveExchange:
+    """The exchange over torch.distributed collectives of fixed size (any device, any EP size)."""
+
+    def __init__(self, group: ExpertParallelGroup):
+        self.group = group
+        self.rank = group.rank
+        self.num_ranks = group.num_ranks
+
+    def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(topk_ids.to(torch.int64))
+
+    def dispatch_source(self, x: torch.Tensor) -> GatheredRows:
+        return GatheredRows(self.group.all_gather(x).reshape(-1, x.shape[1]))
+
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GatheredGradRows:
+        grad_y_all = self.group.all_gather(grad_y).reshape(-1, grad_y.shape[1])
+        weights_all = self.group.all_gather(topk_weights).reshape(-1)
+        return GatheredGradRows(grad_y_all, weights_all)
+
+    def release(self, source) -> None:
+        pass  # the gathered tensors are this rank's own
+
+    def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
+        ids = topk_ids.to(torch.int64).reshape(-1)
+        if schedule.num_ranks == 1:
+            # The table is this rank's own slot rows.
+            return torch.where(ids >= 0, schedule.route_to_slot, -1)
+        # The table is the all-to-all receive buffer: block r holds rank r's rows of this rank's
+        # routes, at the route's own position.
+        routes_per_rank = schedule.num_tokens * schedule.topk
+        owner = torch.where(ids >= 0, ids // schedule.num_local_experts, 0)
+        local_route = torch.arange(routes_per_rank, device=ids.device, dtype=torch.int64)
+        return torch.where(ids >= 0, owner * routes_per_rank + local_route, -1)
+
+    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        if schedule.num_ranks == 1:
+            return slot_rows  # nothing moves
+        hidden = slot_rows.shape[1]
+        # Row `capacity` is the zero row that routes owned by other ranks read.
+        padded = torch.cat((slot_rows, slot_rows.new_zeros(1, hidden)), dim=0)
+        send = padded.index_select(0, schedule.route_to_slot)
+        recv = self.group.all_to_all(send.view(schedule.num_ranks, schedule.num_tokens * schedule.topk, hidden))
+        return recv.reshape(-1, hidden)
+
+
+def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
+    """The exchange a call runs over `group` (kind: MoKConfig.exchange): through symmetric memory
+    (comm/symmetric_exchange.py) where the group can have it and kind allows, else the collective
+    one. The choice depends only on the group and the config, so every rank of a group decides alike."""
+    if kind == "collective" or (kind == "auto" and group.num_ranks == 1):
+        return CollectiveExchange(group)
+    pool, reason = group.symmetric_pool()
+    if pool is None:
+        if kind == "symmetric":
+            raise ValueError(f"MoKConfig.exchange='symmetric' cannot run over this group: {reason}")
+        return CollectiveExchange(group)
+    from megatron_mok.comm.symmetric_exchange import SymmetricExchange
+
+    return SymmetricExchange(group, pool)

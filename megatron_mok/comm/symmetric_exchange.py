@@ -1,0 +1,125 @@
+"""The exchange through symmetric memory: ranks read and write each other's buffers directly.
+
+Forward: each rank copies its top-k ids and x into its own regions and signals; every rank pulls the
+group's ids (the schedule) and the rows its experts need straight from the sources' `tokens` regions
+into expert order (the pull dispatch: the kernels read peer memory through the regions' pointer
+tables); the experts' outputs are pushed into each source's `combine` region at slot t*K + k (the
+push combine); each source sums its own slots in fixed order. Backward mirrors it: dY and the
+routing weights pulled, dX rows pushed. No collective, no host synchronization: every wait is a
+bounded device-side wait on the signal protocol of comm/symmetric.py, so a pass can be captured in
+one CUDA graph once its regions exist.
+
+Nothing here grows with EP: per rank the regions hold T*H (tokens, grad_tokens) and T*K*H (combine)
+elements whatever the group size and the routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_mok import ops
+from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.comm.symmetric import SymmetricPool, SymmetricRegion
+from megatron_mok.schedule import Schedule
+
+READY, FREE = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRows:
+    """The group's rows in the ranks' `tokens` regions: rank r's token t at row r * T + t."""
+
+    tokens: SymmetricRegion  # own: (T, H)
+
+    def materialize(self) -> torch.Tensor:
+        """(R * T, H): every rank's rows in one tensor, for stages that need one (the reference)."""
+        return ops.gather_peer_regions(self.tokens.own, list(self.tokens.peer_ptrs)).flatten(0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerGradRows:
+    """dY in the ranks' `grad_tokens` regions and their routing weights in `grad_weights`."""
+
+    grad_tokens: SymmetricRegion  # own: (T, H)
+    grad_weights: SymmetricRegion  # own: (T * K,) float32
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = ops.gather_peer_regions(self.grad_tokens.own, list(self.grad_tokens.peer_ptrs)).flatten(0, 1)
+        weights = ops.gather_peer_regions(self.grad_weights.own, list(self.grad_weights.peer_ptrs)).reshape(-1)
+        return grad, weights
+
+
+class SymmetricExchange:
+    """The Exchange (comm/exchange.py) over a group's SymmetricPool."""
+
+    def __init__(self, group: ExpertParallelGroup, pool: SymmetricPool):
+        self.rank, self.num_ranks = group.rank, group.num_ranks
+        self.pool = pool
+        self._phases = {name: index for index, name in enumerate(ops.exchange_phase_names())}
+
+    # ---- the signal protocol (comm/symmetric.py) ---------------------------------------------
+
+    def _begin(self, phase: str) -> None:
+        ops.exchange_begin(self.pool.calls, self.pool.signals.own, self.rank, self._phases[phase])
+
+    def _signal(self, phase: str, kind: int) -> None:
+        ops.exchange_signal(
+            self.pool.calls, self.pool.signals.own, list(self.pool.signals.peer_ptrs), self.rank, self._phases[phase], kind
+        )
+
+    def _wait_ready(self, phase: str) -> None:
+        ops.exchange_wait_ready(self.pool.calls, self.pool.signals.own, self.rank, self._phases[phase])
+
+    def _publish(self, phase: str, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Call c of `phase`: wait until no peer still reads call c - 1's data, write this rank's
+        regions, tell every peer, wait until every source has written its own."""
+        self._begin(phase)
+        for region, value in copies:
+            region.copy_(value)
+        self._signal(phase, READY)
+        self._wait_ready(phase)
+
+    # ---- the Exchange ------------------------------------------------------------------------
+
+    def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, topk = topk_ids.shape
+        routing = self.pool.region("routing", num_tokens, 0, topk, torch.int64)
+        self._publish("routing", [(routing.own, topk_ids)])
+        ids_all = ops.gather_peer_regions(routing.own, list(routing.peer_ptrs))  # (R, T, K) int64
+        self._signal("routing", FREE)
+        return ids_all
+
+    def dispatch_source(self, x: torch.Tensor) -> PeerRows:
+        tokens = self.pool.region("tokens", x.shape[0], x.shape[1], 0, x.dtype)
+        self._publish("tokens", [(tokens.own, x)])
+        return PeerRows(tokens)
+
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> PeerGradRows:
+        num_tokens, topk = topk_weights.shape
+        grad_tokens = self.pool.region("grad_tokens", num_tokens, grad_y.shape[1], 0, grad_y.dtype)
+        grad_weights = self.pool.region("grad_weights", num_tokens, 0, topk, torch.float32)
+        self._publish("grad_tokens", [(grad_tokens.own, grad_y), (grad_weights.own, topk_weights.reshape(-1))])
+        return PeerGradRows(grad_tokens, grad_weights)
+
+    def release(self, source) -> None:
+        # Every pull from the peers' regions is issued on this rank's stream: they may be reused.
+        self._signal("tokens" if isinstance(source, PeerRows) else "grad_tokens", FREE)
+
+    def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
+        # The owners push route t*K + k into slot t*K + k of this rank's combine region.
+        ids = topk_ids.reshape(-1)
+        local_route = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+        return torch.where(ids >= 0, local_route, -1)
+
+    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        combine = self.pool.region("combine", schedule.num_tokens, slot_rows.shape[1], schedule.topk, slot_rows.dtype)
+        self._begin("combine")  # every source finished reading its combine region's previous rows
+        ops.push_rows(slot_rows, schedule.slot_to_route, schedule.topk, schedule.num_tokens, combine.own, list(combine.peer_ptrs))
+        self._signal("combine", READY)
+        self._wait_ready("combine")  # every owner pushed this rank's rows
+        # The table outlives the call (backward reads forward's); the region is the next call's.
+        table = combine.own.clone()
+        self._signal("combine", FREE)
+        return table

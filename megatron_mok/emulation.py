@@ -1,0 +1,305 @@
+"""R expert-parallel ranks in one process, on one device: the whole EP protocol without a cluster.
+
+    group = EmulatedGroup(num_ranks=4, device="cuda")       # device="cpu": the reference backend
+    ys = group.mok_moe(xs, topk_ids, topk_weights, fc1s, fc2s, config=MoKConfig())  # one per rank
+
+Each emulated rank has its own tensors and buffers and its own CUDA stream. Two exchanges:
+
+- `exchange="symmetric"` (the default on CUDA): the in-kernel exchange (comm/symmetric_exchange.py).
+  Each rank's regions are separate allocations and the peer tables point at them, as torch symmetric
+  memory gives one per GPU. The ranks' passes are launched one after the other from this thread,
+  each on its own stream; they meet on the device (bounded signal waits), so nothing blocks the host
+  and a whole step of every rank can be captured in one CUDA graph (fork the ranks' streams from the
+  capture stream). Every line of the layer a real rank runs, an emulated rank runs, kernels included.
+- `exchange="collective"` (the only one on CPU): the collective exchange, whose all-gathers and
+  all-to-alls an in-process rendezvous implements (`EmulatedRankGroup.all_gather` / `all_to_all`);
+  each rank runs in its own host thread and meets the others there. Every rendezvous is bounded
+  (`timeout_s`): a rank that never arrives (or fails) is an error naming the waiting rank and the
+  collective, never a hang. Not capturable (the rendezvous is on the host).
+
+Either way rank r's outputs and gradients are bitwise those of a real group's rank r.
+`mok_moe` here takes no shared expert (it is rank-local: add it per rank).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron_mok import functional
+from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.comm.symmetric import SymmetricPool, emulated_allocator
+from megatron_mok.config import MoKConfig
+from megatron_mok.limits import MAX_EP_RANKS
+from megatron_mok.validation import validate_moe_inputs
+
+
+class EmulatedRankTimeout(RuntimeError):
+    """A rank of an EmulatedGroup waited past the group's timeout at a collective."""
+
+
+class _Rendezvous:
+    """Every rank hands in one value and gets every rank's values, in rank order."""
+
+    def __init__(self, num_ranks: int, timeout_s: float):
+        self.slots: list[object] = [None] * num_ranks
+        self.barrier = threading.Barrier(num_ranks, timeout=timeout_s)
+        self.timeout_s = timeout_s
+
+    def exchange(self, rank: int, value: object, what: str) -> list[object]:
+        self.slots[rank] = value
+        self._wait(rank, what, "arrive")
+        values = list(self.slots)
+        self._wait(rank, what, "leave")  # no rank overwrites a slot before every rank has read it
+        return values
+
+    def _wait(self, rank: int, what: str, phase: str) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise EmulatedRankTimeout(
+                f"emulated rank {rank}: {what} ({phase}): not every rank of the group arrived within "
+                f"{self.timeout_s:g} s (a rank failed, or never called)"
+            ) from None
+
+
+class EmulatedRankGroup(ExpertParallelGroup):
+    """One emulated rank: an ExpertParallelGroup whose collectives meet the other ranks in-process."""
+
+    def __init__(self, rank: int, num_ranks: int, device: torch.device, rendezvous: _Rendezvous, make_pool=None):
+        super().__init__(group=None, rank=rank, num_ranks=num_ranks, device=device)
+        self.rendezvous = rendezvous
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._make_pool = make_pool  # None: the collective exchange
+
+    def symmetric_pool(self):
+        if self._make_pool is None:
+            return None, "this EmulatedGroup runs the collective exchange"
+        if self._pool is None:
+            self._pool = self._make_pool(self.rank)
+        return self._pool, ""
+
+    def _gathered(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        tensor = tensor.contiguous()
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        values = self.rendezvous.exchange(self.rank, (tensor, event), what)
+        if self.stream is None:
+            return [t for t, _ in values]
+        stream = torch.cuda.current_stream(self.device)
+        for peer_tensor, peer_event in values:
+            stream.wait_event(peer_event)  # the peer's stream wrote it
+            peer_tensor.record_stream(stream)  # not reused by the peer's allocator while we read it
+        return [t for t, _ in values]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._gathered(tensor, "all_gather"))
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        if send.shape[0] != self.num_ranks:
+            raise ValueError(f"all_to_all needs a leading dim of {self.num_ranks}, got {send.shape}")
+        sends = self._gathered(send, "all_to_all")
+        return torch.stack([peer_send[self.rank] for peer_send in sends])
+
+
+class EmulatedGroup:
+    """R emulated expert-parallel ranks on one device (see the module docstring)."""
+
+    def __init__(
+        self, num_ranks: int, device: str | torch.device = "cuda", *, exchange: Optional[str] = None, timeout_s: float = 60.0
+    ):
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        self.num_ranks = num_ranks
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.exchange = exchange or ("symmetric" if self.device.type == "cuda" else "collective")
+        if self.exchange not in ("symmetric", "collective"):
+            raise ValueError(f"exchange must be 'symmetric' or 'collective', got {self.exchange!r}")
+        make_pool = None
+        if self.exchange == "symmetric":
+            if self.device.type != "cuda":
+                raise ValueError("exchange='symmetric' needs a CUDA device (its kernels read peer buffers)")
+            if num_ranks > MAX_EP_RANKS:
+                raise ValueError(f"exchange='symmetric' addresses at most {MAX_EP_RANKS} ranks (one node), got {num_ranks}")
+            make_pool = self._make_pool
+            self._allocators = emulated_allocator(num_ranks, self.device)
+        self.rendezvous = _Rendezvous(num_ranks, timeout_s)
+        self.ranks = [EmulatedRankGroup(r, num_ranks, self.device, self.rendezvous, make_pool) for r in range(num_ranks)]
+
+    def _make_pool(self, rank: int) -> SymmetricPool:
+        from megatron_mok import ops
+
+        if ops.extension_error() is not None:
+            raise RuntimeError(f"exchange='symmetric' needs the CUDA extension: {ops.extension_error()}")
+        num_phases = len(ops.exchange_phase_names())
+        return SymmetricPool(rank, self.num_ranks, num_phases, self._allocators(rank), self.device)
+
+    def run_launched(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
+        """Runs body(rank) for every rank (or only `ranks`) from this thread, one after the other, each
+        on its own stream forked from the current one and joined back: for work that waits on the
+        device only (the symmetric exchange), so the ranks meet on the GPU. Capturable in a CUDA graph."""
+        ranks = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        main_stream = torch.cuda.current_stream(self.device)
+        results: list[object] = [None] * self.num_ranks
+        for rank in ranks:
+            stream = self.ranks[rank].stream
+            stream.wait_stream(main_stream)
+            with torch.cuda.stream(stream):
+                results[rank] = body(rank)
+        for rank in ranks:
+            main_stream.wait_stream(self.ranks[rank].stream)
+        for result in results:
+            for tensor in _tensors_in(result):
+                tensor.record_stream(main_stream)
+        return results
+
+    def run(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
+        """Runs body(rank) for every rank (or only `ranks`, e.g. to test a rank that never arrives),
+        each in its own thread and on its own stream, and returns the results in rank order. The
+        first failure is raised after every thread ended (the others fail at their next collective)."""
+        ranks = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        results: list[object] = [None] * self.num_ranks
+        errors: list[tuple[int, BaseException]] = []
+        main_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        def worker(rank: int) -> None:
+            group = self.ranks[rank]
+            try:
+                if main_stream is None:
+                    results[rank] = body(rank)
+                    return
+                with torch.cuda.device(self.device):
+                    group.stream.wait_stream(main_stream)  # the inputs were made on the caller's stream
+                    with torch.cuda.stream(group.stream):
+                        results[rank] = body(rank)
+            except BaseException as error:  # noqa: BLE001 (re-raised below)
+                errors.append((rank, error))
+                self.rendezvous.barrier.abort()  # the others fail at their next collective, not hang
+
+        threads = [threading.Thread(target=worker, args=(r,), name=f"mok-emulated-rank-{r}") for r in ranks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if main_stream is not None:
+            for rank in ranks:
+                main_stream.wait_stream(self.ranks[rank].stream)
+            for result in results:
+                for tensor in _tensors_in(result):
+                    tensor.record_stream(main_stream)
+        if errors:
+            self.rendezvous.barrier.reset()
+            # A rank's own error first: the others only report that it never arrived.
+            errors.sort(key=lambda item: isinstance(item[1], EmulatedRankTimeout))
+            rank, error = errors[0]
+            raise error
+        return results
+
+    def mok_moe(
+        self,
+        xs: Sequence[torch.Tensor],
+        topk_ids: Sequence[torch.Tensor],
+        topk_weights: Sequence[torch.Tensor],
+        fc1s: Sequence[torch.Tensor],
+        fc2s: Sequence[torch.Tensor],
+        *,
+        config: MoKConfig = MoKConfig(),
+    ) -> list[torch.Tensor]:
+        """megatron_mok.mok_moe on every rank: lists of R tensors, rank r's arguments at index r (same
+        layouts as mok_moe). Returns each rank's y; differentiable in every rank's x, topk_weights,
+        fc1 and fc2."""
+        inputs = (xs, topk_ids, topk_weights, fc1s, fc2s)
+        for name, values in zip(("xs", "topk_ids", "topk_weights", "fc1s", "fc2s"), inputs):
+            if not isinstance(values, (list, tuple)) or len(values) != self.num_ranks:
+                raise ValueError(f"{name} must be a list of {self.num_ranks} tensors (one per rank)")
+        # Every rank of a group passes the same num_tokens, topk and expert shapes.
+        for name, values in zip(("xs", "topk_ids", "topk_weights", "fc1s", "fc2s"), inputs):
+            shapes = {tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values}
+            if len(shapes) != 1:
+                raise ValueError(f"{name}: every rank must pass the same shape, got {[getattr(v, 'shape', v) for v in values]}")
+        for rank in range(self.num_ranks):
+            validate_moe_inputs(
+                xs[rank], topk_ids[rank], topk_weights[rank], fc1s[rank], fc2s[rank],
+                num_ranks=self.num_ranks, config=config,
+            )
+        if self.exchange == "symmetric" and config.exchange != "collective":
+            # One autograd node per rank, as on a real group: their backwards meet on the device too,
+            # in whatever order autograd runs them.
+            from megatron_mok.moe import mok_moe
+
+            return self.run_launched(
+                lambda r: mok_moe(xs[r], topk_ids[r], topk_weights[r], fc1s[r], fc2s[r], group=self.ranks[r], config=config)
+            )
+        flat = [*xs, *topk_ids, *topk_weights, *fc1s, *fc2s]
+        return list(_EmulatedRoutedExperts.apply(self, config, *flat))
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, functional.ForwardContext):
+        return [t for t in value.tensors() if t is not None]
+    if isinstance(value, functional.Grads):
+        return [t for t in (value.x, value.topk_weights, value.fc1, value.fc2) if t is not None]
+    return []
+
+
+def _zero_grad_y(fctx: functional.ForwardContext) -> torch.Tensor:
+    # A rank whose y took no part in the loss still runs its backward: its peers wait for it.
+    return torch.zeros_like(fctx.x)
+
+
+class _EmulatedRoutedExperts(torch.autograd.Function):
+    """Every rank's routed experts as one autograd node: forward and backward each run all ranks
+    at once, since each rank's pass waits for the others at the exchange."""
+
+    @staticmethod
+    def forward(ctx, group: EmulatedGroup, config: MoKConfig, *flat):
+        r = group.num_ranks
+        xs, ids, ws, fc1s, fc2s = (flat[i * r:(i + 1) * r] for i in range(5))
+        results = group.run(
+            lambda k: functional.forward(
+                xs[k], ids[k], ws[k], fc1s[k], fc2s[k], group=group.ranks[k], config=config, validate=False
+            )
+        )
+        ctx.group = group
+        ctx.save_for_backward(*fc1s, *fc2s)
+        ctx.fctxs = [fctx for _, fctx in results]
+        return tuple(y for y, _ in results)
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        group = ctx.group
+        r = group.num_ranks
+        saved = ctx.saved_tensors
+        fc1s, fc2s = saved[:r], saved[r:]
+        needs = ctx.needs_input_grad[2:]
+        need_x, need_w, need_fc1, need_fc2 = (any(needs[i * r:(i + 1) * r]) for i in (0, 2, 3, 4))
+        grads = group.run(
+            lambda k: functional.backward(
+                ctx.fctxs[k],
+                grad_ys[k] if grad_ys[k] is not None else _zero_grad_y(ctx.fctxs[k]),
+                fc1s[k],
+                fc2s[k],
+                need_input_grads=need_x or need_w,
+                need_weight_grads=need_fc1 or need_fc2,
+            )
+        )
+        ctx.fctxs = None
+        return (
+            None,
+            None,
+            *(g.x for g in grads),
+            *([None] * r),
+            *(g.topk_weights for g in grads),
+            *(g.fc1 for g in grads),
+            *(g.fc2 for g in grads),
+        )

@@ -1,0 +1,43 @@
+"""The `megatron_mok` custom ops over the CUDA extension: one module per op family, each op's fake
+implementation beside its wrapper; the extension's loading and self-report in `extension.py`.
+
+    schedule.py          build_schedule
+    dispatch_combine.py  dispatch_rows, combine, pull_grad_rows, route_weight_grads
+    swiglu.py            swiglu_forward, swiglu_backward
+    expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
+                         expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad
+
+Each op's PyTorch reference is the function of the same stage in backends/reference.py.
+"""
+
+from megatron_mok.ops.dispatch_combine import combine, dispatch_rows, pull_grad_rows, route_weight_grads
+from megatron_mok.ops.expert_gemm import (
+    dispatch_expert_gemm_swiglu,
+    expert_gemm,
+    expert_gemm_dgrad,
+    expert_gemm_dgrad_swiglu,
+    expert_gemm_swiglu,
+    expert_gemm_wgrad,
+)
+from megatron_mok.ops.extension import compiled_limits, extension_error, last_failure
+from megatron_mok.ops.schedule import build_schedule
+from megatron_mok.ops.swiglu import swiglu_backward, swiglu_forward
+
+__all__ = [
+    "build_schedule",
+    "combine",
+    "compiled_limits",
+    "dispatch_expert_gemm_swiglu",
+    "dispatch_rows",
+    "expert_gemm",
+    "expert_gemm_dgrad",
+    "expert_gemm_dgrad_swiglu",
+    "expert_gemm_swiglu",
+    "expert_gemm_wgrad",
+    "extension_error",
+    "last_failure",
+    "pull_grad_rows",
+    "route_weight_grads",
+    "swiglu_backward",
+    "swiglu_forward",
+]

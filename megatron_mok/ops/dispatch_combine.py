@@ -1,0 +1,50 @@
+"""Row movement ops (csrc/moe/): the pull dispatch, the fixed-order combine and their backward.
+References: the functions of the same stage in backends/reference.py."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_mok.ops.extension import register_fake
+
+
+@register_fake("dispatch_rows")
+def _dispatch_rows_fake(x_all, slot_to_route, topk):
+    return x_all.new_empty((slot_to_route.shape[0], x_all.shape[1]))
+
+
+@register_fake("combine")
+def _combine_fake(table, index, weights, topk):
+    return table.new_empty((index.shape[0] // topk, table.shape[1]))
+
+
+@register_fake("pull_grad_rows")
+def _pull_grad_rows_fake(grad_y_all, weights_all, slot_to_route, topk):
+    return grad_y_all.new_empty((slot_to_route.shape[0], grad_y_all.shape[1]))
+
+
+@register_fake("route_weight_grads")
+def _route_weight_grads_fake(grad_y, table, index, topk):
+    return grad_y.new_empty((grad_y.shape[0], topk), dtype=torch.float32)
+
+
+def dispatch_rows(x_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
+    """(capacity, H): x_all[slot_to_route // topk], zero for route -1. Ref: reference.dispatch_rows."""
+    return torch.ops.megatron_mok.dispatch_rows(x_all, slot_to_route, topk)
+
+
+def combine(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], topk: int) -> torch.Tensor:
+    """(T, H) in table.dtype: fixed-order fp32 sum over k. Ref: reference.combine."""
+    return torch.ops.megatron_mok.combine(table, index, weights, topk)
+
+
+def pull_grad_rows(grad_y_all: torch.Tensor, weights_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
+    """(capacity, H): w[route] * dY[route // topk]. Ref: reference.pull_route_grads."""
+    return torch.ops.megatron_mok.pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk)
+
+
+def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:
+    """(T, K) float32: <dY[t], table[index]>. Ref: reference.route_weight_grads."""
+    return torch.ops.megatron_mok.route_weight_grads(grad_y, table, index, topk)

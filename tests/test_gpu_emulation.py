@@ -1,0 +1,115 @@
+"""EmulatedGroup with the kernel backend on a Hopper GPU: every rank's outputs and gradients bitwise
+those of the EP = 1 kernel on the concatenated problem, same expert-GEMM family (why exact: see
+tests/test_emulation.py)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig
+from megatron_mok.emulation import EmulatedGroup
+from cuda_checks import NEEDS_HOPPER_KERNELS
+from test_emulation import ROUTINGS, assert_bitwise, make_problem, run_concatenated, run_emulated
+
+pytestmark = NEEDS_HOPPER_KERNELS
+
+# (num_ranks, num_tokens, hidden, ffn, local_experts, topk)
+GPU_CASES = {
+    "r2": (2, 256, 512, 256, 4, 4),
+    "r4_odd_tokens": (4, 100, 256, 128, 3, 8),
+    "r8": (8, 64, 512, 256, 2, 8),
+    "r8_t1": (8, 1, 256, 128, 2, 2),
+}
+GPU_CONFIGS = {
+    "auto": MoKConfig(backend="kernel"),
+    "sm90_ring3": MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=3),
+}
+
+
+@pytest.mark.parametrize("exchange", ["symmetric", "collective"])
+@pytest.mark.parametrize("config_name", list(GPU_CONFIGS))
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_emulated_kernel_equals_ep1_kernel_bitwise(case, routing, config_name, exchange):
+    num_ranks, t, h, f, e, k = GPU_CASES[case]
+    problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16, zlib.crc32(f"{case}/{routing}".encode()))
+    config = GPU_CONFIGS[config_name]
+    got = run_emulated(EmulatedGroup(num_ranks, "cuda", exchange=exchange), problem, e, config)
+    torch.cuda.synchronize()
+    assert_bitwise(got, run_concatenated(problem, config), f"{case}/{routing}/{config_name}/{exchange}")
+
+
+def _leaves(problem, num_ranks, local_experts):
+    x, ids, weights, fc1, fc2, grad = problem
+    e = local_experts
+    return (
+        [x[k].clone().requires_grad_() for k in range(num_ranks)],
+        [ids[k] for k in range(num_ranks)],
+        [weights[k].clone().requires_grad_() for k in range(num_ranks)],
+        [fc1[k * e:(k + 1) * e].clone().requires_grad_() for k in range(num_ranks)],
+        [fc2[k * e:(k + 1) * e].clone().requires_grad_() for k in range(num_ranks)],
+    )
+
+
+@pytest.mark.parametrize("config_name", list(GPU_CONFIGS))
+def test_symmetric_emulated_step_replays_in_one_cuda_graph(config_name):
+    """Every rank's forward and backward, their exchanges included, captured in one CUDA graph
+    (the ranks' streams forked from the capture stream) and replayed twice, bitwise as eager."""
+    from cuda_checks import assert_graph_replays_eager
+
+    num_ranks, t, h, f, e, k = GPU_CASES["r4_odd_tokens"]
+    problem = make_problem(num_ranks, t, h, f, e, k, "skewed", "cuda", torch.bfloat16, 11)
+    group = EmulatedGroup(num_ranks, "cuda", exchange="symmetric")
+    xs, ids, ws, fc1s, fc2s = _leaves(problem, num_ranks, e)
+    leaves = [*xs, *ws, *fc1s, *fc2s]
+    grad = problem[5]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        ys = group.mok_moe(xs, ids, ws, fc1s, fc2s, config=GPU_CONFIGS[config_name])
+        torch.autograd.backward(ys, [grad[r] for r in range(num_ranks)])
+        return torch.cat(ys)
+
+    eager_y = step().detach().clone()
+    eager_grads = [leaf.grad.clone() for leaf in leaves]
+    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+
+
+NEVER_ARRIVES = """
+import torch
+from megatron_mok import MoKConfig, mok_moe, ops
+from megatron_mok.emulation import EmulatedGroup
+group = EmulatedGroup(2, "cuda", exchange="symmetric")
+x = torch.randn(8, 64, device="cuda").bfloat16()
+ids = torch.zeros(8, 2, dtype=torch.int64, device="cuda")
+w = torch.rand(8, 2, device="cuda")
+fc1 = torch.randn(1, 64, 64, device="cuda").bfloat16()
+fc2 = torch.randn(1, 64, 32, device="cuda").bfloat16()
+try:
+    # Rank 0 alone: rank 1 never publishes its routing.
+    group.run_launched(lambda r: mok_moe(x, ids, w, fc1, fc2, group=group.ranks[r], config=MoKConfig(backend="kernel")), ranks=[0])
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as error:
+    print("error:", type(error).__name__)
+print("record:", ops.last_failure())
+"""
+
+
+def test_a_rank_that_never_arrives_traps_with_the_named_wait():
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", NEVER_ARRIVES], capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert "record:" in out and "no error" not in out, out
+    record = out.split("record:", 1)[1]
+    assert "routing" in record and "peer 1" in record and "call 1" in record, out
+    assert elapsed < 60, f"the bounded wait took {elapsed:.0f} s"
