@@ -15,7 +15,7 @@ struct FailureRecord {
   int kernel;    // FailingKernel (common/failure_codes.h)
   int check;     // the kernel's wait or check that failed (common/failure_codes.h)
   int block;     // blockIdx.x of the CTA that saw it
-  int peer;      // the peer rank the wait or check was about, -1 for none (no kernel has peers yet)
+  int peer;      // the peer rank the wait or check was about (the exchange's waits), -1 for none
   int call;      // the layer call id the kernel ran for, -1 for none (not passed to kernels yet)
 };
 
@@ -148,6 +148,42 @@ struct ExpertWgradParams {
   int32_t m;
   int32_t n;
   FailureRecord* failure_record;
+};
+
+}  // namespace mok
+
+// ==== The in-kernel expert-parallel exchange ====================================================
+// The structs of the exchange through symmetric memory (comm/symmetric.py has the regions and the
+// signal protocol): the row source of the peer gathers (moe/row_source_sm90.cuh,
+// moe/dispatch_sm90.cuh), filled by bindings/moe_ops.cu. One section of its own at the end of
+// this file: kMaxEpRanks comes from common/limits.h, included here so that the section stands
+// alone.
+
+#include "common/limits.h"
+
+namespace mok {
+
+// Where a row gather finds row g of the group's rows, rank-major (g = route / topk, schedule.py:
+// rank r's token t is row r * rows_per_base + t): base b = the b with b * rows_per_base <= g <
+// (b + 1) * rows_per_base, row g - b * rows_per_base of it, `hidden` elements. The weight of route
+// g * topk + k (the reverse-combine pull) is weight_bases[b][(g - b * rows_per_base) * topk + k].
+// The ranks' symmetric regions: base r = rank r's `tokens` (or `grad_tokens`, with `grad_weights`
+// as weight base r), rows_per_base = T. One base holding every row is one gathered tensor (x_all).
+// The bases travel by value in the params (no table in memory to read first): 144 bytes at 8 ranks.
+struct RowSource {
+  const void* bases[kMaxEpRanks];          // [num_bases], each (rows_per_base, hidden), 16-byte aligned for packs
+  const float* weight_bases[kMaxEpRanks];  // [num_bases], each (rows_per_base * topk,) fp32; all null: no weights
+  int64_t rows_per_base;
+  int32_t num_bases;  // in [1, kMaxEpRanks]
+};
+
+// The row gather of moe/dispatch_sm90.cuh reading the group's rows through a RowSource: the pull
+// dispatch from the ranks' `tokens` regions and the reverse-combine pull from `grad_tokens` and
+// `grad_weights`. The inherited src and weights are unused (null): rows and weights come from
+// `source`; num_routes is the group's, num_bases * rows_per_base * topk. A kernel instantiated for
+// GatherRowsParams reads exactly as before (same SASS): the peer form is a second instantiation.
+struct PeerGatherRowsParams : GatherRowsParams {
+  RowSource source;
 };
 
 }  // namespace mok

@@ -2,7 +2,8 @@
 implementation beside its wrapper; the extension's loading and self-report in `extension.py`.
 
     schedule.py          build_schedule
-    dispatch_combine.py  dispatch_rows, combine, pull_grad_rows, route_weight_grads
+    dispatch_combine.py  dispatch_rows, combine, pull_grad_rows, route_weight_grads,
+                         dispatch_rows_from_peers, pull_grad_rows_from_peers
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad
@@ -10,7 +11,14 @@ implementation beside its wrapper; the extension's loading and self-report in `e
 Each op's PyTorch reference is the function of the same stage in backends/reference.py.
 """
 
-from megatron_mok.ops.dispatch_combine import combine, dispatch_rows, pull_grad_rows, route_weight_grads
+from megatron_mok.ops.dispatch_combine import (
+    combine,
+    dispatch_rows,
+    dispatch_rows_from_peers,
+    pull_grad_rows,
+    pull_grad_rows_from_peers,
+    route_weight_grads,
+)
 from megatron_mok.ops.expert_gemm import (
     dispatch_expert_gemm_swiglu,
     expert_gemm,
@@ -29,6 +37,7 @@ __all__ = [
     "compiled_limits",
     "dispatch_expert_gemm_swiglu",
     "dispatch_rows",
+    "dispatch_rows_from_peers",
     "expert_gemm",
     "expert_gemm_dgrad",
     "expert_gemm_dgrad_swiglu",
@@ -37,6 +46,7 @@ __all__ = [
     "extension_error",
     "last_failure",
     "pull_grad_rows",
+    "pull_grad_rows_from_peers",
     "route_weight_grads",
     "swiglu_backward",
     "swiglu_forward",
