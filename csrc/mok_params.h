@@ -155,9 +155,10 @@ struct ExpertWgradParams {
 // ==== The in-kernel expert-parallel exchange ====================================================
 // The structs of the exchange through symmetric memory (comm/symmetric.py has the regions and the
 // signal protocol): the row source of the peer gathers (moe/row_source_sm90.cuh,
-// moe/dispatch_sm90.cuh), filled by bindings/moe_ops.cu. One section of its own at the end of
-// this file: kMaxEpRanks comes from common/limits.h, included here so that the section stands
-// alone.
+// moe/dispatch_sm90.cuh), the signal kernels (moe/exchange_sm90.cuh), the push combine and the
+// region pull (moe/push_combine_sm90.cuh); bindings/exchange_ops.cu and bindings/moe_ops.cu fill
+// them. One section of its own at the end of this file: kMaxEpRanks comes from common/limits.h,
+// included here so that the section stands alone.
 
 #include "common/limits.h"
 
@@ -184,6 +185,44 @@ struct RowSource {
 // GatherRowsParams reads exactly as before (same SASS): the peer form is a second instantiation.
 struct PeerGatherRowsParams : GatherRowsParams {
   RowSource source;
+};
+
+// One rank's step of the signal protocol (comm/symmetric.py). Signal pad of a rank, int64 counters
+// that only grow: pad[(phase * 2 + kind) * num_ranks + source] = how many times rank `source` has
+// signalled `kind` (0 ready, 1 free: common/failure_codes.h) for `phase` to this rank; 16 * P * R
+// bytes for P phases. calls[phase] = this rank's calls of the phase so far (local memory).
+struct ExchangeSignalParams {
+  int64_t* calls;                      // (num_phases,) this rank's, local
+  int64_t* signals;                    // this rank's pad, (num_phases, 2, num_ranks)
+  int64_t* peer_signals[kMaxEpRanks];  // [num_ranks] every rank's pad, rank order (this rank's included)
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t phase;                   // ExchangePhase (common/failure_codes.h)
+  int32_t kind;                    // the signal's kind (exchange_signal only)
+  FailureRecord* failure_record;   // host-mapped; null: trap without a record
+};
+
+// The push combine (moe/push_combine_sm90.cuh): row s of this rank's schedule, route r =
+// slot_to_route[s] >= 0, goes to row r % routes_per_rank of rank r / routes_per_rank's combine
+// table (the source's slot t * topk + k); rows with route -1 are skipped. Each (rank, slot) of the
+// group is written by exactly one row of one owner: no two writers, no atomics.
+struct PushRowsParams {
+  const void* slot_rows;            // (num_slots, row_bytes): this rank's per-row results
+  const int64_t* slot_to_route;     // (num_slots,) the group route of each row, -1 for padding
+  void* peer_tables[kMaxEpRanks];   // [num_ranks] every rank's combine region, (routes_per_rank, row_bytes)
+  int64_t num_slots;
+  int64_t routes_per_rank;          // num_tokens * topk
+  int64_t row_units;                // a row in units of the kernel's copy type
+  int32_t num_ranks;
+};
+
+// The region pull (moe/push_combine_sm90.cuh): out[r] = the `units` copy units of rank r's copy of
+// one region (every rank's top-k ids, for the schedule).
+struct GatherRegionsParams {
+  const void* peer_regions[kMaxEpRanks];  // [num_ranks] rank order
+  void* out;                              // (num_ranks, units)
+  int64_t units;
+  int32_t num_ranks;
 };
 
 }  // namespace mok

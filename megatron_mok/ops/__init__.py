@@ -7,6 +7,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad
+    exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
+                         push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
 Each op's PyTorch reference is the function of the same stage in backends/reference.py.
 """
@@ -18,6 +20,14 @@ from megatron_mok.ops.dispatch_combine import (
     pull_grad_rows,
     pull_grad_rows_from_peers,
     route_weight_grads,
+)
+from megatron_mok.ops.exchange import (
+    exchange_begin,
+    exchange_phase_names,
+    exchange_signal,
+    exchange_wait_ready,
+    gather_peer_regions,
+    push_rows,
 )
 from megatron_mok.ops.expert_gemm import (
     dispatch_expert_gemm_swiglu,
@@ -38,15 +48,21 @@ __all__ = [
     "dispatch_expert_gemm_swiglu",
     "dispatch_rows",
     "dispatch_rows_from_peers",
+    "exchange_begin",
+    "exchange_phase_names",
+    "exchange_signal",
+    "exchange_wait_ready",
     "expert_gemm",
     "expert_gemm_dgrad",
     "expert_gemm_dgrad_swiglu",
     "expert_gemm_swiglu",
     "expert_gemm_wgrad",
     "extension_error",
+    "gather_peer_regions",
     "last_failure",
     "pull_grad_rows",
     "pull_grad_rows_from_peers",
+    "push_rows",
     "route_weight_grads",
     "swiglu_backward",
     "swiglu_forward",
