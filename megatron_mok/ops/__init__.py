@@ -6,6 +6,7 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          dispatch_rows_from_peers, pull_grad_rows_from_peers
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
+                         dispatch_expert_gemm_swiglu_from_peers (for now: two kernels),
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
@@ -31,6 +32,7 @@ from megatron_mok.ops.exchange import (
 )
 from megatron_mok.ops.expert_gemm import (
     dispatch_expert_gemm_swiglu,
+    dispatch_expert_gemm_swiglu_from_peers,
     expert_gemm,
     expert_gemm_dgrad,
     expert_gemm_dgrad_swiglu,
@@ -46,6 +48,7 @@ __all__ = [
     "combine",
     "compiled_limits",
     "dispatch_expert_gemm_swiglu",
+    "dispatch_expert_gemm_swiglu_from_peers",
     "dispatch_rows",
     "dispatch_rows_from_peers",
     "exchange_begin",
