@@ -15,7 +15,7 @@ struct FailureRecord {
   int kernel;    // FailingKernel (common/failure_codes.h)
   int check;     // the kernel's wait or check that failed (common/failure_codes.h)
   int block;     // blockIdx.x of the CTA that saw it
-  int peer;      // the peer rank the wait or check was about, -1 for none (no kernel has peers yet)
+  int peer;      // the peer rank the wait or check was about (the exchange's waits), -1 for none
   int call;      // the layer call id the kernel ran for, -1 for none (not passed to kernels yet)
 };
 
@@ -148,6 +148,81 @@ struct ExpertWgradParams {
   int32_t m;
   int32_t n;
   FailureRecord* failure_record;
+};
+
+}  // namespace mok
+
+// ==== The in-kernel expert-parallel exchange ====================================================
+// The structs of the exchange through symmetric memory (comm/symmetric.py has the regions and the
+// signal protocol): the row source of the peer gathers (moe/row_source_sm90.cuh,
+// moe/dispatch_sm90.cuh), the signal kernels (moe/exchange_sm90.cuh), the push combine and the
+// region pull (moe/push_combine_sm90.cuh); bindings/exchange_ops.cu and bindings/moe_ops.cu fill
+// them. One section of its own at the end of this file: kMaxEpRanks comes from common/limits.h,
+// included here so that the section stands alone.
+
+#include "common/limits.h"
+
+namespace mok {
+
+// Where a row gather finds row g of the group's rows, rank-major (g = route / topk, schedule.py:
+// rank r's token t is row r * rows_per_base + t): base b = the b with b * rows_per_base <= g <
+// (b + 1) * rows_per_base, row g - b * rows_per_base of it, `hidden` elements. The weight of route
+// g * topk + k (the reverse-combine pull) is weight_bases[b][(g - b * rows_per_base) * topk + k].
+// The ranks' symmetric regions: base r = rank r's `tokens` (or `grad_tokens`, with `grad_weights`
+// as weight base r), rows_per_base = T. One base holding every row is one gathered tensor (x_all).
+// The bases travel by value in the params (no table in memory to read first): 144 bytes at 8 ranks.
+struct RowSource {
+  const void* bases[kMaxEpRanks];          // [num_bases], each (rows_per_base, hidden), 16-byte aligned for packs
+  const float* weight_bases[kMaxEpRanks];  // [num_bases], each (rows_per_base * topk,) fp32; all null: no weights
+  int64_t rows_per_base;
+  int32_t num_bases;  // in [1, kMaxEpRanks]
+};
+
+// The row gather of moe/dispatch_sm90.cuh reading the group's rows through a RowSource: the pull
+// dispatch from the ranks' `tokens` regions and the reverse-combine pull from `grad_tokens` and
+// `grad_weights`. The inherited src and weights are unused (null): rows and weights come from
+// `source`; num_routes is the group's, num_bases * rows_per_base * topk. A kernel instantiated for
+// GatherRowsParams reads exactly as before (same SASS): the peer form is a second instantiation.
+struct PeerGatherRowsParams : GatherRowsParams {
+  RowSource source;
+};
+
+// One rank's step of the signal protocol (comm/symmetric.py). Signal pad of a rank, int64 counters
+// that only grow: pad[(phase * 2 + kind) * num_ranks + source] = how many times rank `source` has
+// signalled `kind` (0 ready, 1 free: common/failure_codes.h) for `phase` to this rank; 16 * P * R
+// bytes for P phases. calls[phase] = this rank's calls of the phase so far (local memory).
+struct ExchangeSignalParams {
+  int64_t* calls;                      // (num_phases,) this rank's, local
+  int64_t* signals;                    // this rank's pad, (num_phases, 2, num_ranks)
+  int64_t* peer_signals[kMaxEpRanks];  // [num_ranks] every rank's pad, rank order (this rank's included)
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t phase;                   // ExchangePhase (common/failure_codes.h)
+  int32_t kind;                    // the signal's kind (exchange_signal only)
+  FailureRecord* failure_record;   // host-mapped; null: trap without a record
+};
+
+// The push combine (moe/push_combine_sm90.cuh): row s of this rank's schedule, route r =
+// slot_to_route[s] >= 0, goes to row r % routes_per_rank of rank r / routes_per_rank's combine
+// table (the source's slot t * topk + k); rows with route -1 are skipped. Each (rank, slot) of the
+// group is written by exactly one row of one owner: no two writers, no atomics.
+struct PushRowsParams {
+  const void* slot_rows;            // (num_slots, row_bytes): this rank's per-row results
+  const int64_t* slot_to_route;     // (num_slots,) the group route of each row, -1 for padding
+  void* peer_tables[kMaxEpRanks];   // [num_ranks] every rank's combine region, (routes_per_rank, row_bytes)
+  int64_t num_slots;
+  int64_t routes_per_rank;          // num_tokens * topk
+  int64_t row_units;                // a row in units of the kernel's copy type
+  int32_t num_ranks;
+};
+
+// The region pull (moe/push_combine_sm90.cuh): out[r] = the `units` copy units of rank r's copy of
+// one region (every rank's top-k ids, for the schedule).
+struct GatherRegionsParams {
+  const void* peer_regions[kMaxEpRanks];  // [num_ranks] rank order
+  void* out;                              // (num_ranks, units)
+  int64_t units;
+  int32_t num_ranks;
 };
 
 }  // namespace mok

@@ -1,6 +1,7 @@
-// Torch bindings of the memory-bound MoK stages (moe/): schedule, row dispatch, combine and their
-// backward counterparts, SwiGLU. Schemas and CUDA implementations here (fake implementations for
-// torch.compile in megatron_mok/ops.py); the argument checks guard the kernels' assumptions.
+// Torch bindings of the memory-bound MoK stages (moe/): schedule, row dispatch (from one tensor or
+// from the ranks' symmetric regions), combine and their backward counterparts, SwiGLU. Schemas and
+// CUDA implementations here (fake implementations for torch.compile in megatron_mok/ops/); the
+// argument checks guard the kernels' assumptions.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "bindings/op_utils.h"
 #include "common/device_info.h"
 #include "common/failure_record.h"
 #include "common/limits.h"
@@ -23,55 +25,60 @@
 namespace mok {
 namespace {
 
-template <typename T, int V>
-struct Tag {
-  using type = T;
-  static constexpr int kVec = V;
-};
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// Calls fn(Tag<element type, pack size>): 16-byte packs when every row of every tensor starts
-// 16-byte aligned, one element otherwise.
-template <typename Fn>
-void dispatch_dtype(at::ScalarType dtype, bool packs_ok, Fn&& fn) {
-  if (dtype == at::kBFloat16) {
-    packs_ok ? fn(Tag<__nv_bfloat16, 8>{}) : fn(Tag<__nv_bfloat16, 1>{});
-  } else if (dtype == at::kFloat) {
-    packs_ok ? fn(Tag<float, 4>{}) : fn(Tag<float, 1>{});
-  } else {
-    TORCH_CHECK(false, "megatron_mok kernels take bfloat16 or float32, got ", dtype);
-  }
-}
-
-int grid_for(int64_t items) {
-  const int sms = multiprocessor_count();
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t(sms) * 16)));
-}
-
-void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_index(const at::Tensor& t, const char* name) {
-  check_cuda(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
-}
-
-bool row_packs_ok(int64_t row_elems, at::ScalarType dtype, std::initializer_list<at::Tensor> tensors) {
-  if ((row_elems * c10::elementSize(dtype)) % 16 != 0) return false;
-  for (const auto& t : tensors) {
-    if (!aligned16(t)) return false;
-  }
-  return true;
-}
+using bindings::check_cuda;
+using bindings::check_index;
+using bindings::dispatch_dtype;
+using bindings::grid_for;
+using bindings::row_packs_ok;
 
 constexpr int kThreads = 128;
 
 // The per-token tables of scatter_rows_kernel (topk int64) and combine_kernel (topk int64 + float)
 // fit the dynamic shared memory a launch gets without opting in.
 static_assert(kMaxTopk * (sizeof(int64_t) + sizeof(float)) <= 48 * 1024, "MOK_MAX_TOPK is too large");
+
+// The row gather (moe/dispatch_sm90.cuh) of slot_to_route's rows into a new (slots, hidden) tensor of
+// `like`'s dtype and hidden size, from the source `p` already names (GatherRowsParams: one tensor;
+// PeerGatherRowsParams: the ranks' regions), num_src_rows rows of the group in all; this fills in
+// the rest of `p` and launches. src_packs_ok: the source rows allow 16-byte packs.
+template <class Params>
+at::Tensor launch_gather_rows(Params p, const at::Tensor& like, int64_t num_src_rows, const at::Tensor& slot_to_route,
+                              int64_t topk, bool src_packs_ok) {
+  auto rows = at::empty({slot_to_route.numel(), like.size(1)}, like.options());
+  if (rows.numel() == 0) return rows;
+  const int64_t num_routes = num_src_rows * topk;
+  auto route_slot = at::full({std::max<int64_t>(num_routes, 1)}, -1, slot_to_route.options());
+  p.slot_to_route = slot_to_route.data_ptr<int64_t>();
+  p.route_slot = route_slot.data_ptr<int64_t>();
+  p.rows = rows.data_ptr();
+  p.num_slots = slot_to_route.numel();
+  p.num_routes = num_routes;
+  p.hidden = like.size(1);
+  p.topk = topk;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // (The inversion reads no source rows: the one-tensor params serve both forms.)
+  invert_slots_kernel<<<grid_for((p.num_slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const GatherRowsParams&>(p));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool packs_ok = src_packs_ok && row_packs_ok(p.hidden, like.scalar_type(), {rows});
+  dispatch_dtype(like.scalar_type(), packs_ok, [&](auto tag) {
+    using Cfg = decltype(tag);
+    fill_unscattered_rows_kernel<typename Cfg::type, Cfg::kVec, Params>
+        <<<grid_for((p.num_slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (num_src_rows > 0) {
+      scatter_rows_kernel<typename Cfg::type, Cfg::kVec, Params>
+          <<<grid_for(num_src_rows), kThreads, topk * sizeof(int64_t), stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return rows;
+}
+
+void check_gather_topk(const char* op, int64_t topk) {
+  TORCH_CHECK(topk > 0 && topk <= kMaxTopk, op, ": topk must be in [1, ", std::to_string(kMaxTopk), "], got ",
+              std::to_string(topk));
+}
 
 at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& weights,
                        const at::Tensor& slot_to_route, int64_t topk) {
@@ -86,32 +93,54 @@ at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& w
                 "gather rows: weights must be float32 with one entry per route");
   }
   const c10::cuda::CUDAGuard guard(src.device());
-  auto rows = at::empty({slot_to_route.numel(), src.size(1)}, src.options());
-  if (rows.numel() == 0) return rows;
-  const int64_t num_routes = src.size(0) * topk;
-  auto route_slot = at::full({std::max<int64_t>(num_routes, 1)}, -1, slot_to_route.options());
-  GatherRowsParams p{src.data_ptr(), weights.has_value() ? weights->data_ptr<float>() : nullptr,
-                     slot_to_route.data_ptr<int64_t>(), route_slot.data_ptr<int64_t>(), rows.data_ptr(),
-                     slot_to_route.numel(), num_routes, src.size(1), topk};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  invert_slots_kernel<<<grid_for((p.num_slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  dispatch_dtype(src.scalar_type(), row_packs_ok(p.hidden, src.scalar_type(), {src, rows}), [&](auto tag) {
-    using Cfg = decltype(tag);
-    fill_unscattered_rows_kernel<typename Cfg::type, Cfg::kVec>
-        <<<grid_for((p.num_slots + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (src.size(0) > 0) {
-      scatter_rows_kernel<typename Cfg::type, Cfg::kVec>
-          <<<grid_for(src.size(0)), kThreads, topk * sizeof(int64_t), stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  });
-  return rows;
+  GatherRowsParams p{};
+  p.src = src.data_ptr();
+  p.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  return launch_gather_rows(p, src, src.size(0), slot_to_route, topk, row_packs_ok(src.size(1), src.scalar_type(), {src}));
 }
 
 at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_route, int64_t topk) {
   return gather_rows(x_all, std::nullopt, slot_to_route, topk);
+}
+
+// The gathers straight from the ranks' symmetric regions (comm/symmetric.py): own is this rank's
+// (T, H) copy (its dtype, shape and device stand for every rank's; it is not read), row_ptrs every
+// rank's address of it in rank order; weight_ptrs (the reverse-combine pull) every rank's (T * topk,) fp32 routing
+// weights. Route r reads row r / topk of the group's rows: rank (r / topk) / T's token (r / topk) % T.
+at::Tensor gather_rows_from_peers(const char* op, const at::Tensor& own, c10::IntArrayRef row_ptrs,
+                                  const c10::IntArrayRef* weight_ptrs, const at::Tensor& slot_to_route, int64_t topk) {
+  const std::string prefix = std::string(op) + ": ";
+  TORCH_CHECK(own.is_cuda() && own.is_contiguous() && own.dim() == 2, prefix,
+              "the own region must be a contiguous 2-D CUDA tensor (num_tokens, hidden)");
+  TORCH_CHECK(own.scalar_type() == at::kBFloat16 || own.scalar_type() == at::kFloat, prefix,
+              "the own region must be bfloat16 or float32, got ", c10::toString(own.scalar_type()));
+  check_index(slot_to_route, "slot_to_route");
+  TORCH_CHECK(slot_to_route.device() == own.device(), prefix, "slot_to_route is on ", slot_to_route.device().str(),
+              ", the own region on ", own.device().str());
+  check_gather_topk(op, topk);
+  const c10::cuda::CUDAGuard guard(own.device());
+  PeerGatherRowsParams p{};  // (the inherited src and weights stay null: the rows come from p.source)
+  const int num_ranks =
+      bindings::fill_peer_table(p.source.bases, row_ptrs, op, "the row region table", 0, own.element_size());
+  if (weight_ptrs != nullptr) {
+    bindings::fill_peer_table(p.source.weight_bases, *weight_ptrs, op, "peer_weight_ptrs", num_ranks, sizeof(float));
+  }
+  p.source.rows_per_base = own.size(0);
+  p.source.num_bases = num_ranks;
+  TORCH_CHECK(int64_t(num_ranks) * own.size(0) * topk < (int64_t(1) << 62), prefix, "too many routes");
+  const bool packs_ok = (own.size(1) * own.element_size()) % 16 == 0 && bindings::table_aligned16(p.source.bases, num_ranks);
+  return launch_gather_rows(p, own, int64_t(num_ranks) * own.size(0), slot_to_route, topk, packs_ok);
+}
+
+at::Tensor dispatch_rows_from_peers(const at::Tensor& own_tokens, c10::IntArrayRef peer_token_ptrs,
+                                    const at::Tensor& slot_to_route, int64_t topk) {
+  return gather_rows_from_peers("dispatch_rows_from_peers", own_tokens, peer_token_ptrs, nullptr, slot_to_route, topk);
+}
+
+at::Tensor pull_grad_rows_from_peers(const at::Tensor& own_grad_tokens, c10::IntArrayRef peer_grad_ptrs,
+                                     c10::IntArrayRef peer_weight_ptrs, const at::Tensor& slot_to_route, int64_t topk) {
+  return gather_rows_from_peers("pull_grad_rows_from_peers", own_grad_tokens, peer_grad_ptrs, &peer_weight_ptrs,
+                                slot_to_route, topk);
 }
 
 at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
@@ -270,6 +299,10 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk) -> Tensor");
   m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
   m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk) -> Tensor");
+  m.def("dispatch_rows_from_peers(Tensor own_tokens, int[] peer_token_ptrs, Tensor slot_to_route, int topk) -> Tensor");
+  m.def(
+      "pull_grad_rows_from_peers(Tensor own_grad_tokens, int[] peer_grad_ptrs, int[] peer_weight_ptrs, "
+      "Tensor slot_to_route, int topk) -> Tensor");
   m.def("route_weight_grads(Tensor grad_y, Tensor table, Tensor index, int topk) -> Tensor");
   m.def("swiglu_forward(Tensor gate_up, Tensor offsets) -> Tensor");
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor offsets) -> Tensor");
@@ -280,6 +313,8 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("dispatch_rows", &dispatch_rows);
   m.impl("combine", &combine);
   m.impl("pull_grad_rows", &pull_grad_rows);
+  m.impl("dispatch_rows_from_peers", &dispatch_rows_from_peers);
+  m.impl("pull_grad_rows_from_peers", &pull_grad_rows_from_peers);
   m.impl("route_weight_grads", &route_weight_grads);
   m.impl("swiglu_forward", &swiglu_forward);
   m.impl("swiglu_backward", &swiglu_backward);

@@ -4,7 +4,7 @@
 
 namespace mok {
 
-enum FailingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2 };
+enum FailingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2, kExchangeKernel = 3 };
 
 // The bounded waits of the sm90 GEMM pipeline (gemm/kernel_sm90_tma_wgmma_ws.cuh), in every GEMM kernel.
 enum PipelineWait : int {
@@ -27,7 +27,30 @@ struct FailureName {
   const char* description;
 };
 
-inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule"};
+// The in-kernel exchange's signal protocol (comm/symmetric.py, moe/exchange_sm90.cuh): its phases,
+// in the order of the signal pad's first dimension (megatron_mok.ops.exchange_phase_names() reads
+// them from here, so Python derives the phase ids and the pad's size from this one table), and the
+// two signal kinds of a phase. Its waits are numbered exchange_wait(phase, kind); a timed-out one
+// records the peer rank it waited for and the phase's call count.
+enum ExchangePhase : int {
+  kPhaseRouting = 0,     // every rank's top-k ids (region `routing`)
+  kPhaseTokens = 1,      // the rows the pull dispatch reads (region `tokens`)
+  kPhaseGradTokens = 2,  // dY and the routing weights the reverse-combine pull reads
+  kPhaseCombine = 3,     // the rows pushed back into the sources' `combine` regions
+  kNumExchangePhases = 4,
+};
+inline constexpr const char* kExchangePhaseNames[] = {"routing", "tokens", "grad_tokens", "combine"};
+static_assert(sizeof(kExchangePhaseNames) / sizeof(kExchangePhaseNames[0]) == kNumExchangePhases,
+              "one name per exchange phase");
+
+// kReady: the source wrote what the phase's call publishes; kFree: the reader finished reading it.
+enum ExchangeSignalKind : int { kSignalReady = 0, kSignalFree = 1, kNumSignalKinds = 2 };
+inline constexpr const char* kExchangeSignalKindNames[] = {"ready", "free"};
+
+// The `check` field of an exchange wait's failure record.
+constexpr int exchange_wait(int phase, int kind) { return phase * kNumSignalKinds + kind; }
+
+inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange"};
 
 inline constexpr FailureName kFailureNames[] = {
     {kExpertGemmKernel, kWaitFreeStage, "expert GEMM producer waiting for a free pipeline stage (empty barrier)"},

@@ -36,12 +36,24 @@ inline FailureRecord* failure_record(cudaStream_t stream) {
   return g_failure_record.load();  // with unified addressing the host pointer is the device pointer
 }
 
+// An exchange wait (common/failure_codes.h numbers them by phase and signal kind), in words: the
+// phase, the kind, the peer rank whose signal never came and the phase's call count.
+inline std::string exchange_failure_message(int check, int peer, int call, int block) {
+  const int phase = check / kNumSignalKinds, kind = check % kNumSignalKinds;
+  const std::string phase_name =
+      check >= 0 && phase < kNumExchangePhases ? kExchangePhaseNames[phase] : "unknown (" + std::to_string(check) + ")";
+  return "exchange kernel: waiting for the " + phase_name + " phase's " +
+         (check >= 0 ? kExchangeSignalKindNames[kind] : "unknown") + " signal of peer " + std::to_string(peer) +
+         " (call " + std::to_string(call) + ") timed out (block " + std::to_string(block) + ")";
+}
+
 // "" when no kernel of this process recorded a failure, else what failed (the wait's or check's
 // description), in which kernel and block, and the peer rank and layer call it concerned (-1: none).
 inline std::string last_failure_message() {
   const volatile FailureRecord* r = g_failure_record.load();
   if (r == nullptr || r->recorded == 0) return "";
   const int kernel = r->kernel, check = r->check;
+  if (kernel == kExchangeKernel) return exchange_failure_message(check, r->peer, r->call, r->block);
   std::string description = "check " + std::to_string(check) + " of kernel " + std::to_string(kernel);
   for (const FailureName& name : kFailureNames) {
     if (name.kernel == kernel && name.check == check) description = name.description;

@@ -19,6 +19,9 @@
 #ifndef MOK_WAIT_TIMEOUT_NS
 #error "MOK_WAIT_TIMEOUT_NS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_MAX_EP_RANKS
+#error "MOK_MAX_EP_RANKS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 
 namespace mok {
 
@@ -33,9 +36,14 @@ constexpr int32_t kDispatchMinibatchRows = MOK_DISPATCH_MINIBATCH_ROWS;
 constexpr int64_t kMaxTopk = MOK_MAX_TOPK;
 // Every bounded wait of a kernel gives up after this long (common/watchdog_sm90.cuh).
 constexpr uint64_t kWaitTimeoutNs = MOK_WAIT_TIMEOUT_NS;
+// Most ranks of an expert-parallel group the in-kernel exchange addresses (one NVLink node): the
+// kernels take every rank's buffer address by value in their params (mok_params.h, RowSource).
+constexpr int kMaxEpRanks = MOK_MAX_EP_RANKS;
+static_assert(kMaxEpRanks >= 1 && kMaxEpRanks <= 32, "the exchange's waits give each rank one lane of a warp");
 
 // The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
-#define MOK_COMPILED_LIMITS(X) X(EXPERT_GEMM_TILE_M) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS)
+#define MOK_COMPILED_LIMITS(X) \
+  X(EXPERT_GEMM_TILE_M) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
 #define MOK_LIMIT_NAME(name) #name,
 #define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
 inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};

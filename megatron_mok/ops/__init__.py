@@ -2,17 +2,37 @@
 implementation beside its wrapper; the extension's loading and self-report in `extension.py`.
 
     schedule.py          build_schedule
-    dispatch_combine.py  dispatch_rows, combine, pull_grad_rows, route_weight_grads
+    dispatch_combine.py  dispatch_rows, combine, pull_grad_rows, route_weight_grads,
+                         dispatch_rows_from_peers, pull_grad_rows_from_peers
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
+                         dispatch_expert_gemm_swiglu_from_peers (for now: two kernels),
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad
+    exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
+                         push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
 Each op's PyTorch reference is the function of the same stage in backends/reference.py.
 """
 
-from megatron_mok.ops.dispatch_combine import combine, dispatch_rows, pull_grad_rows, route_weight_grads
+from megatron_mok.ops.dispatch_combine import (
+    combine,
+    dispatch_rows,
+    dispatch_rows_from_peers,
+    pull_grad_rows,
+    pull_grad_rows_from_peers,
+    route_weight_grads,
+)
+from megatron_mok.ops.exchange import (
+    exchange_begin,
+    exchange_phase_names,
+    exchange_signal,
+    exchange_wait_ready,
+    gather_peer_regions,
+    push_rows,
+)
 from megatron_mok.ops.expert_gemm import (
     dispatch_expert_gemm_swiglu,
+    dispatch_expert_gemm_swiglu_from_peers,
     expert_gemm,
     expert_gemm_dgrad,
     expert_gemm_dgrad_swiglu,
@@ -28,15 +48,24 @@ __all__ = [
     "combine",
     "compiled_limits",
     "dispatch_expert_gemm_swiglu",
+    "dispatch_expert_gemm_swiglu_from_peers",
     "dispatch_rows",
+    "dispatch_rows_from_peers",
+    "exchange_begin",
+    "exchange_phase_names",
+    "exchange_signal",
+    "exchange_wait_ready",
     "expert_gemm",
     "expert_gemm_dgrad",
     "expert_gemm_dgrad_swiglu",
     "expert_gemm_swiglu",
     "expert_gemm_wgrad",
     "extension_error",
+    "gather_peer_regions",
     "last_failure",
     "pull_grad_rows",
+    "pull_grad_rows_from_peers",
+    "push_rows",
     "route_weight_grads",
     "swiglu_backward",
     "swiglu_forward",

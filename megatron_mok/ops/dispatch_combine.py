@@ -1,4 +1,5 @@
-"""Row movement ops (csrc/moe/): the pull dispatch, the fixed-order combine and their backward.
+"""Row movement ops (csrc/moe/): the pull dispatch, the fixed-order combine and their backward; the
+pulls also straight from the ranks' symmetric regions (the in-kernel exchange, comm/symmetric.py).
 References: the functions of the same stage in backends/reference.py."""
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ def _pull_grad_rows_fake(grad_y_all, weights_all, slot_to_route, topk):
     return grad_y_all.new_empty((slot_to_route.shape[0], grad_y_all.shape[1]))
 
 
+@register_fake("dispatch_rows_from_peers")
+def _dispatch_rows_from_peers_fake(own_tokens, peer_token_ptrs, slot_to_route, topk):
+    return own_tokens.new_empty((slot_to_route.shape[0], own_tokens.shape[1]))
+
+
+@register_fake("pull_grad_rows_from_peers")
+def _pull_grad_rows_from_peers_fake(own_grad_tokens, peer_grad_ptrs, peer_weight_ptrs, slot_to_route, topk):
+    return own_grad_tokens.new_empty((slot_to_route.shape[0], own_grad_tokens.shape[1]))
+
+
 @register_fake("route_weight_grads")
 def _route_weight_grads_fake(grad_y, table, index, topk):
     return grad_y.new_empty((grad_y.shape[0], topk), dtype=torch.float32)
@@ -43,6 +54,31 @@ def combine(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Te
 def pull_grad_rows(grad_y_all: torch.Tensor, weights_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
     """(capacity, H): w[route] * dY[route // topk]. Ref: reference.pull_route_grads."""
     return torch.ops.megatron_mok.pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk)
+
+
+def dispatch_rows_from_peers(
+    own_tokens: torch.Tensor, peer_token_ptrs: list[int], slot_to_route: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """dispatch_rows over the group's rows where they lie, in the ranks' `tokens` regions: own_tokens
+    is this rank's (T, H) copy (bf16/fp32; every rank's has its shape), peer_token_ptrs every rank's
+    address of it in rank order (own's among them). Row g = route // topk of the group is rank
+    g // T's token g % T. Returns (capacity, H), bitwise dispatch_rows(cat of the regions, ...)."""
+    return torch.ops.megatron_mok.dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk)
+
+
+def pull_grad_rows_from_peers(
+    own_grad_tokens: torch.Tensor,
+    peer_grad_ptrs: list[int],
+    peer_weight_ptrs: list[int],
+    slot_to_route: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    """pull_grad_rows over the ranks' `grad_tokens` (dY, (T, H) each) and `grad_weights` ((T * topk,)
+    float32 each, by local route t * topk + k) regions: (capacity, H), row s = w[route] * dY[route //
+    topk] of the group, bitwise pull_grad_rows on the concatenated regions."""
+    return torch.ops.megatron_mok.pull_grad_rows_from_peers(
+        own_grad_tokens, peer_grad_ptrs, peer_weight_ptrs, slot_to_route, topk
+    )
 
 
 def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from megatron_mok import limits
 from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
+from megatron_mok.ops.dispatch_combine import dispatch_rows_from_peers
 from megatron_mok.ops.extension import register_fake
 
 
@@ -96,6 +97,37 @@ def dispatch_expert_gemm_swiglu(
     return torch.ops.megatron_mok.dispatch_expert_gemm_swiglu(
         x, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m, ring_minibatches
     )
+
+
+def dispatch_expert_gemm_swiglu_from_peers(
+    own_tokens: torch.Tensor,
+    peer_token_ptrs: list[int],
+    slot_to_route: torch.Tensor,
+    topk: int,
+    weight: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
+    group_m: int = EXPERT_GEMM_GROUP_M,
+    ring_minibatches: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dispatch_expert_gemm_swiglu with the rows pulled straight from the ranks' `tokens` regions
+    (own_tokens and peer_token_ptrs as for dispatch_rows_from_peers).
+
+    For now two kernels, not one: dispatch_rows_from_peers, then expert_gemm_swiglu on its rows. The
+    results are bitwise those of the dispatching kernel (the same GEMM tiles over the same bf16 rows:
+    tests/test_gpu_expert_gemm.py test_dispatching_gemm_equals_dispatch_then_gemm), but the dispatch
+    does not overlap the GEMM and the rows are not bounded by the ring: the first result is every
+    row, (capacity, H), whatever ring_minibatches (checked as the dispatching op checks it, so
+    callers need not change when the GEMM's dispatch warps read the peers themselves)."""
+    if ring_minibatches != 0 and not (limits.raster_group_minibatches(group_m) < ring_minibatches < (1 << 20)):
+        raise RuntimeError(
+            "dispatch_expert_gemm_swiglu_from_peers: ring_minibatches must be 0 (no bound) or more than the "
+            f"{limits.raster_group_minibatches(group_m)} minibatches a raster group of group_m = {group_m} m-tiles "
+            f"spans, got {ring_minibatches}"
+        )
+    rows = dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk)
+    gate_up, act = expert_gemm_swiglu(rows, weight, expert_offsets, cluster_m, group_m)
+    return rows, gate_up, act
 
 
 def expert_gemm_dgrad(

@@ -23,7 +23,8 @@ needs_toolchain = pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no
 OPS = (
     "build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward",
     "swiglu_backward", "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "expert_gemm_dgrad",
-    "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad",
+    "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
+    "exchange_begin", "exchange_signal", "exchange_wait_ready", "push_rows", "gather_peer_regions",
 )
 
 
@@ -49,6 +50,34 @@ def test_extension_was_compiled_with_the_limits_python_uses():
 
     assert compiled_limits() == limits.COMPILED, "a stale build: rebuild the extension (pip install -e .)"
     assert last_failure() is None
+
+
+@needs_toolchain
+def test_exchange_phases_come_from_the_extension_in_the_order_the_pad_uses():
+    """comm/symmetric_exchange.py names these phases; their index is the pad's first dimension."""
+    from megatron_mok import ops
+
+    assert ops.exchange_phase_names() == ("routing", "tokens", "grad_tokens", "combine")
+
+
+@needs_toolchain
+def test_exchange_fakes_give_the_shapes_without_a_device():
+    """The fake implementations on meta tensors (torch.compile traces with them): no kernel runs."""
+    from megatron_mok import ops
+
+    meta = torch.device("meta")
+    own = torch.empty(9, 64, dtype=torch.bfloat16, device=meta)
+    slot_to_route = torch.empty(40, dtype=torch.int64, device=meta)
+    assert ops.dispatch_rows_from_peers(own, [16, 32], slot_to_route, 2).shape == (40, 64)
+    assert ops.pull_grad_rows_from_peers(own, [16, 32], [16, 32], slot_to_route, 2).shape == (40, 64)
+    ids = torch.empty(9, 2, dtype=torch.int64, device=meta)
+    assert ops.gather_peer_regions(ids, [16, 32, 48]).shape == (3, 9, 2)
+    calls = torch.empty(4, dtype=torch.int64, device=meta)
+    signals = torch.empty(4, 2, 2, dtype=torch.int64, device=meta)
+    ops.exchange_begin(calls, signals, 0, 1)
+    ops.exchange_signal(calls, signals, [16, 32], 0, 1, 0)
+    ops.exchange_wait_ready(calls, signals, 0, 1)
+    ops.push_rows(own.new_empty(40, 64), slot_to_route, 2, 9, own.new_empty(18, 64), [16, 32])
 
 
 def test_kernel_backend_is_not_chosen_for_cpu_tensors():

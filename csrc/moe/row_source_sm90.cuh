@@ -1,0 +1,60 @@
+// Where a row of the group's rows lives when the rows are spread over several equal blocks (the
+// ranks' symmetric regions): RowSource (mok_params.h) and the lookups of the peer gathers and the
+// push combine. Usable by any kernel, GEMM dispatch warps included: no division (a 64-bit integer
+// division is a subroutine call in SASS, and a call anywhere in a wgmma kernel serializes its
+// wgmmas, C7510) and no dynamic index into a by-value parameter array (that copies the parameters
+// to local memory; the compare-and-select chains below keep the table in the constant bank).
+#pragma once
+
+#include <cstdint>
+
+#include "common/limits.h"
+#include "mok_params.h"
+
+namespace mok {
+
+// Row g of rows laid out in num_blocks blocks of rows_per_block rows each: the block and the row's
+// index in it. 7 compares and selects at 8 ranks.
+struct BlockRow {
+  int block;
+  int64_t row;
+};
+
+__device__ __forceinline__ BlockRow locate_block_row(int64_t g, int64_t rows_per_block, int num_blocks) {
+  int block = 0;
+  int64_t first = 0;
+#pragma unroll
+  for (int b = 1; b < kMaxEpRanks; ++b) {
+    if (b < num_blocks && g >= b * rows_per_block) {
+      block = b;
+      first = b * rows_per_block;
+    }
+  }
+  return {block, g - first};
+}
+
+// table[index] for an index in [0, kMaxEpRanks), with static indices only.
+template <typename Ptr>
+__device__ __forceinline__ Ptr pick_rank(const Ptr (&table)[kMaxEpRanks], int index) {
+  Ptr out = table[0];
+#pragma unroll
+  for (int b = 1; b < kMaxEpRanks; ++b) {
+    if (b == index) out = table[b];
+  }
+  return out;
+}
+
+// The first of the `hidden` elements of row g of the group's rows.
+template <typename T>
+__device__ __forceinline__ const T* source_row(const RowSource& s, int64_t g, int64_t hidden) {
+  const BlockRow at = locate_block_row(g, s.rows_per_base, s.num_bases);
+  return static_cast<const T*>(pick_rank(s.bases, at.block)) + at.row * hidden;
+}
+
+// The routing weights of row g's routes, (topk,) fp32 (the source has weights).
+__device__ __forceinline__ const float* source_route_weights(const RowSource& s, int64_t g, int64_t topk) {
+  const BlockRow at = locate_block_row(g, s.rows_per_base, s.num_bases);
+  return pick_rank(s.weight_bases, at.block) + at.row * topk;
+}
+
+}  // namespace mok
