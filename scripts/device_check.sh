@@ -4,6 +4,7 @@
 # digests.log, bench.log, bench_layer.json/png); a table prints last. Exits non-zero when the build,
 # any test or the digest comparison failed (the benchmarks still run, for the record).
 #   DIGESTS=docs/log/digests_....json  compare scripts/digests.py against that file
+#   PYTEST_K="expr"                    select the tests (pytest -k)
 #   SKIP_BENCH=1 / SKIP_GEMM=1 / SKIP_LAYER=1   skip the benchmarks / the expert-GEMM one / the layer one
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,7 +27,7 @@ status=0
 # Every GPU test module and the extension's checks; on a Hopper GPU a kernel test fails (not skips)
 # when the extension cannot load (tests/cuda_checks.py).
 MEGATRON_MOK_REQUIRE_EXTENSION=1 python3 -m pytest -q -p no:cacheprovider tests/ops/test_extension.py tests/*/test_gpu_*.py \
-    ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1 || status=1
+    ${PYTEST_K:+-k "$PYTEST_K"} ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1 || status=1
 tail -25 "$OUT/tests.log"
 if [ -n "${DIGESTS:-}" ]; then
     python3 scripts/digests.py --compare "$DIGESTS" > "$OUT/digests.log" 2>&1 || status=1

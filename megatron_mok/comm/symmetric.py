@@ -102,6 +102,11 @@ def emulated_allocator(num_ranks: int, device: torch.device) -> Callable[[int], 
     rank to ask for a region allocates it for all ranks (the ranks ask in the same order)."""
     allocated: dict[tuple, list[torch.Tensor]] = {}
     counts: dict[tuple, int] = {}
+    # The copies are zeroed on a stream of their own and waited for at once: zeroing on the asking
+    # rank's stream would queue the fill behind that rank's pending signal waits, after the other
+    # ranks may already have written their copies (and the host must not wait on a rank's stream,
+    # which may be waiting for ranks not launched yet).
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def for_rank(rank: int) -> RegionAllocator:
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricRegion:
@@ -110,7 +115,12 @@ def emulated_allocator(num_ranks: int, device: torch.device) -> Callable[[int], 
             counts[(rank, shape, dtype)] = n + 1
             key = (shape, dtype, n)
             if key not in allocated:
-                allocated[key] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_ranks)]
+                if side is None:
+                    allocated[key] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_ranks)]
+                else:
+                    with torch.cuda.stream(side):
+                        allocated[key] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_ranks)]
+                    side.synchronize()
             copies = allocated[key]
             return SymmetricRegion(copies[rank], tuple(c.data_ptr() for c in copies))
 
@@ -132,8 +142,10 @@ def torch_symmetric_allocator(group) -> RegionAllocator:
     def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricRegion:
         own = symm_mem.empty(shape, dtype=dtype, device=torch.cuda.current_device())
         handle = symm_mem.rendezvous(own, group.group_name)
-        own.zero_()
-        torch.cuda.synchronize()
+        side = torch.cuda.Stream()  # not the current stream: it may hold this rank's pending waits
+        with torch.cuda.stream(side):
+            own.zero_()
+        side.synchronize()
         dist.barrier(group)  # every rank's copy exists and is zero before any rank uses it
         return SymmetricRegion(own, tuple(handle.buffer_ptrs))
 

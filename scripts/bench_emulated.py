@@ -1,0 +1,78 @@
+"""Emulated expert parallelism on one GPU: R ranks (megatron_mok.emulation.EmulatedGroup) against
+EP = 1 on the same total problem, same run: bitwise check, then forward+backward time.
+
+    python3 scripts/bench_emulated.py [--ranks 2,8] [--exchange symmetric,collective] [--shape small]
+
+What it shows is the protocol's overhead (the exchange's kernels, copies and waits; each rank's
+stream gets the whole GPU, not 1/R of it), not NVLink: every rank's "peer" is the same HBM. A failure
+prints the exception and `ops.last_failure()` (a trapped bounded wait names its phase, peer, call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "comm"))
+from timing import median_ms  # noqa: E402
+from test_emulation import make_problem, run_concatenated, run_emulated  # noqa: E402
+
+from megatron_mok import MoKConfig, ops  # noqa: E402
+from megatron_mok.emulation import EmulatedGroup  # noqa: E402
+
+# name: total (tokens, hidden, ffn, experts, topk) of the group; each rank gets tokens / R and
+# experts / R
+SHAPES = {
+    "small": (2048, 1024, 512, 32, 8),
+    "deepseek_v3": (8192, 7168, 2048, 32, 8),
+    "qwen3_30b": (16384, 2048, 768, 128, 8),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,8")
+    parser.add_argument("--exchange", default="symmetric,collective")
+    parser.add_argument("--shape", default="small", choices=SHAPES)
+    parser.add_argument("--expert-gemm", default="auto")
+    parser.add_argument("--no-time", action="store_true", help="check only")
+    args = parser.parse_args()
+    config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm)
+    t, h, f, e, k = SHAPES[args.shape]
+    rows = []
+    failed = False
+    for num_ranks in (int(r) for r in args.ranks.split(",")):
+        problem = make_problem(num_ranks, t // num_ranks, h, f, e // num_ranks, k, "uniform", "cuda", torch.bfloat16, 5)
+        want = run_concatenated(problem, config)
+        ep1_ms = None if args.no_time else median_ms(lambda p: run_concatenated(p, config), [problem])
+        for exchange in args.exchange.split(","):
+            group = EmulatedGroup(num_ranks, "cuda", exchange=exchange)
+            try:
+                got = run_emulated(group, problem, e // num_ranks, config)
+                torch.cuda.synchronize()
+                equal = torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+            except Exception:  # noqa: BLE001 (reported, then the next case)
+                print(f"R={num_ranks} {exchange}: FAILED\n{traceback.format_exc()}\nrecord: {ops.last_failure()}", flush=True)
+                return 1  # a trapped kernel leaves the CUDA context unusable
+            ms = None
+            if not args.no_time:
+                ms = median_ms(lambda p: run_emulated(group, p, e // num_ranks, config), [problem])
+            failed |= not equal
+            rows.append((num_ranks, exchange, equal, ms, ep1_ms))
+            print(f"R={num_ranks} {exchange}: bitwise {'equal' if equal else 'DIFFERENT'}", flush=True)
+    print(f"\nshape {args.shape} (total T, H, F, E, K = {SHAPES[args.shape]}), forward+backward, {config.expert_gemm}")
+    print(f"{'ranks':>5} {'exchange':<11} {'bitwise':<9} {'emulated ms':>12} {'EP=1 ms':>9} {'overhead':>9}")
+    for num_ranks, exchange, equal, ms, ep1 in rows:
+        over = f"{ms / ep1:.2f}x" if ms and ep1 else "-"
+        print(f"{num_ranks:>5} {exchange:<11} {'equal' if equal else 'DIFFERENT':<9} "
+              f"{ms if ms is None else f'{ms:.2f}':>12} {ep1 if ep1 is None else f'{ep1:.2f}':>9} {over:>9}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
