@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "bindings/checks.h"
 #include "common/device_info.h"
 #include "common/failure_record.h"
 #include "common/limits.h"
@@ -47,16 +48,6 @@ void dispatch_dtype(at::ScalarType dtype, bool packs_ok, Fn&& fn) {
 int grid_for(int64_t items) {
   const int sms = multiprocessor_count();
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t(sms) * 16)));
-}
-
-void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_index(const at::Tensor& t, const char* name) {
-  check_cuda(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
 }
 
 bool row_packs_ok(int64_t row_elems, at::ScalarType dtype, std::initializer_list<at::Tensor> tensors) {

@@ -6,6 +6,7 @@
 
 #include "common/vec_utils.cuh"
 #include "mok_params.h"
+#include "moe/row_source.cuh"
 
 namespace mok {
 
@@ -43,7 +44,7 @@ template <typename T, int kVec>
 __device__ __forceinline__ void copy_route_row(const GatherRowsParams& p, int64_t route, Pack<T, kVec>* dst, int lane) {
   using P = Pack<T, kVec>;
   const int64_t num_packs = p.hidden / kVec;
-  const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + (route / p.topk) * p.hidden);
+  const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + route_source_row(route, p.topk) * p.hidden);
   const float w = p.weights != nullptr ? p.weights[route] : 1.f;
   for (int64_t i = lane; i < num_packs; i += 32) dst[i] = weighted_pack<T, kVec>(src[i], p.weights, w);
 }
@@ -92,6 +93,7 @@ __global__ void scatter_rows_kernel(const GatherRowsParams p) {
     bool routed = false;
     for (int64_t k = 0; k < p.topk; ++k) routed |= token_slots[k] >= 0;
     if (!routed) continue;  // (uniform over the block)
+    // (Token-major: the source row `token` feeds routes token * topk + k, route_source_row's inverse.)
     const P* src = reinterpret_cast<const P*>(static_cast<const T*>(p.src) + token * p.hidden);
     // One pack per thread per pass, written to every route's row. (Two packs in flight per thread
     // measured no faster: 618 -> 626 us per gather on DeepSeek-V3.)
