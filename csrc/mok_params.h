@@ -2,6 +2,8 @@
 // truth per kernel signature.
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 namespace mok {
@@ -90,63 +92,120 @@ struct ScheduleParams {
   FailureRecord* failure_record;  // host-mapped, or null
 };
 
+// ---- The sm90 GEMM kernels (gemm/kernel_sm90_tma_wgmma_ws.cuh) ---------------------------------
+// Each kernel takes its TMA tensor maps, each a __grid_constant__ argument of its own (TMA reads a
+// map where it lies), in the order of the pointers of its *Maps struct below (the mainloop's, then
+// the epilogue's), and then its params by value (copied into registers on entry), the parts'
+// structs side by side. The bindings fill them once; the kernel points a *Maps struct at its maps.
+// No size is given twice: the epilogues get their output's extent from the problem, through the
+// tile scheduler (OutputExtent in gemm/tile_scheduler_sm90.cuh).
+
 // Grouped GEMM over the schedule's expert segments (gemm/expert_gemm_sm90.cuh): for each row r of
-// expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with
-// fp32 accumulation, rounded once to bf16. A (num_rows, k) and B (num_experts * n_weight_rows, k)
-// reach the kernel as TMA tensor maps (K-major). Store epilogue: n_weight_rows = n_out. SwiGLU
-// epilogue: B_e holds n_out gate rows then n_out up rows (n_weight_rows = 2 * n_out); the kernel
-// writes gate_up (the pre-activation, kept for backward) and act = silu(gate) * up from the
-// bf16-rounded gate and up, the same arithmetic as swiglu_forward_kernel. Rows outside every
-// segment are not written.
-//
-// Dispatching kernel (the gate/up projection): the pull dispatch runs inside the GEMM. Warps 2-3 of
-// every CTA copy the dispatched rows, rows[r] = x[slot_to_route[r] / topk] (zeros where
-// slot_to_route[r] is -1), minibatch after minibatch in chunks claimed from a counter; each
-// minibatch's `done` counter says how many of its chunks are written. The GEMM loads a tile's rows
-// (TMA, from `rows`) once every minibatch they touch is done, so the dispatch overlaps the GEMM.
-// `rows` is a ring of ring_minibatches minibatches: row r sits at position r % ring_rows, and a
-// slot is refilled only after every tile has loaded the rows it held (consumed counter). With
-// ring_mirrored, positions [0, 128) are also written at [ring_rows, ring_rows + 128), so a tile's
+// expert e's segment [expert_offsets[e], expert_offsets[e + 1]), out[r] = A[r] . B_e^T with fp32
+// accumulation, rounded once to bf16 by the epilogue. Rows outside every segment are not written.
+struct ExpertGemmProblem {
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device, non-decreasing from >= 0
+  int32_t num_experts;
+  int32_t num_rows;       // rows of the schedule (of A, and of every output)
+  int32_t n_out;          // output columns per expert (SwiGLU: of act; B_e then has 2 n_out rows)
+  int32_t n_weight_rows;  // rows of B per expert
+  int32_t k;              // reduction size
+  int32_t group_m;        // raster: m-tiles per group, m fastest inside (a multiple of the cluster size)
+};
+
+// A's rows are in memory already (the a map covers them): nothing more to know.
+struct RowsInMemoryParams {};
+
+// The dispatching GEMM (the gate/up projection) pulls A's rows itself (moe/dispatch_ring_sm90_ws.cuh):
+// warps 2-3 of every CTA copy rows[r] = x[slot_to_route[r] / topk] (zeros where slot_to_route[r] is
+// -1), minibatch after minibatch in chunks claimed from a counter; each minibatch's `done` counter
+// says how many of its chunks are written. The GEMM loads a tile's rows (TMA, from `rows`) once every
+// minibatch they touch is done, so the dispatch overlaps the GEMM. `rows` is a ring of
+// ring_minibatches minibatches: row r sits at position r % ring_rows, and a slot is refilled only
+// after every tile has loaded the rows it held (consumed counter). With ring_mirrored, positions
+// [0, kExpertGemmTileM) are also written at [ring_rows, ring_rows + kExpertGemmTileM), so a tile's
 // box never runs off the ring's end.
-struct ExpertGemmDispatch {
+struct DispatchRingParams {
   const void* x;                 // (x_rows, k) bf16: every token the schedule's routes name
   const int64_t* slot_to_route;  // (num_rows,) route per row, -1 for padding
-  void* rows;                    // (ring_rows (+ 128 when ring_mirrored), k) bf16: the ring, A of the GEMM
+  void* rows;                    // (ring_rows (+ kExpertGemmTileM when ring_mirrored), k) bf16: the ring, A of the GEMM
   int32_t* counters;             // (3 * num_minibatches,) zeroed: chunks claimed, chunks done, rows consumed
   int64_t x_rows;
   int32_t topk;
-  int32_t minibatch_rows;
+  int32_t minibatch_rows;    // kDispatchMinibatchRows (common/limits.h)
   int32_t num_minibatches;
   int32_t ring_minibatches;  // <= num_minibatches; equal: no slot is reused (rows holds every row)
   int32_t ring_rows;         // ring_minibatches * minibatch_rows
   int32_t ring_mirrored;     // 1 when ring_minibatches < num_minibatches
 };
 
+// Store epilogue (gemm/epilogue_sm90_store.cuh): out = the product, rounded to bf16.
+struct StoreEpilogueMaps {
+  const CUtensorMap* out;  // out in boxes of 64 rows x 64 columns
+};
+struct StoreEpilogueParams {
+  void* out;  // (rows, n_out) bf16, the extent the tile scheduler gives (OutputExtent)
+};
+
+// SwiGLU epilogue (gemm/epilogue_sm90_swiglu.cuh), the gate/up projection: B_e holds n_out gate rows
+// then n_out up rows; writes gate_up (the pre-activation, kept for backward) and act =
+// silu(gate) * up from the bf16-rounded gate and up, the arithmetic of swiglu_forward_kernel.
+struct SwigluEpilogueMaps {
+  const CUtensorMap* act;   // act in boxes of 64 x 64
+  const CUtensorMap* gate;  // the gate half of gate_up: (num_rows, n_out) with row stride 2 n_out
+  const CUtensorMap* up;    // the up half
+};
+struct SwigluEpilogueParams {
+  void* act;      // (num_rows, n_out) bf16
+  void* gate_up;  // (num_rows, 2 n_out) bf16
+};
+
+// SwiGLU-backward epilogue (gemm/epilogue_sm90_swiglu_bwd.cuh), the dgrad of down: the product is
+// grad_act; writes grad_gate_up = swiglu_backward(gate_up, grad_act), the arithmetic of
+// swiglu_backward_kernel (grad_act itself is never written).
+struct SwigluBackwardEpilogueMaps {};  // plain 16-byte stores: no tensor map
+struct SwigluBackwardEpilogueParams {
+  const void* gate_up;  // (num_rows, 2 n_out) bf16, read
+  void* grad_gate_up;   // (num_rows, 2 n_out) bf16
+};
+
+// The expert GEMM kernel's arguments. A (num_rows, k) bf16 and B reach it as TMA tensor maps: B
+// K-major (num_experts * n_weight_rows, k), or MN-major (num_experts, k, n_out) for the dgrad GEMMs.
+template <class EpilogueMaps>
+struct ExpertGemmMaps {
+  const CUtensorMap* a;  // A in boxes of kExpertGemmTileM rows x 64 (the dispatching GEMM: its ring)
+  const CUtensorMap* b;  // B in boxes of 128 rows x 64 (K-major) or 64 x 64 x 1 (MN-major)
+  EpilogueMaps epilogue;
+};
+
+template <class EpilogueParams, class ASourceParams = RowsInMemoryParams>
 struct ExpertGemmParams {
-  const int32_t* expert_offsets;  // (num_experts + 1,) on the device
-  void* out;                      // store: (num_rows, n_out); swiglu: act (num_rows, n_out)
-  void* gate_up;                  // swiglu: out (num_rows, 2 * n_out); swiglu backward: in, same shape; store: null
-  int32_t num_experts;
-  int32_t num_rows;
-  int32_t n_out;          // output columns per expert
-  int32_t n_weight_rows;  // rows of B per expert
-  int32_t k;              // reduction size
-  int32_t group_m;        // raster: m-tiles per group, m fastest inside (a multiple of the cluster size)
-  ExpertGemmDispatch dispatch;  // used by the dispatching kernels only
+  ExpertGemmProblem problem;
+  ASourceParams a_source;
+  EpilogueParams epilogue;
   FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
-// out[e] (m, n) = grad[rows of e]^T . inputs[rows of e], grad (num_rows, m) and inputs (num_rows, n)
-// reaching the kernel as TMA tensor maps; every element of out is written (zeros for an expert
-// with no rows).
-struct ExpertWgradParams {
+// out[e] (m, n) = grad[rows of e]^T . inputs[rows of e]; every element of out is written (zeros
+// for an expert with no rows).
+struct ExpertWgradProblem {
   const int32_t* expert_offsets;  // (num_experts + 1,) on the device
-  void* out;                      // (num_experts, m, n)
   int32_t num_experts;
   int32_t num_rows;
   int32_t m;
   int32_t n;
+};
+
+struct ExpertWgradMaps {
+  const CUtensorMap* grad;      // grad (num_rows, m) bf16 in boxes of 64 columns x 64 rows
+  const CUtensorMap* inputs;    // inputs (num_rows, n) bf16, the same boxes
+  StoreEpilogueMaps epilogue;  // out (num_experts, m, n) as (num_experts * m, n)
+};
+
+struct ExpertWgradParams {
+  ExpertWgradProblem problem;
+  StoreEpilogueParams epilogue;  // out (num_experts, m, n) as (num_experts * m, n)
   FailureRecord* failure_record;
 };
 

@@ -28,7 +28,6 @@
 namespace mok {
 namespace {
 
-using bindings::check_cuda;
 using bindings::fill_peer_table;
 using bindings::grid_for;
 
@@ -133,7 +132,7 @@ void push_rows(const at::Tensor& slot_rows, const at::Tensor& slot_to_route, int
                const at::Tensor& own_combine, c10::IntArrayRef peer_combine_ptrs) {
   constexpr const char* kOp = "push_rows";
   check_cuda(slot_rows, "slot_rows");
-  bindings::check_index(slot_to_route, "slot_to_route");
+  check_index(slot_to_route, "slot_to_route");
   check_cuda(own_combine, "own_combine");
   TORCH_CHECK(slot_rows.dim() == 2 && own_combine.dim() == 2 && slot_rows.size(1) == own_combine.size(1) &&
                   slot_rows.scalar_type() == own_combine.scalar_type(),

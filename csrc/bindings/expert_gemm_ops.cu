@@ -1,19 +1,20 @@
-// Torch bindings of the persistent expert GEMM (gemm/expert_gemm_sm90.cuh): ops expert_gemm and
-// expert_gemm_swiglu of the `megatron_mok` library (fake implementations in megatron_mok/ops.py).
+// Torch bindings of the sm90 expert GEMMs (gemm/expert_gemm_sm90.cuh, gemm/expert_wgrad_sm90.cuh,
+// the dispatching one with moe/dispatch_ring_sm90_ws.cuh): ops expert_gemm, expert_gemm_swiglu,
+// dispatch_expert_gemm_swiglu, expert_gemm_dgrad, expert_gemm_dgrad_swiglu and expert_gemm_wgrad of
+// the `megatron_mok` library (fake implementations in megatron_mok/ops.py). Each op checks its
+// arguments, fills its kernel's params (mok_params.h) once and launches.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstring>
 #include <map>
-#include <string>
 #include <mutex>
+#include <string>
 #include <tuple>
-#include <vector>
 
+#include "bindings/checks.h"
 #include "common/device_info.h"
 #include "common/failure_record.h"
 #include "common/limits.h"
@@ -21,9 +22,13 @@
 #include "gemm/expert_gemm_sm90.cuh"
 #include "gemm/expert_wgrad_sm90.cuh"
 #include "mok_params.h"
+#include "moe/dispatch_ring_sm90_ws.cuh"
 
 namespace mok {
 namespace {
+
+using Tile = ExpertGemmTile;
+constexpr size_t kSmemBytes = ExpertGemmSharedStorage::kSmemBytes;
 
 // setmaxnreg moves registers inside the CTA's launch allocation, numRegs per thread as ptxas
 // compiled the kernel: if it gave fewer than the budgets assume (ExpertGemmTile's static_assert
@@ -38,7 +43,6 @@ void check_register_budget(Kernel kernel, const char* op) {
   if (checked.count(key)) return;
   cudaFuncAttributes attributes{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  using Tile = ExpertGemmTile;
   const int needed = 128 * Tile::kProducerRegisters + 256 * Tile::kConsumerRegisters;
   TORCH_CHECK(attributes.numRegs * Tile::kThreads >= needed, op, ": the kernel was compiled with ",
               std::to_string(attributes.numRegs), " registers per thread, fewer than its setmaxnreg budgets need (",
@@ -65,14 +69,6 @@ int resident_clusters(Kernel kernel, cudaLaunchConfig_t config, int cluster_m) {
               std::to_string(config.dynamicSmemBytes), " bytes of shared memory fits on this GPU");
   cache.emplace(key, clusters);
   return clusters;
-}
-
-// Numbers in error messages go through std::to_string: streaming an integer into the message's
-// ostream crashed on the device image, where the extension's libstdc++ is not torch's.
-std::string sizes_str(const at::Tensor& t) {
-  std::string out = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-  return out + ")";
 }
 
 // Checks shared by the ops (`op` names the op in messages, `a_name` its A operand); returns (num_experts, weight rows per
@@ -107,53 +103,68 @@ std::pair<int64_t, int64_t> check_expert_gemm(const char* op, const char* a_name
               std::to_string(weight.size(n_dim)));
   TORCH_CHECK(a.size(0) < (int64_t(1) << 31) && weight.size(0) * weight.size(1) < (int64_t(1) << 31), prefix,
               "more than 2^31 rows");
-  TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), prefix,
-              "this GPU has less shared memory per block than the kernel's ", std::to_string(ExpertGemmTile::kSmemBytes),
-              " bytes");
+  TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), prefix,
+              "this GPU has less shared memory per block than the kernel's ", std::to_string(kSmemBytes), " bytes");
   return {weight.size(0), weight.size(n_dim)};
 }
 
-// out: the store output or act; gate_up: the SwiGLU pre-activation (undefined for the store).
-// kDispatchA: `a` is the rows buffer the kernel itself fills (p.dispatch).
-// kTransB: weight is (experts, K, N), loaded MN-major through a 3-D map.
-template <GemmEpilogue kEpilogue, int kClusterM, bool kDispatchA, bool kTransB = false>
-void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
-                        const at::Tensor& gate_up, const ExpertGemmParams& p) {
-  using Tile = ExpertGemmTile;
-  const CUtensorMap b_map =
-      kTransB ? bf16_tensor_map_3d_sw128(weight.data_ptr(), p.num_experts, p.k, p.n_out, Tile::kK, "weight")
-              : bf16_tensor_map_sw128(weight.data_ptr(), int64_t(p.num_experts) * p.n_weight_rows, p.k, p.k,
-                                      Tile::kN / 2, "weight");
-  // (a.size(0): the dispatching kernel's A is its ring, which may be shorter than the rows.)
-  const CUtensorMap a_map = bf16_tensor_map_sw128(a.data_ptr(), a.size(0), p.k, p.k, Tile::kM, "a");
-  // (The SwiGLU-backward epilogue writes grad_gate_up, rows of 2 n_out, with plain stores.)
-  const int64_t out_stride = kEpilogue == GemmEpilogue::kSwigluBackward ? 2 * int64_t(p.n_out) : p.n_out;
-  const CUtensorMap out_map =
-      bf16_tensor_map_sw128(out.data_ptr(), p.num_rows, p.n_out, out_stride, Tile::kStoreBox, "out");
-  CUtensorMap gate_map = out_map, up_map = out_map;
-  if constexpr (kEpilogue == GemmEpilogue::kSwiglu) {
-    // The two halves of each gate_up row as matrices of their own, so a box never spills over
-    // from the gate half into the up half.
-    const auto* base = static_cast<const __nv_bfloat16*>(gate_up.data_ptr());
-    gate_map = bf16_tensor_map_sw128(base, p.num_rows, p.n_out, 2 * int64_t(p.n_out), Tile::kStoreBox, "gate_up");
-    up_map = bf16_tensor_map_sw128(base + p.n_out, p.num_rows, p.n_out, 2 * int64_t(p.n_out), Tile::kStoreBox,
-                                   "gate_up");
-  }
-  const size_t smem = Tile::kSmemBytes;
+ExpertGemmProblem make_problem(const at::Tensor& expert_offsets, int64_t num_experts, int64_t rows, int64_t n_out,
+                               int64_t n_weight_rows, int64_t k, int64_t group_m) {
+  return ExpertGemmProblem{expert_offsets.data_ptr<int32_t>(), int32_t(num_experts), int32_t(rows),   int32_t(n_out),
+                           int32_t(n_weight_rows),             int32_t(k),           int32_t(group_m)};
+}
+
+// A of the GEMM in boxes of kM rows. (a.size(0): the dispatching kernel's A is its ring, which may
+// be shorter than the rows.)
+CUtensorMap rows_map(const at::Tensor& a, const ExpertGemmProblem& g) {
+  return bf16_tensor_map_sw128(a.data_ptr(), a.size(0), g.k, g.k, Tile::kM, "a");
+}
+
+// B as (experts, N, K): boxes of half a tile's 256 rows (each CTA of a 2-CTA cluster loads one).
+CUtensorMap weight_map(const at::Tensor& weight, const ExpertGemmProblem& g) {
+  return bf16_tensor_map_sw128(weight.data_ptr(), int64_t(g.num_experts) * g.n_weight_rows, g.k, g.k, Tile::kN / 2,
+                               "weight");
+}
+
+// B as stored by the dgrad GEMMs, (experts, K, N): boxes of 64 N x 64 K x 1 expert.
+CUtensorMap weight_map_mn_major(const at::Tensor& weight, const ExpertGemmProblem& g) {
+  return bf16_tensor_map_3d_sw128(weight.data_ptr(), g.num_experts, g.k, g.n_out, Tile::kK, "weight");
+}
+
+// The store epilogue's view of `out`: (rows, n_out), row-major (its map: store_map).
+CUtensorMap store_map(const at::Tensor& out, int64_t rows, int64_t n_out) {
+  return bf16_tensor_map_sw128(out.data_ptr(), rows, n_out, n_out, Tile::kStoreBox, "out");
+}
+StoreEpilogueParams store_epilogue(const at::Tensor& out) { return StoreEpilogueParams{out.data_ptr()}; }
+
+// act (rows, n_out) and gate_up (rows, 2 n_out): the two halves of each gate_up row as matrices of
+// their own (gate_half_map, up: half 1), so a box never spills over from the gate half into the up half.
+CUtensorMap gate_up_half_map(const at::Tensor& gate_up, int64_t rows, int64_t n_out, int half) {
+  const auto* base = static_cast<const __nv_bfloat16*>(gate_up.data_ptr());
+  return bf16_tensor_map_sw128(base + half * n_out, rows, n_out, 2 * n_out, Tile::kStoreBox, "gate_up");
+}
+SwigluEpilogueParams swiglu_epilogue(const at::Tensor& act, const at::Tensor& gate_up) {
+  return SwigluEpilogueParams{act.data_ptr(), gate_up.data_ptr()};
+}
+
+// maps: the kernel's tensor maps in the order of ExpertGemmKernelMaps<Epilogue> (A, B, the epilogue's).
+template <class Epilogue, int kClusterM, class ASource = RowsInMemoryA, bool kTransB = false, class... Maps>
+void launch_expert_gemm(ExpertGemmKernelParams<Epilogue, ASource> params, const Maps&... maps) {
+  using Kernel = ExpertGemmKernel<Epilogue, kClusterM, ASource, kTransB>;
+  const ExpertGemmProblem& g = params.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  ExpertGemmParams params = p;
   params.failure_record = failure_record(stream);
-  auto kernel = expert_gemm_kernel<kEpilogue, kClusterM, kDispatchA, kTransB>;
+  auto kernel = gemm_kernel_sm90<Kernel, ExpertGemmKernelMaps<Epilogue>, decltype(params), Maps...>;
   check_register_budget(kernel, "expert_gemm");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0));
   // Enough clusters for the most cluster tiles any routing can make, at most as many as fit on the
   // GPU at once (persistent: a cluster that had to wait for a free pair of SMs would run its whole
   // static share of tiles after the others).
-  constexpr int kTileCols = Tile::n_out<kEpilogue>();
+  constexpr int kTileCols = Epilogue::kTileCols;
   constexpr int kClusterRows = Tile::kM * kClusterM;
-  const int64_t max_tiles = ((int64_t(p.num_rows) + kClusterRows - 1) / kClusterRows + p.num_experts) *
-                            ((int64_t(p.n_out) + kTileCols - 1) / kTileCols);
+  const int64_t max_tiles = ((int64_t(g.num_rows) + kClusterRows - 1) / kClusterRows + g.num_experts) *
+                            ((int64_t(g.n_out) + kTileCols - 1) / kTileCols);
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -161,37 +172,24 @@ void launch_expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at:
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
   config.blockDim = dim3(Tile::kThreads);
-  config.dynamicSmemBytes = smem;
+  config.dynamicSmemBytes = kSmemBytes;
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = 1;
   const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, resident_clusters(kernel, config, kClusterM))));
   config.gridDim = dim3(clusters * kClusterM);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, out_map, gate_map, up_map, params));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, maps..., params));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <GemmEpilogue kEpilogue, bool kDispatchA>
-void launch_with_cluster(int64_t cluster_m, const at::Tensor& a, const at::Tensor& weight, const at::Tensor& out,
-                         const at::Tensor& gate_up, const ExpertGemmParams& p) {
+template <class Epilogue, class ASource = RowsInMemoryA, class... Maps>
+void launch_with_cluster(int64_t cluster_m, const ExpertGemmKernelParams<Epilogue, ASource>& params,
+                         const Maps&... maps) {
   if (cluster_m == 1) {
-    launch_expert_gemm<kEpilogue, 1, kDispatchA>(a, weight, out, gate_up, p);
+    launch_expert_gemm<Epilogue, 1, ASource>(params, maps...);
   } else {
-    launch_expert_gemm<kEpilogue, 2, kDispatchA>(a, weight, out, gate_up, p);
+    launch_expert_gemm<Epilogue, 2, ASource>(params, maps...);
   }
-}
-
-ExpertGemmParams make_params(const at::Tensor& expert_offsets, int64_t num_experts, int64_t rows, int64_t n_out,
-                             int64_t n_weight_rows, int64_t k, int64_t group_m) {
-  ExpertGemmParams p{};
-  p.expert_offsets = expert_offsets.data_ptr<int32_t>();
-  p.num_experts = int32_t(num_experts);
-  p.num_rows = int32_t(rows);
-  p.n_out = int32_t(n_out);
-  p.n_weight_rows = int32_t(n_weight_rows);
-  p.k = int32_t(k);
-  p.group_m = int32_t(group_m);
-  return p;
 }
 
 at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& expert_offsets,
@@ -201,9 +199,11 @@ at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::
   const auto [num_experts, n] = check_expert_gemm("expert_gemm", "a", a, weight, expert_offsets, cluster_m, group_m);
   auto out = at::empty({a.size(0), n}, a.options());
   if (a.size(0) == 0) return out;
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
-  p.out = out.data_ptr();
-  launch_with_cluster<GemmEpilogue::kStore, false>(cluster_m, a, weight, out, at::Tensor(), p);
+  ExpertGemmKernelParams<StoreEpilogue> p{};
+  p.problem = make_problem(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
+  p.epilogue = store_epilogue(out);
+  launch_with_cluster<StoreEpilogue>(cluster_m, p, rows_map(a, p.problem), weight_map(weight, p.problem),
+                                     store_map(out, a.size(0), n));
   return out;
 }
 
@@ -224,10 +224,12 @@ std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const
   auto gate_up = at::empty({a.size(0), two_ffn}, a.options());
   auto act = at::empty({a.size(0), ffn}, a.options());
   if (a.size(0) == 0) return {gate_up, act};
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), ffn, two_ffn, a.size(1), group_m);
-  p.out = act.data_ptr();
-  p.gate_up = gate_up.data_ptr();
-  launch_with_cluster<GemmEpilogue::kSwiglu, false>(cluster_m, a, weight, act, gate_up, p);
+  ExpertGemmKernelParams<SwigluEpilogue> p{};
+  p.problem = make_problem(expert_offsets, num_experts, a.size(0), ffn, two_ffn, a.size(1), group_m);
+  p.epilogue = swiglu_epilogue(act, gate_up);
+  launch_with_cluster<SwigluEpilogue>(cluster_m, p, rows_map(a, p.problem), weight_map(weight, p.problem),
+                                      store_map(act, a.size(0), ffn), gate_up_half_map(gate_up, a.size(0), ffn, 0),
+                                      gate_up_half_map(gate_up, a.size(0), ffn, 1));
   return {gate_up, act};
 }
 
@@ -285,15 +287,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   auto act = at::empty({num_rows, ffn}, x.options());
   if (num_rows == 0) return {rows, gate_up, act};
   auto counters = at::zeros({3 * minibatches}, x.options().dtype(at::kInt));
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, num_rows, ffn, two_ffn, x.size(1), group_m);
-  p.out = act.data_ptr();
-  p.gate_up = gate_up.data_ptr();
+  ExpertGemmKernelParams<SwigluEpilogue, DispatchRingA> p{};
+  p.problem = make_problem(expert_offsets, num_experts, num_rows, ffn, two_ffn, x.size(1), group_m);
+  p.epilogue = swiglu_epilogue(act, gate_up);
   // Routes whose token is past x read zeros: a schedule never names one.
-  p.dispatch = ExpertGemmDispatch{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), rows.data_ptr(),
+  p.a_source = DispatchRingParams{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), rows.data_ptr(),
                                   counters.data_ptr<int32_t>(), x.size(0), int32_t(topk), kDispatchMinibatchRows,
                                   int32_t(minibatches), int32_t(ring), int32_t(ring * kDispatchMinibatchRows),
                                   int32_t(ring < minibatches)};
-  launch_with_cluster<GemmEpilogue::kSwiglu, true>(cluster_m, rows, weight, act, gate_up, p);
+  launch_with_cluster<SwigluEpilogue, DispatchRingA>(cluster_m, p, rows_map(rows, p.problem),
+                                                     weight_map(weight, p.problem), store_map(act, num_rows, ffn),
+                                                     gate_up_half_map(gate_up, num_rows, ffn, 0),
+                                                     gate_up_half_map(gate_up, num_rows, ffn, 1));
   return {rows, gate_up, act};
 }
 
@@ -307,9 +312,12 @@ at::Tensor expert_gemm_dgrad(const at::Tensor& a, const at::Tensor& weight, cons
   const auto [num_experts, n] = check_expert_gemm(kOp, "a", a, weight, expert_offsets, 1, group_m, true);
   auto out = at::empty({a.size(0), n}, a.options());
   if (a.size(0) == 0) return out;
-  ExpertGemmParams p = make_params(expert_offsets, num_experts, a.size(0), n, weight.size(1), a.size(1), group_m);
-  p.out = out.data_ptr();
-  launch_expert_gemm<GemmEpilogue::kStore, 1, false, true>(a, weight, out, at::Tensor(), p);
+  ExpertGemmKernelParams<StoreEpilogue> p{};
+  p.problem = make_problem(expert_offsets, num_experts, a.size(0), n, weight.size(1), a.size(1), group_m);
+  p.epilogue = store_epilogue(out);
+  launch_expert_gemm<StoreEpilogue, 1, RowsInMemoryA, true>(p, rows_map(a, p.problem),
+                                                            weight_map_mn_major(weight, p.problem),
+                                                            store_map(out, a.size(0), n));
   return out;
 }
 
@@ -330,11 +338,11 @@ at::Tensor expert_gemm_dgrad_swiglu(const at::Tensor& grad_out, const at::Tensor
               ": gate_up must be 16-byte aligned (the epilogue reads it in 16-byte chunks)");
   auto grad_gate_up = at::empty({grad_out.size(0), 2 * ffn}, grad_out.options());
   if (grad_out.size(0) == 0) return grad_gate_up;
-  ExpertGemmParams p =
-      make_params(expert_offsets, num_experts, grad_out.size(0), ffn, fc2.size(1), grad_out.size(1), group_m);
-  p.out = grad_gate_up.data_ptr();
-  p.gate_up = const_cast<void*>(gate_up.data_ptr());  // read by the epilogue
-  launch_expert_gemm<GemmEpilogue::kSwigluBackward, 1, false, true>(grad_out, fc2, grad_gate_up, at::Tensor(), p);
+  ExpertGemmKernelParams<SwigluBackwardEpilogue> p{};
+  p.problem = make_problem(expert_offsets, num_experts, grad_out.size(0), ffn, fc2.size(1), grad_out.size(1), group_m);
+  p.epilogue = SwigluBackwardEpilogueParams{gate_up.data_ptr(), grad_gate_up.data_ptr()};
+  launch_expert_gemm<SwigluBackwardEpilogue, 1, RowsInMemoryA, true>(p, rows_map(grad_out, p.problem),
+                                                                     weight_map_mn_major(fc2, p.problem));
   return grad_gate_up;
 }
 
@@ -362,24 +370,26 @@ at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, c
               ": expert_offsets must be int32 (experts + 1,) with at least one expert, got ", sizes_str(expert_offsets));
   const int64_t experts = expert_offsets.numel() - 1, m = grad.size(1), n = inputs.size(1), rows = grad.size(0);
   TORCH_CHECK(rows < (int64_t(1) << 31) && experts * m < (int64_t(1) << 31), kOp, ": more than 2^31 rows");
-  TORCH_CHECK(ExpertGemmTile::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
-              ": this GPU has less shared memory per block than the kernel's ", std::to_string(ExpertGemmTile::kSmemBytes),
-              " bytes");
+  TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
+              ": this GPU has less shared memory per block than the kernel's ", std::to_string(kSmemBytes), " bytes");
   if (rows == 0) return at::zeros({experts, m, n}, grad.options());
   auto out = at::empty({experts, m, n}, grad.options());
-  using Tile = ExpertGemmTile;
   const CUtensorMap grad_map = bf16_tensor_map_sw128(grad.data_ptr(), rows, m, m, Tile::kK, "grad");
   const CUtensorMap inputs_map = bf16_tensor_map_sw128(inputs.data_ptr(), rows, n, n, Tile::kK, "inputs");
-  const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), experts * m, n, n, Tile::kStoreBox, "out");
+  const CUtensorMap out_map = store_map(out, experts * m, n);  // out as (experts * m, n)
+  ExpertWgradParams p{};
+  p.problem = ExpertWgradProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts), int32_t(rows), int32_t(m),
+                                 int32_t(n)};
+  p.epilogue = store_epilogue(out);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  ExpertWgradParams p{expert_offsets.data_ptr<int32_t>(), out.data_ptr(), int32_t(experts), int32_t(rows), int32_t(m),
-                      int32_t(n), failure_record(stream)};
-  check_register_budget(expert_wgrad_kernel, kOp);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(Tile::kSmemBytes)));
+  p.failure_record = failure_record(stream);
+  auto kernel = gemm_kernel_sm90<ExpertWgradKernel, ExpertWgradMaps, ExpertWgradParams, CUtensorMap, CUtensorMap,
+                                 CUtensorMap>;
+  check_register_budget(kernel, kOp);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   const int64_t tiles = experts * ((m + Tile::kM - 1) / Tile::kM) * ((n + Tile::kN - 1) / Tile::kN);
   const int grid = int(std::min<int64_t>(tiles, multiprocessor_count()));  // one CTA per SM (shared memory)
-  expert_wgrad_kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(grad_map, inputs_map, out_map, p);
+  kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(grad_map, inputs_map, out_map, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

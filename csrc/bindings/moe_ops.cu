@@ -25,8 +25,6 @@
 namespace mok {
 namespace {
 
-using bindings::check_cuda;
-using bindings::check_index;
 using bindings::dispatch_dtype;
 using bindings::grid_for;
 using bindings::row_packs_ok;

@@ -1,5 +1,5 @@
 // What the bindings of the memory-bound stages share (bindings/moe_ops.cu, bindings/exchange_ops.cu):
-// argument checks that name the argument, the dtype dispatch, the grid size, and the peer address
+// (with bindings/checks.h's argument checks, which name the argument) the dtype dispatch, the grid size, and the peer address
 // tables of the exchange's ops.
 #pragma once
 
@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "bindings/checks.h"
 #include "common/device_info.h"
 #include "common/limits.h"
 
@@ -41,16 +42,6 @@ void dispatch_dtype(at::ScalarType dtype, bool packs_ok, Fn&& fn) {
 inline int grid_for(int64_t items) {
   const int sms = multiprocessor_count();
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t(sms) * 16)));
-}
-
-inline void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-inline void check_index(const at::Tensor& t, const char* name) {
-  check_cuda(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
 }
 
 inline bool row_packs_ok(int64_t row_elems, at::ScalarType dtype, std::initializer_list<at::Tensor> tensors) {

@@ -4,7 +4,23 @@
 
 #include <cstdint>
 
+#include "common/sync_sm90.cuh"
+
 namespace mok::sm90 {
+
+// The barriers of a ring of kStages stages, by one thread before any use: `full` completes on the
+// producer's one expect_tx arrival and the TMA bytes it announced; `empty` once `empty_arrivals`
+// consumers released the stage (every consumer warpgroup of the cluster: a peer CTA's consumers
+// release the stages its multicast loads wrote into). The fence makes them visible to the async
+// proxy (TMA) and to the cluster before the caller's barrier (cluster_sync or __syncthreads).
+template <int kStages>
+__device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint64_t* empty, uint32_t empty_arrivals) {
+  for (int s = 0; s < kStages; ++s) {
+    mbarrier_init(&full[s], 1);
+    mbarrier_init(&empty[s], empty_arrivals);
+  }
+  fence_barrier_init();
+}
 
 // The next use of a ring of kStages pipeline stages: the stage index, and the parity its barriers
 // complete with (it flips each time the ring wraps).
@@ -13,6 +29,17 @@ __device__ __forceinline__ void advance_stage(int& stage, uint32_t& phase) {
   if (++stage == kStages) {
     stage = 0;
     phase ^= 1;
+  }
+}
+
+// A consumer warpgroup is done reading a stage: tell the producers of every CTA of the cluster.
+template <int kClusterM>
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  if constexpr (kClusterM == 1) {
+    mbarrier_arrive(empty);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kClusterM; ++r) mbarrier_arrive_in_cta(empty, r);
   }
 }
 

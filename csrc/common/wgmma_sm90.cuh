@@ -53,7 +53,7 @@ __device__ __forceinline__ uint64_t smem_descriptor_sw128_mn(const void* tile, u
 
 // wgmma.mma_async m64n256k16, bf16 x bf16 -> fp32, A and B in shared memory, each K-major
 // (kTrans = 0) or MN-major (kTrans = 1).
-// d: this thread's 128 accumulators (layout in gemm/expert_gemm_sm90.cuh); scale_d = 0 zeroes them first.
+// d: this thread's 128 accumulators (layout in gemm/tile_sm90.cuh); scale_d = 0 zeroes them first.
 template <int kTransB = 0, int kTransA = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(

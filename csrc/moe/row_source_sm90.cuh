@@ -1,6 +1,7 @@
-// Where a row of the group's rows lives when the rows are spread over several equal blocks (the
-// ranks' symmetric regions): RowSource (mok_params.h) and the lookups of the peer gathers and the
-// push combine. Usable by any kernel, GEMM dispatch warps included: no division (a 64-bit integer
+// Where a dispatched row comes from, for every dispatch (the row gathers of moe/dispatch_sm90.cuh,
+// the dispatching GEMM's ring in moe/dispatch_ring_sm90_ws.cuh, the push combine): the group's row
+// of a route, and where that row lives when the rows are spread over several equal blocks (the
+// ranks' symmetric regions): RowSource (mok_params.h) and its lookups. Usable by any kernel, GEMM dispatch warps included: no division (a 64-bit integer
 // division is a subroutine call in SASS, and a call anywhere in a wgmma kernel serializes its
 // wgmmas, C7510) and no dynamic index into a by-value parameter array (that copies the parameters
 // to local memory; the compare-and-select chains below keep the table in the constant bank).
@@ -12,6 +13,11 @@
 #include "mok_params.h"
 
 namespace mok {
+
+// Row s of a schedule holds route slot_to_route[s] = (src_rank * num_tokens + token) * topk + k
+// (-1: padding, a zero row); its source is row route / topk of the group's rows, which
+// locate_block_row / source_row below find in the ranks' blocks.
+__device__ __forceinline__ int64_t route_source_row(int64_t route, int64_t topk) { return route / topk; }
 
 // Row g of rows laid out in num_blocks blocks of rows_per_block rows each: the block and the row's
 // index in it. 7 compares and selects at 8 ranks.
