@@ -202,8 +202,9 @@ at::Tensor expert_gemm(const at::Tensor& a, const at::Tensor& weight, const at::
   ExpertGemmKernelParams<StoreEpilogue> p{};
   p.problem = make_problem(expert_offsets, num_experts, a.size(0), n, n, a.size(1), group_m);
   p.epilogue = store_epilogue(out);
-  launch_with_cluster<StoreEpilogue>(cluster_m, p, rows_map(a, p.problem), weight_map(weight, p.problem),
-                                     store_map(out, a.size(0), n));
+  const CUtensorMap b_map = weight_map(weight, p.problem);  // (maps in this order: the checks' order)
+  const CUtensorMap a_map = rows_map(a, p.problem);
+  launch_with_cluster<StoreEpilogue>(cluster_m, p, a_map, b_map, store_map(out, a.size(0), n));
   return out;
 }
 
@@ -227,8 +228,11 @@ std::tuple<at::Tensor, at::Tensor> expert_gemm_swiglu(const at::Tensor& a, const
   ExpertGemmKernelParams<SwigluEpilogue> p{};
   p.problem = make_problem(expert_offsets, num_experts, a.size(0), ffn, two_ffn, a.size(1), group_m);
   p.epilogue = swiglu_epilogue(act, gate_up);
-  launch_with_cluster<SwigluEpilogue>(cluster_m, p, rows_map(a, p.problem), weight_map(weight, p.problem),
-                                      store_map(act, a.size(0), ffn), gate_up_half_map(gate_up, a.size(0), ffn, 0),
+  const CUtensorMap b_map = weight_map(weight, p.problem);
+  const CUtensorMap a_map = rows_map(a, p.problem);
+  const CUtensorMap act_map = store_map(act, a.size(0), ffn);
+  const CUtensorMap gate_map = gate_up_half_map(gate_up, a.size(0), ffn, 0);
+  launch_with_cluster<SwigluEpilogue>(cluster_m, p, a_map, b_map, act_map, gate_map,
                                       gate_up_half_map(gate_up, a.size(0), ffn, 1));
   return {gate_up, act};
 }
@@ -295,9 +299,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
                                   counters.data_ptr<int32_t>(), x.size(0), int32_t(topk), kDispatchMinibatchRows,
                                   int32_t(minibatches), int32_t(ring), int32_t(ring * kDispatchMinibatchRows),
                                   int32_t(ring < minibatches)};
-  launch_with_cluster<SwigluEpilogue, DispatchRingA>(cluster_m, p, rows_map(rows, p.problem),
-                                                     weight_map(weight, p.problem), store_map(act, num_rows, ffn),
-                                                     gate_up_half_map(gate_up, num_rows, ffn, 0),
+  const CUtensorMap b_map = weight_map(weight, p.problem);
+  const CUtensorMap a_map = rows_map(rows, p.problem);
+  const CUtensorMap act_map = store_map(act, num_rows, ffn);
+  const CUtensorMap gate_map = gate_up_half_map(gate_up, num_rows, ffn, 0);
+  launch_with_cluster<SwigluEpilogue, DispatchRingA>(cluster_m, p, a_map, b_map, act_map, gate_map,
                                                      gate_up_half_map(gate_up, num_rows, ffn, 1));
   return {rows, gate_up, act};
 }
@@ -315,9 +321,9 @@ at::Tensor expert_gemm_dgrad(const at::Tensor& a, const at::Tensor& weight, cons
   ExpertGemmKernelParams<StoreEpilogue> p{};
   p.problem = make_problem(expert_offsets, num_experts, a.size(0), n, weight.size(1), a.size(1), group_m);
   p.epilogue = store_epilogue(out);
-  launch_expert_gemm<StoreEpilogue, 1, RowsInMemoryA, true>(p, rows_map(a, p.problem),
-                                                            weight_map_mn_major(weight, p.problem),
-                                                            store_map(out, a.size(0), n));
+  const CUtensorMap b_map = weight_map_mn_major(weight, p.problem);
+  const CUtensorMap a_map = rows_map(a, p.problem);
+  launch_expert_gemm<StoreEpilogue, 1, RowsInMemoryA, true>(p, a_map, b_map, store_map(out, a.size(0), n));
   return out;
 }
 
@@ -341,8 +347,8 @@ at::Tensor expert_gemm_dgrad_swiglu(const at::Tensor& grad_out, const at::Tensor
   ExpertGemmKernelParams<SwigluBackwardEpilogue> p{};
   p.problem = make_problem(expert_offsets, num_experts, grad_out.size(0), ffn, fc2.size(1), grad_out.size(1), group_m);
   p.epilogue = SwigluBackwardEpilogueParams{gate_up.data_ptr(), grad_gate_up.data_ptr()};
-  launch_expert_gemm<SwigluBackwardEpilogue, 1, RowsInMemoryA, true>(p, rows_map(grad_out, p.problem),
-                                                                     weight_map_mn_major(fc2, p.problem));
+  const CUtensorMap b_map = weight_map_mn_major(fc2, p.problem);
+  launch_expert_gemm<SwigluBackwardEpilogue, 1, RowsInMemoryA, true>(p, rows_map(grad_out, p.problem), b_map);
   return grad_gate_up;
 }
 
