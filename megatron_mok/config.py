@@ -52,7 +52,9 @@ class MoKConfig:
             rows of a balanced routing on every rank); "symmetric", the in-kernel exchange through
             symmetric memory (pull dispatch, push combine, device-side signals; CUDA ranks of one
             node with peer access and the extension; an error elsewhere); "auto" (the default):
-            "symmetric" where a group of more than one rank can have it, else "collective".
+            "symmetric" where the group offers it by default (megatron_mok.emulation's ranks; not
+            yet a process group, whose symmetric path has not run on a multi-GPU node), else
+            "collective".
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one

@@ -73,6 +73,7 @@ class EmulatedRankGroup(ExpertParallelGroup):
         self.rendezvous = rendezvous
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._make_pool = make_pool  # None: the collective exchange
+        self.symmetric_by_default = make_pool is not None
 
     def symmetric_pool(self):
         if self._make_pool is None:
@@ -139,6 +140,15 @@ class EmulatedGroup:
             raise RuntimeError(f"exchange='symmetric' needs the CUDA extension: {ops.extension_error()}")
         num_phases = len(ops.exchange_phase_names())
         return SymmetricPool(rank, self.num_ranks, num_phases, self._allocators(rank), self.device)
+
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+        """Creates every rank's symmetric pool and the regions of one layer-call shape, before any
+        rank's pass is launched: afterwards nothing in a pass allocates or waits on the host."""
+        for rank_group in self.ranks:
+            pool, reason = rank_group.symmetric_pool()
+            if pool is None:
+                raise RuntimeError(f"emulated rank {rank_group.rank}: {reason}")
+            pool.prepare(num_tokens, hidden, topk, dtype)
 
     def run_launched(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
         """Runs body(rank) for every rank (or only `ranks`) from this thread, one after the other, each
@@ -230,8 +240,11 @@ class EmulatedGroup:
             )
         if self.exchange == "symmetric" and config.exchange != "collective":
             # One autograd node per rank, as on a real group: their backwards meet on the device too,
-            # in whatever order autograd runs them.
+            # in whatever order autograd runs them. Every rank's regions exist before any rank is
+            # launched (comm/symmetric.py, emulated_allocator's NOTES).
             from megatron_mok.moe import mok_moe
+
+            self.prepare(*xs[0].shape, topk_ids[0].shape[1], xs[0].dtype)
 
             return self.run_launched(
                 lambda r: mok_moe(xs[r], topk_ids[r], topk_weights[r], fc1s[r], fc2s[r], group=self.ranks[r], config=config)

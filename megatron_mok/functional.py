@@ -125,6 +125,7 @@ def forward(
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
     backend = resolve_backend(config, x, fc1)
     num_local_experts = fc1.shape[0]
+    exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
     if schedule is None:
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
     else:

@@ -61,6 +61,10 @@ class Exchange(Protocol):
     rank: int
     num_ranks: int
 
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+        """Called before a layer call's first exchange: allocate what a call of this shape needs."""
+        ...
+
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens, topk) int ids -> (num_ranks, num_tokens, topk) int64, every rank's in rank order."""
         ...
@@ -101,6 +105,9 @@ class CollectiveExchange:
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(topk_ids.to(torch.int64))
 
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+        pass  # the collectives allocate their outputs per call
+
     def dispatch_source(self, x: torch.Tensor) -> GatheredRows:
         return GatheredRows(self.group.all_gather(x).reshape(-1, x.shape[1]))
 
@@ -137,9 +144,10 @@ class CollectiveExchange:
 
 def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
     """The exchange a call runs over `group` (kind: MoKConfig.exchange): through symmetric memory
-    (comm/symmetric_exchange.py) where the group can have it and kind allows, else the collective
-    one. The choice depends only on the group and the config, so every rank of a group decides alike."""
-    if kind == "collective" or (kind == "auto" and group.num_ranks == 1):
+    (comm/symmetric_exchange.py) when asked for, or by default where the group offers it (emulated
+    ranks; a process group does not yet: its symmetric path has not run on a multi-GPU node), else
+    the collective one. The choice depends only on the group and the config, so every rank of a group decides alike."""
+    if kind == "collective" or (kind == "auto" and (group.num_ranks == 1 or not group.symmetric_by_default)):
         return CollectiveExchange(group)
     pool, reason = group.symmetric_pool()
     if pool is None:

@@ -25,6 +25,9 @@ class ExpertParallelGroup:
     device: torch.device
 
     _pool: object = dataclasses.field(default=None, repr=False, compare=False)
+    # MoKConfig.exchange="auto" takes the symmetric exchange only where this is set (emulated ranks):
+    # over a process group it is not yet the default, since it has not run on a multi-GPU node.
+    symmetric_by_default: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def symmetric_pool(self) -> tuple[Optional[object], str]:
         """(the group's SymmetricPool (comm/symmetric.py), "") or (None, why not). A process group

@@ -87,6 +87,11 @@ class SymmetricPool:
             )
         return self._allocate(shape, dtype)
 
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+        """Allocates every region a layer call of this shape uses (REGIONS, in table order)."""
+        for name in REGIONS:
+            self.region(name, num_tokens, hidden, topk, dtype)
+
     def region(self, name: str, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> SymmetricRegion:
         shape, region_dtype = REGIONS[name](num_tokens, hidden, topk, dtype)
         key = (name, shape, region_dtype)
@@ -99,15 +104,14 @@ class SymmetricPool:
 def emulated_allocator(num_ranks: int, device: torch.device) -> Callable[[int], RegionAllocator]:
     """Every rank's regions in one process (megatron_mok.emulation): separate allocations on one
     device, the peer table pointing at them, as torch symmetric memory gives one per GPU. The first
-    rank to ask for a region allocates it for all ranks (the ranks ask in the same order)."""
+    rank to ask for a region allocates it for all ranks (the ranks ask in the same order).
+
+    NOTES: nothing may wait on the host once a rank's pass is launched: its stream may hold a
+    signal wait for ranks not launched yet, and any host wait (a stream synchronization, an
+    allocation that synchronizes the device) would then never end. So the regions are allocated up
+    front (EmulatedGroup.prepare) and `SymmetricPool.region` only looks them up during a pass."""
     allocated: dict[tuple, list[torch.Tensor]] = {}
     counts: dict[tuple, int] = {}
-    # The copies are zeroed on a stream of their own and waited for at once: zeroing on the asking
-    # rank's stream would queue the fill behind that rank's pending signal waits, after the other
-    # ranks may already have written their copies (and the host must not wait on a rank's stream,
-    # which may be waiting for ranks not launched yet).
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-
     def for_rank(rank: int) -> RegionAllocator:
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricRegion:
             # The n-th request for a (shape, dtype) on every rank is the same region.
@@ -115,12 +119,10 @@ def emulated_allocator(num_ranks: int, device: torch.device) -> Callable[[int], 
             counts[(rank, shape, dtype)] = n + 1
             key = (shape, dtype, n)
             if key not in allocated:
-                if side is None:
-                    allocated[key] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_ranks)]
-                else:
-                    with torch.cuda.stream(side):
-                        allocated[key] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_ranks)]
-                    side.synchronize()
+                # Zeroed on the asking stream, which has nothing pending: the regions are allocated
+                # before any rank is launched (EmulatedGroup.prepare), and the ranks' streams are
+                # forked from that stream after it.
+                allocated[key] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_ranks)]
             copies = allocated[key]
             return SymmetricRegion(copies[rank], tuple(c.data_ptr() for c in copies))
 

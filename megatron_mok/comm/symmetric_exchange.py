@@ -83,6 +83,11 @@ class SymmetricExchange:
 
     # ---- the Exchange ------------------------------------------------------------------------
 
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+        # Every region of this shape exists before the call's first exchange op is issued: no
+        # allocation (and no host wait) falls between this rank's signal waits.
+        self.pool.prepare(num_tokens, hidden, topk, dtype)
+
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, topk = topk_ids.shape
         routing = self.pool.region("routing", num_tokens, 0, topk, torch.int64)

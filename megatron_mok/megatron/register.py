@@ -64,7 +64,8 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default="auto",
         help="How rows cross expert-parallel ranks: symmetric (the in-kernel exchange through "
         "symmetric memory: GPUs of one node with peer access), collective (torch.distributed "
-        "all-gather / all-to-all, anywhere), or auto (symmetric where it can run at EP > 1).",
+        "all-gather / all-to-all, anywhere), or auto (collective over process groups for now: the symmetric "
+        "path has not run on a multi-GPU node yet).",
     )
     return parser
 
