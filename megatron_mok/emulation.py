@@ -17,7 +17,11 @@ Each emulated rank has its own tensors and buffers and its own CUDA stream. Two 
   (`timeout_s`): a rank that never arrives (or fails) is an error naming the waiting rank and the
   collective, never a hang. Not capturable (the rendezvous is on the host).
 
-Either way rank r's outputs and gradients are bitwise those of a real group's rank r.
+Either way rank r's outputs and gradients are bitwise those of a real group's rank r. With the
+symmetric exchange every rank's y must take part in the backward (as on a real group, where every
+rank runs its backward): a rank whose backward never runs leaves the others waiting, and their
+bounded waits trap. The collective form runs every rank's backward in one node, with zeros for an
+unused y.
 `mok_moe` here takes no shared expert (it is rank-local: add it per rank).
 """
 

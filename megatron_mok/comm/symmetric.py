@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -112,8 +113,13 @@ def emulated_allocator(num_ranks: int, device: torch.device) -> Callable[[int], 
     front (EmulatedGroup.prepare) and `SymmetricPool.region` only looks them up during a pass."""
     allocated: dict[tuple, list[torch.Tensor]] = {}
     counts: dict[tuple, int] = {}
+    lock = threading.Lock()  # ranks in threads (EmulatedGroup.run) may ask at once
     def for_rank(rank: int) -> RegionAllocator:
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricRegion:
+            with lock:
+                return locked_allocate(shape, dtype)
+
+        def locked_allocate(shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricRegion:
             # The n-th request for a (shape, dtype) on every rank is the same region.
             n = counts.get((rank, shape, dtype), 0)
             counts[(rank, shape, dtype)] = n + 1
