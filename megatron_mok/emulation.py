@@ -166,12 +166,17 @@ class EmulatedGroup:
             stream.wait_stream(main_stream)
             with torch.cuda.stream(stream):
                 results[rank] = body(rank)
+        self._join(main_stream, ranks, results)
+        return results
+
+    def _join(self, main_stream, ranks: Sequence[int], results: list[object]) -> None:
+        """The caller's stream waits for the ranks' streams, and their results are not reused by the
+        allocator while the caller's stream may still read them."""
         for rank in ranks:
             main_stream.wait_stream(self.ranks[rank].stream)
         for result in results:
             for tensor in _tensors_in(result):
                 tensor.record_stream(main_stream)
-        return results
 
     def run(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
         """Runs body(rank) for every rank (or only `ranks`, e.g. to test a rank that never arrives),
@@ -202,11 +207,7 @@ class EmulatedGroup:
         for thread in threads:
             thread.join()
         if main_stream is not None:
-            for rank in ranks:
-                main_stream.wait_stream(self.ranks[rank].stream)
-            for result in results:
-                for tensor in _tensors_in(result):
-                    tensor.record_stream(main_stream)
+            self._join(main_stream, ranks, results)
         if errors:
             self.rendezvous.barrier.reset()
             # A rank's own error first: the others only report that it never arrived.

@@ -3,6 +3,9 @@ the marks of the tests that need the Hopper kernels."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from typing import Callable, Sequence
 
 import pytest
@@ -83,3 +86,15 @@ def assert_bitwise_reproducible_without_host_sync(
     assert torch.equal(y1, y2)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
+
+
+def run_until_trap(script: str, timeout_s: float = 120) -> tuple[str, str, float]:
+    """Runs `script` in a fresh interpreter (a trapped kernel leaves its CUDA context unusable); the
+    script must print "no error" if its kernels returned and then "record:" with ops.last_failure().
+    Asserts that it trapped; returns (the record's text, the whole output, seconds taken)."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s)
+    elapsed = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert "record:" in out and "no error" not in out, out
+    return out.split("record:", 1)[1], out, elapsed

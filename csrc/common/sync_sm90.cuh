@@ -108,6 +108,21 @@ __device__ __forceinline__ void red_release_gpu_add(int32_t* ptr, int32_t value)
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
 
+// ---- counters between GPUs (global memory, system scope: the exchange's signals) ---------------
+
+// Acquire at system scope: what the signalling rank wrote before its release (its regions, its
+// pushes into this rank's memory, over NVLink on a real node) is visible after this load.
+__device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* ptr) {
+  int64_t value;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+// A release add at system scope into a counter that may live on another GPU.
+__device__ __forceinline__ void red_release_sys_add(int64_t* ptr, int64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
 // Waits until *counter >= target; the writes released before the counter reached it are visible.
 __device__ __forceinline__ void wait_counter_at_least(const int32_t* counter, int32_t target, int wait_id,
                                                       WaitWatch* watch) {

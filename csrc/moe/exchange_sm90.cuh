@@ -19,6 +19,7 @@
 
 #include "common/failure_codes.h"
 #include "common/limits.h"
+#include "common/sync_sm90.cuh"
 #include "common/watchdog_sm90.cuh"
 #include "mok_params.h"
 #include "moe/row_source_sm90.cuh"
@@ -27,19 +28,6 @@ namespace mok {
 
 constexpr int kExchangeThreads = 32;
 constexpr unsigned kFullWarp = 0xffffffffu;
-
-// Acquire at system scope: what the signalling rank wrote before its release (its regions, its
-// pushes into this rank's memory, over NVLink on a real node) is visible after this load.
-__device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* ptr) {
-  int64_t value;
-  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
-// A release add at system scope into a counter that may live on another GPU.
-__device__ __forceinline__ void red_release_sys_add(int64_t* ptr, int64_t value) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
-}
 
 // The counters of (phase, kind) in a pad, one per source rank.
 __device__ __forceinline__ int64_t* signal_counters(int64_t* pad, int num_ranks, int phase, int kind) {
@@ -52,13 +40,13 @@ __device__ __forceinline__ int64_t* signal_counters(int64_t* pad, int num_ranks,
 __device__ __forceinline__ void wait_for_signals(const ExchangeSignalParams& p, int kind, int64_t target, int64_t call) {
   const int lane = int(threadIdx.x);
   const int64_t* counter = signal_counters(p.signals, p.num_ranks, p.phase, kind) + lane;
-  bool done = lane >= p.num_ranks || ld_acquire_sys(counter) >= target;
+  bool done = lane >= p.num_ranks || sm90::ld_acquire_sys(counter) >= target;
   if (__all_sync(kFullWarp, done)) return;
   const uint64_t start = sm90::global_timer_ns();
   while (true) {
     // Short: the whole exchange round is a few microseconds, and one warp polling costs little.
     __nanosleep(32);
-    if (!done) done = ld_acquire_sys(counter) >= target;
+    if (!done) done = sm90::ld_acquire_sys(counter) >= target;
     if (__all_sync(kFullWarp, done)) return;
     const bool timed_out = __shfl_sync(kFullWarp, sm90::global_timer_ns() - start > kWaitTimeoutNs, 0);
     if (timed_out) {
@@ -90,7 +78,7 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_signal_kernel(const
   // this rank's regions, or pushed into peers'); they precede this kernel, and the system-scope
   // fence and release order them before the count every peer acquires.
   __threadfence_system();
-  red_release_sys_add(signal_counters(pick_rank(p.peer_signals, lane), p.num_ranks, p.phase, p.kind) + p.rank, 1);
+  sm90::red_release_sys_add(signal_counters(pick_rank(p.peer_signals, lane), p.num_ranks, p.phase, p.kind) + p.rank, 1);
 }
 
 __global__ void __launch_bounds__(kExchangeThreads) exchange_wait_ready_kernel(const ExchangeSignalParams p) {

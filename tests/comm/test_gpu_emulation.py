@@ -101,15 +101,8 @@ print("record:", ops.last_failure())
 
 
 def test_a_rank_that_never_arrives_traps_with_the_named_wait():
-    import subprocess
-    import sys
-    import time
+    from cuda_checks import run_until_trap
 
-    start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", NEVER_ARRIVES], capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - start
-    out = result.stdout + result.stderr
-    assert "record:" in out and "no error" not in out, out
-    record = out.split("record:", 1)[1]
+    record, out, elapsed = run_until_trap(NEVER_ARRIVES)
     assert "routing" in record and "peer 1" in record and "call 1" in record, out
     assert elapsed < 60, f"the bounded wait took {elapsed:.0f} s"
