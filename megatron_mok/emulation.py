@@ -23,10 +23,18 @@ rank runs its backward): a rank whose backward never runs leaves the others wait
 bounded waits trap. The collective form runs every rank's backward in one node, with zeros for an
 unused y.
 `mok_moe` here takes no shared expert (it is rank-local: add it per rank).
+
+The symmetric form needs CUDA's eager module loading (CUDA_MODULE_LOADING=EAGER, set before CUDA
+starts; EmulatedGroup sets it itself when CUDA has not started yet): a rank's kernel spins until a
+rank launched after it signals, and under lazy loading the first launch of a kernel may wait for
+the whole device to be idle — for the spinning kernel, which waits for that launch (CUDA
+programming guide, lazy loading, "concurrent execution"). Real ranks are one process per GPU, where
+no kernel waits on a launch of its own process, so only the emulation needs it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -38,6 +46,21 @@ from megatron_mok.comm.symmetric import SymmetricPool, emulated_allocator
 from megatron_mok.config import MoKConfig
 from megatron_mok.limits import MAX_EP_RANKS
 from megatron_mok.validation import validate_moe_inputs
+
+
+def require_eager_module_loading() -> None:
+    """Makes sure CUDA loads every kernel when it starts (the module docstring says why): sets
+    CUDA_MODULE_LOADING=EAGER when CUDA has not started, else raises unless it is set."""
+    if os.environ.get("CUDA_MODULE_LOADING") == "EAGER":
+        return
+    if not torch.cuda.is_initialized():
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+        return
+    raise RuntimeError(
+        "EmulatedGroup(exchange='symmetric') needs CUDA_MODULE_LOADING=EAGER in the environment before "
+        "CUDA starts (CUDA has started in this process without it): emulated ranks' kernels wait for "
+        "kernels launched after them, and lazy module loading can wait for the device to be idle, a deadlock"
+    )
 
 
 class EmulatedRankTimeout(RuntimeError):
@@ -121,6 +144,9 @@ class EmulatedGroup:
             raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
         self.num_ranks = num_ranks
         self.device = torch.device(device)
+        symmetric = (exchange or ("symmetric" if self.device.type == "cuda" else "collective")) == "symmetric"
+        if symmetric and self.device.type == "cuda":
+            require_eager_module_loading()  # before the device index below starts CUDA
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.exchange = exchange or ("symmetric" if self.device.type == "cuda" else "collective")

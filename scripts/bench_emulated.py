@@ -11,11 +11,15 @@ prints the exception and `ops.last_failure()` (a trapped bounded wait names its 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
 
-import torch
+# Before CUDA starts: the emulated symmetric ranks need every kernel loaded up front (emulation.py).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "comm"))
@@ -70,8 +74,12 @@ def main() -> int:
     for num_ranks, exchange, equal, ms, ep1 in rows:
         over = f"{ms / ep1:.2f}x" if ms and ep1 else "-"
         print(f"{num_ranks:>5} {exchange:<11} {'equal' if equal else 'DIFFERENT':<9} "
-              f"{ms if ms is None else f'{ms:.2f}':>12} {ep1 if ep1 is None else f'{ep1:.2f}':>9} {over:>9}")
+              f"{_ms(ms):>12} {_ms(ep1):>9} {over:>9}")
     return 1 if failed else 0
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":
