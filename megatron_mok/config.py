@@ -55,6 +55,15 @@ class MoKConfig:
             "symmetric" where the group offers it by default (megatron_mok.emulation's ranks; not
             yet a process group, whose symmetric path has not run on a multi-GPU node), else
             "collective".
+        receive_capacity_factor: the receive capacity of a rank over the in-kernel exchange, in
+            units of its own T*K routes: a pass runs over its schedule in windows of about this
+            many times T*K rows (plus the segments' padding; megatron_mok/receive.py), each a
+            macrobatch through the same stages, so the expert stages' memory is set by the window,
+            not by EP times the tokens, whatever the routing. Routings that send a rank more rows
+            run more (fixed-count, mostly empty) windows and recompute their gate/up in backward;
+            results are bitwise the same for any factor. 1.0 (the default): a balanced routing
+            fits one window, and memory matches EP = 1's (docs/performance.md, EP memory). The
+            collective exchange runs one window of the whole schedule.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one
@@ -68,6 +77,7 @@ class MoKConfig:
     expert_gemm: ExpertGemm = "auto"
     dispatch_ring_minibatches: int = 16
     exchange: ExchangeKind = "auto"
+    receive_capacity_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -82,6 +92,9 @@ class MoKConfig:
             )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"MoKConfig.exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        factor = self.receive_capacity_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
+            raise ValueError(f"MoKConfig.receive_capacity_factor must be a positive finite number, got {factor!r}")
         if not isinstance(self.segment_alignment, int) or self.segment_alignment < 1:
             raise ValueError(
                 f"MoKConfig.segment_alignment must be a positive int, got {self.segment_alignment!r}"

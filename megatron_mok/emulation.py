@@ -109,6 +109,14 @@ class EmulatedRankGroup(ExpertParallelGroup):
             self._pool = self._make_pool(self.rank)
         return self._pool, ""
 
+    def _gather_objects(self, value: object) -> list[object]:
+        if self._make_pool is not None:
+            # The symmetric form launches its ranks one after the other from one thread, so a host
+            # rendezvous here would wait for a rank not launched yet: EmulatedGroup.mok_moe checks
+            # every rank's shapes itself before launching any.
+            return [value] * self.num_ranks
+        return self.rendezvous.exchange(self.rank, value, "shape agreement")
+
     def _gathered(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         tensor = tensor.contiguous()
         event = None

@@ -18,7 +18,9 @@ import torch
 
 from megatron_mok.backends import resolve_backend, stages_for
 from megatron_mok.comm import Exchange, ProcessGroup, exchange_for, get_expert_parallel_group
+from megatron_mok.backends.weight_grads import accumulator_for
 from megatron_mok.config import MoKConfig
+from megatron_mok.receive import ReceivePlan, receive_plan, windows
 from megatron_mok.schedule import Schedule, build_schedule_from_gathered
 from megatron_mok.validation import check_expert_ids, validate_moe_inputs
 
@@ -28,20 +30,21 @@ class ForwardContext:
     """What backward needs from forward."""
 
     schedule: Schedule
+    plan: ReceivePlan  # the pass's receive windows (receive.py)
     exchange: Exchange
     backend: str
     expert_gemm: str  # MoKConfig.expert_gemm: backward runs the same GEMM family as forward
     topk_ids: torch.Tensor  # (num_tokens, topk) int
     topk_weights: torch.Tensor  # (num_tokens, topk) float32
     x: torch.Tensor  # (num_tokens, hidden): this rank's tokens, pulled again in backward when rows is None
-    gate_up: torch.Tensor  # (capacity, 2 * ffn_hidden) pre-activation, schedule order
+    gate_up: torch.Tensor  # (window rows, 2 * ffn_hidden) pre-activation of the first window, its order
     # The unweighted expert output of route t*topk+k is route_table[route_index[t*topk+k]]
     # (index -1: dropped); see Exchange.route_index.
     route_table: torch.Tensor  # (num_rows, hidden)
     route_index: torch.Tensor  # (num_tokens * topk,) int64
-    # Kept on one rank, where they are as large as any grouped-GEMM pipeline's saved activations;
-    # with several ranks the capacity is num_ranks times larger, so backward recomputes them. rows is
-    # also None when forward dispatched through a bounded ring (MoKConfig.dispatch_ring_minibatches).
+    # Kept on one rank in one window, where they are as large as any grouped-GEMM pipeline's saved
+    # activations; with several ranks (or windows) backward recomputes them. rows is also None when
+    # forward dispatched through a bounded ring (MoKConfig.dispatch_ring_minibatches).
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
 
@@ -62,6 +65,14 @@ class Grads:
     fc2: Optional[torch.Tensor]  # (num_local_experts, hidden, ffn_hidden)
 
 
+def plan_for(exchange: Exchange, num_tokens: int, topk: int, num_local_experts: int, config: MoKConfig) -> ReceivePlan:
+    """The receive windows of a call (receive.py): the same on every rank of the group."""
+    return receive_plan(
+        num_ranks=exchange.num_ranks, num_tokens=num_tokens, topk=topk, num_local_experts=num_local_experts,
+        segment_alignment=config.segment_alignment, factor=config.receive_capacity_factor, windowed=exchange.windowed,
+    )
+
+
 def build_schedule(
     topk_ids: torch.Tensor,
     *,
@@ -76,22 +87,24 @@ def build_schedule(
             the group passes the same num_tokens and topk.
     """
     exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
+    plan = plan_for(exchange, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config)
     return build_schedule_from_gathered(
         exchange.gather_routing(topk_ids),
         rank=exchange.rank,
         num_local_experts=num_local_experts,
-        segment_alignment=config.segment_alignment,
+        segment_alignment=plan.segment_alignment,
         check_expert_ids=config.check_expert_ids,
     )
 
 
-def _check_schedule(schedule: Schedule, topk_ids: torch.Tensor, num_local_experts: int, exchange: Exchange, config: MoKConfig) -> None:
-    expected = (exchange.num_ranks, exchange.rank, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config.segment_alignment)
+def _check_schedule(schedule: Schedule, topk_ids: torch.Tensor, num_local_experts: int, exchange: Exchange, plan: ReceivePlan) -> None:
+    expected = (exchange.num_ranks, exchange.rank, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, plan.segment_alignment)
     got = (schedule.num_ranks, schedule.rank, schedule.num_tokens, schedule.topk, schedule.num_local_experts, schedule.segment_alignment)
     if expected != got:
         raise ValueError(
             "schedule was built for (num_ranks, rank, num_tokens, topk, num_local_experts, "
-            f"segment_alignment) = {got}, but this call has {expected}"
+            f"segment_alignment) = {got}, but this call has {expected} (build it with build_schedule "
+            "and this call's group and config)"
         )
 
 
@@ -120,31 +133,41 @@ def forward(
     Returns:
         y (num_tokens, hidden) in x.dtype, and the context for `backward`.
     """
-    exchange = exchange_for(get_expert_parallel_group(group, x.device), config.exchange)
+    ep_group = get_expert_parallel_group(group, x.device)
+    exchange = exchange_for(ep_group, config.exchange)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
     backend = resolve_backend(config, x, fc1)
     num_local_experts = fc1.shape[0]
+    ep_group.agree_on_call_shape((x.shape[0], x.shape[1], topk_ids.shape[1], num_local_experts, str(x.dtype)))
     exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
+    plan = plan_for(exchange, x.shape[0], topk_ids.shape[1], num_local_experts, config)
     if schedule is None:
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
     else:
-        _check_schedule(schedule, topk_ids, num_local_experts, exchange, config)
+        _check_schedule(schedule, topk_ids, num_local_experts, exchange, plan)
         if config.check_expert_ids and not schedule.expert_ids_checked and topk_ids.device.type != "cpu":
             # (validate_moe_inputs checks CPU ids; on CUDA the schedule build does, and this one skipped it.)
             check_expert_ids(topk_ids, num_local_experts * exchange.num_ranks)
 
     stages = stages_for(backend, config.expert_gemm)
-    offsets = schedule.expert_offsets
+    # Window by window (receive.py): dispatch, gate/up, down, and the push of the down rows to their
+    # sources; the first window's gate/up output is kept for backward.
+    keep_rows = schedule.num_ranks == 1 and plan.num_windows == 1
     source = exchange.dispatch_source(x)
-    rows, gate_up, act = stages.dispatch_gate_up(source, schedule, fc1, config.dispatch_ring_minibatches)
+    returned = exchange.open_return(schedule, x.shape[1], x.dtype)
+    for window in windows(schedule, plan):
+        # (One call per window: its buffers are freed before the next window's are allocated.)
+        window_kept = _forward_window(stages, source, window, fc1, fc2, returned, config, keep_rows)
+        if window.index == 0:
+            rows, gate_up, act = window_kept
     exchange.release(source)
-    slot_out = stages.expert_down(act, fc2, offsets)
     route_index = exchange.route_index(schedule, topk_ids)
-    route_table = exchange.return_rows(slot_out, schedule)
+    route_table = returned.table(keep=True)
     y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)
     ctx = ForwardContext(
         schedule=schedule,
+        plan=plan,
         exchange=exchange,
         backend=backend,
         expert_gemm=config.expert_gemm,
@@ -154,10 +177,19 @@ def forward(
         gate_up=gate_up,
         route_table=route_table,
         route_index=route_index,
-        rows=rows if schedule.num_ranks == 1 else None,  # (None after a ring)
-        act=act if schedule.num_ranks == 1 else None,
+        rows=rows,  # (None after a ring)
+        act=act,
     )
     return y, ctx
+
+
+def _forward_window(stages, source, window, fc1, fc2, returned, config: MoKConfig, keep_rows: bool):
+    """One window of forward: dispatch, gate/up + SwiGLU, down, push. -> (rows or None, gate_up,
+    act or None): what the context keeps of it when it is the first window."""
+    offsets = window.schedule.expert_offsets
+    rows, gate_up, act = stages.dispatch_gate_up(source, window.schedule, fc1, config.dispatch_ring_minibatches)
+    returned.push(stages.expert_down(act, fc2, offsets), window)
+    return (rows if keep_rows else None), gate_up, (act if keep_rows else None)
 
 
 def recompute_forward_context(
@@ -197,37 +229,77 @@ def backward(
     if grad_y.shape != ctx.x.shape:
         raise ValueError(f"grad_y must be {tuple(ctx.x.shape)}, got {tuple(grad_y.shape)}")
     grad_y = grad_y.to(ctx.x.dtype).contiguous()
-    offsets = schedule.expert_offsets
-
     stages = stages_for(ctx.backend, ctx.expert_gemm)
     topk = schedule.topk
+    passes = windows(schedule, ctx.plan)
+    crosses_ranks = exchange.num_ranks > 1
+
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
     grad_source = exchange.grad_source(grad_y, ctx.topk_weights)
-    grad_slot_out = stages.pull_route_grads(grad_source, schedule)
-    exchange.release(grad_source)
-    grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, ctx.gate_up, offsets)
-
+    # The rows again, for the fc1 weight gradient and for the gate/up of every window after the first.
+    # What crosses ranks runs on every rank at EP > 1, whatever its own requires_grad flags say: a
+    # rank that skipped it would leave the others waiting. Whether forward kept its rows depends on
+    # the shapes, the ring and the EP size only, so it is the same on every rank.
+    pull_rows = ctx.rows is None and (need_weight_grads or crosses_ranks or len(passes) > 1)
+    x_source = exchange.dispatch_source(ctx.x) if pull_rows else None
+    # The dX rows go back to their sources (the push reverse-dispatch).
+    returned = exchange.open_return(schedule, ctx.x.shape[1], ctx.x.dtype) if (need_input_grads or crosses_ranks) else None
     d_x = None
-    # The return of the dX rows crosses ranks: at EP > 1 every rank runs it, whatever its own
-    # requires_grad flags say, or the ranks that skipped it would leave the others waiting.
-    if need_input_grads or exchange.num_ranks > 1:
-        grad_rows = stages.dgrad_rows(grad_gate_up, fc1, offsets)
-        table = exchange.return_rows(grad_rows, schedule)
-        if need_input_grads:
-            d_x = stages.combine(table, ctx.route_index, None, topk, grad_y.dtype)
+    d_fc1 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes))
+    d_fc2 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes))
+    for window in passes:
+        # (One call per window: its buffers are freed before the next window's are allocated.)
+        window_d_x = _backward_window(
+            stages, ctx, window, grad_source, x_source, returned, fc1, fc2, d_fc1, d_fc2,
+            need_input_grads, need_weight_grads, grad_y.dtype,
+        )
+        if window.last:
+            d_x = window_d_x
+    exchange.release(grad_source)
+    if x_source is not None:
+        exchange.release(x_source)
 
-    d_fc1 = d_fc2 = None
-    rows = ctx.rows
-    # Whether forward kept its rows depends on the capacity, the ring and the EP size only, so it is
-    # the same on every rank; at EP > 1 every rank joins the pull again, whatever its requires_grad.
-    if rows is None and (need_weight_grads or exchange.num_ranks > 1):
-        source = exchange.dispatch_source(ctx.x)
-        rows = stages.dispatch_rows(source, schedule)
-        exchange.release(source)
+    return Grads(
+        x=d_x,
+        topk_weights=d_weights,
+        fc1=d_fc1.result() if need_weight_grads else None,
+        fc2=d_fc2.result() if need_weight_grads else None,
+    )
+
+
+def _backward_window(
+    stages, ctx: ForwardContext, window, grad_source, x_source, returned, fc1, fc2, d_fc1, d_fc2,
+    need_input_grads: bool, need_weight_grads: bool, dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """One window of backward: pull dY, the down dgrad with the SwiGLU backward, the gate/up dgrad
+    and its push, the weight gradients' share of the window. -> d x after the last window's push."""
+    offsets = window.schedule.expert_offsets
+    grad_slot_out = stages.pull_route_grads(grad_source, window.schedule)
+    if window.index == 0:
+        rows, gate_up, act = ctx.rows, ctx.gate_up, ctx.act
+    else:  # recomputed: forward kept only the first window's gate/up (receive.py)
+        rows, gate_up, act = stages.dispatch_gate_up(x_source, window.schedule, fc1, 0)
+    grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
+    d_x = None
+    if returned is not None:
+        returned.push(stages.dgrad_rows(grad_gate_up, fc1, offsets), window)
+        if window.last:  # summed before the weight gradients, so one rank's dX rows are freed first
+            d_x = _return_grad_x(returned, ctx, stages, need_input_grads, dtype)
     if need_weight_grads:
-        act = ctx.act if ctx.act is not None else stages.swiglu(ctx.gate_up, offsets)
-        d_fc1 = stages.segment_weight_grad(grad_gate_up, rows, offsets)
-        d_fc2 = stages.segment_weight_grad(grad_slot_out, act, offsets)
-    return Grads(x=d_x, topk_weights=d_weights, fc1=d_fc1, fc2=d_fc2)
+        if rows is None:
+            rows = stages.dispatch_rows(x_source, window.schedule)
+        if act is None:
+            act = stages.swiglu(gate_up, offsets)
+        d_fc1.add(grad_gate_up, rows, window)
+        d_fc2.add(grad_slot_out, act, window)
+    return d_x
+
+
+def _return_grad_x(returned, ctx: ForwardContext, stages, need_input_grads: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """After the last window's push: d x, every route's dX row summed over k in fixed order."""
+    table = returned.table(keep=False)
+    d_x = stages.combine(table, ctx.route_index, None, ctx.schedule.topk, dtype) if need_input_grads else None
+    returned.release()
+    return d_x

@@ -12,6 +12,11 @@ projection) are tuning, not limits: megatron_mok/backends/tuning.py.
 # never straddles a minibatch boundary badly: the ring mirrors one tile past its end.
 EXPERT_GEMM_TILE_M = 128
 
+# Rows per K block of the weight-gradient GEMM (tokens are its reduction dimension): its fp32
+# accumulators can be carried from one receive window to the next only at a K block of every
+# segment, so windowed passes align the segments to this (megatron_mok/receive.py).
+EXPERT_WGRAD_K_ROWS = 64
+
 # Rows per minibatch of the dispatching GEMM: the unit in which the dispatch hands rows to the GEMM
 # (a ready counter per minibatch) and in which its ring buffer is reused.
 DISPATCH_MINIBATCH_ROWS = 1024
@@ -28,6 +33,7 @@ MAX_EP_RANKS = 8
 
 COMPILED = {
     "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,
+    "EXPERT_WGRAD_K_ROWS": EXPERT_WGRAD_K_ROWS,
     "DISPATCH_MINIBATCH_ROWS": DISPATCH_MINIBATCH_ROWS,
     "MAX_TOPK": MAX_TOPK,
     "WAIT_TIMEOUT_NS": WAIT_TIMEOUT_NS,

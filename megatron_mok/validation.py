@@ -47,9 +47,12 @@ def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     # Under torch.compile the host check would be a data-dependent branch: assert in the graph.
     if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(in_range.all()):
-            bad = topk_ids[~in_range][0].item()
+            where = (~in_range).nonzero()[0].tolist()
+            bad = topk_ids[tuple(where)].item()
+            # (The group's gathered ids are (num_ranks, num_tokens, topk): name the rank that passed it.)
+            source = f" on rank {where[0]}" if topk_ids.dim() == 3 else ""
             raise ValueError(
-                f"topk_ids holds expert id {bad}, outside [-1, {num_experts}) "
+                f"topk_ids holds expert id {bad}{source}, outside [-1, {num_experts}) "
                 f"(num_experts = num_local_experts * expert-parallel size)"
             )
     else:
@@ -149,8 +152,10 @@ def validate_moe_inputs(
                 raise TypeError(f"{name} must have x's dtype {x.dtype}, got {weight.dtype}")
             _require_device(name, weight, x.device)
 
-    # On CPU a bad id is a ValueError here, before any work. On CUDA the check runs where the ids
-    # are read anyway: inside the schedule kernel (build_schedule_from_gathered), so it adds no
-    # launches or host time before the layer's first large kernel.
-    if config.check_expert_ids and topk_ids.device.type == "cpu":
+    # On CPU a bad id is a ValueError here, before any work, on one rank. With several ranks the
+    # schedule build checks the group's gathered ids instead (build_schedule_from_gathered), so every
+    # rank raises alike after the routing all-gather: a rank that raised here would leave the others
+    # waiting in it. On CUDA the check runs where the ids are read anyway: inside the schedule kernel,
+    # so it adds no launches or host time before the layer's first large kernel.
+    if config.check_expert_ids and topk_ids.device.type == "cpu" and num_ranks == 1:
         check_expert_ids(topk_ids, num_local_experts * num_ranks)

@@ -112,9 +112,12 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
     from megatron_mok import build_schedule
     from megatron_mok.backends import stages_for
     from megatron_mok.comm import exchange_for, get_expert_parallel_group
+    from megatron_mok.functional import plan_for
+    from megatron_mok.receive import windows
 
     st = stages_for("kernel", expert_gemm)
     exchange = exchange_for(get_expert_parallel_group(None, s["x"].device))
+    plan = plan_for(exchange, s["x"].shape[0], s["ids"].shape[1], s["fc1"].shape[0], MoKConfig())  # one window
     # dispatch_gate_up is one stage: the sm90 GEMM folds the dispatch into its loads.
     names = ("schedule", "dispatch+gate_up+swiglu", "down_gemm", "combine")
     samples = {n: [] for n in names}
@@ -127,7 +130,9 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
         events[2].record()
         out = st.expert_down(act, s["fc2"], schedule.expert_offsets)
         events[3].record()
-        table = exchange.return_rows(out, schedule)
+        returned = exchange.open_return(schedule, out.shape[1], out.dtype)
+        returned.push(out, windows(schedule, plan)[0])
+        table = returned.table(keep=True)
         index = exchange.route_index(schedule, s["ids"])
         st.combine(table, index, s["weights"], schedule.topk, s["x"].dtype)
         events[4].record()

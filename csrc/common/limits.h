@@ -10,6 +10,9 @@
 #ifndef MOK_EXPERT_GEMM_TILE_M
 #error "MOK_EXPERT_GEMM_TILE_M is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_EXPERT_WGRAD_K_ROWS
+#error "MOK_EXPERT_WGRAD_K_ROWS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 #ifndef MOK_DISPATCH_MINIBATCH_ROWS
 #error "MOK_DISPATCH_MINIBATCH_ROWS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
@@ -27,6 +30,9 @@ namespace mok {
 
 // Rows per m-tile of the sm90 expert GEMMs (gemm/tile_sm90.cuh asserts its Tile::kM equals it).
 constexpr int kExpertGemmTileM = MOK_EXPERT_GEMM_TILE_M;
+// Rows per K block of the weight-gradient GEMM: receive windows meet at its multiples, so the fp32
+// accumulators it carries between windows continue the one-window K loop exactly.
+constexpr int kExpertWgradKRows = MOK_EXPERT_WGRAD_K_ROWS;
 // Rows per minibatch of the dispatching GEMM: the unit in which the in-kernel dispatch hands rows
 // to the GEMM (a ready counter per minibatch) and in which its ring buffer is reused. Small enough
 // that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough that
@@ -43,7 +49,7 @@ static_assert(kMaxEpRanks >= 1 && kMaxEpRanks <= 32, "the exchange's waits give 
 
 // The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
 #define MOK_COMPILED_LIMITS(X) \
-  X(EXPERT_GEMM_TILE_M) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
+  X(EXPERT_GEMM_TILE_M) X(EXPERT_WGRAD_K_ROWS) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
 #define MOK_LIMIT_NAME(name) #name,
 #define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
 inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};

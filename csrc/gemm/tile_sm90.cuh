@@ -19,6 +19,7 @@ struct ExpertGemmTile {
   static_assert(kM == kExpertGemmTileM, "megatron_mok/limits.py EXPERT_GEMM_TILE_M is this tile's rows");
   static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
   static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
+  static_assert(kK == kExpertWgradKRows, "megatron_mok/limits.py EXPERT_WGRAD_K_ROWS is the weight gradient's K block");
   // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room
   // for one 16 KB staging buffer per consumer (each store of an epilogue waits until the TMA
   // store before it has read the buffer); 3 stages for two (an epilogue's stores alternate, so

@@ -173,6 +173,7 @@ def kernel_stages_for(choice: ExpertGemmChoice) -> Stages:
         combine=combine,
         pull_route_grads=pull_route_grads,
         route_weight_grads=route_weight_grads,
+        weight_grad_family=choice.weight_grads,
         **chosen,
     )
 

@@ -220,4 +220,5 @@ REFERENCE_STAGES = Stages(
     combine=combine,
     pull_route_grads=pull_route_grads,
     route_weight_grads=route_weight_grads,
+    weight_grad_family="reference",
 )

@@ -112,3 +112,6 @@ class Stages:
     combine: Combine
     pull_route_grads: PullRouteGrads
     route_weight_grads: RouteWeightGrads
+    # Which GEMM family segment_weight_grad is ("sm90", "grouped_mm", "reference"): how a pass over
+    # several receive windows sums its weight gradients (backends/weight_grads.py).
+    weight_grad_family: str

@@ -20,12 +20,15 @@ exactly one slot, so nothing is ever summed across ranks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Union
+from typing import TYPE_CHECKING, Protocol, Union
 
 import torch
 
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.schedule import Schedule
+
+if TYPE_CHECKING:
+    from megatron_mok.receive import Window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,8 @@ GradSource = Union[GatheredGradRows, "object"]
 class Exchange(Protocol):
     rank: int
     num_ranks: int
+    # Whether results may be returned window by window (receive.py); else a pass is one window.
+    windowed: bool
 
     def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
         """Called before a layer call's first exchange: allocate what a call of this shape needs."""
@@ -88,14 +93,35 @@ class Exchange(Protocol):
         backward share it)."""
         ...
 
-    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
-        """(capacity, hidden) per-row results in this rank's schedule order -> the table its source
-        ranks read at `route_index`."""
+    def open_return(self, schedule: Schedule, hidden: int, dtype: torch.dtype) -> "ReturnedRows":
+        """Starts returning per-row results of `schedule` (hidden wide, dtype) to their routes' sources:
+        push them window by window (all of the schedule's windows, in order), then read the table."""
+        ...
+
+
+class ReturnedRows(Protocol):
+    """One return of per-row results to the routes' sources (Exchange.open_return)."""
+
+    def push(self, slot_rows: torch.Tensor, window: "Window") -> None:
+        """(window rows, hidden) results of a window of the schedule (receive.py), in its order."""
+        ...
+
+    def table(self, keep: bool) -> torch.Tensor:
+        """After the last push: the table this rank's routes find their rows in at `route_index`.
+        keep: the table must outlive the call (forward's, read again in backward); else the caller
+        reads it and then calls `release()`."""
+        ...
+
+    def release(self) -> None:
+        """The table of table(keep=False) is read: its buffer may be reused."""
         ...
 
 
 class CollectiveExchange:
     """The exchange over torch.distributed collectives of fixed size (any device, any EP size)."""
+
+    # Returns all rows at once (one all-to-all): a pass over this exchange is one window.
+    windowed = False
 
     def __init__(self, group: ExpertParallelGroup):
         self.group = group
@@ -131,7 +157,29 @@ class CollectiveExchange:
         local_route = torch.arange(routes_per_rank, device=ids.device, dtype=torch.int64)
         return torch.where(ids >= 0, owner * routes_per_rank + local_route, -1)
 
-    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    def open_return(self, schedule: Schedule, hidden: int, dtype: torch.dtype) -> "CollectiveReturn":
+        return CollectiveReturn(self.group, schedule)
+
+
+class CollectiveReturn:
+    """The return as one equal-split all-to-all of every route's row (zeros for other owners' routes).
+    Windows (a windowed subclass's, in tests) are copied into one (capacity, hidden) buffer first."""
+
+    def __init__(self, group: ExpertParallelGroup, schedule: Schedule):
+        self.group, self.schedule = group, schedule
+        self.slot_rows = None
+
+    def push(self, slot_rows: torch.Tensor, window: "Window") -> None:
+        if window.num_windows == 1:
+            self.slot_rows = slot_rows
+            return
+        if self.slot_rows is None:
+            self.slot_rows = slot_rows.new_empty((self.schedule.capacity, slot_rows.shape[1]))
+        end = min(window.begin + window.rows, self.schedule.capacity)
+        self.slot_rows[window.begin:end] = slot_rows[:end - window.begin]
+
+    def table(self, keep: bool) -> torch.Tensor:
+        schedule, slot_rows = self.schedule, self.slot_rows
         if schedule.num_ranks == 1:
             return slot_rows  # nothing moves
         hidden = slot_rows.shape[1]
@@ -140,6 +188,9 @@ class CollectiveExchange:
         send = padded.index_select(0, schedule.route_to_slot)
         recv = self.group.all_to_all(send.view(schedule.num_ranks, schedule.num_tokens * schedule.topk, hidden))
         return recv.reshape(-1, hidden)
+
+    def release(self) -> None:
+        self.slot_rows = None  # the table is this rank's own tensor: freed with the last reference
 
 
 def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:

@@ -28,6 +28,35 @@ class ExpertParallelGroup:
     # MoKConfig.exchange="auto" takes the symmetric exchange only where this is set (emulated ranks):
     # over a process group it is not yet the default, since it has not run on a multi-GPU node.
     symmetric_by_default: bool = dataclasses.field(default=False, repr=False, compare=False)
+    # The call shapes every rank of the group has agreed on (agree_on_call_shape).
+    _agreed_shapes: set = dataclasses.field(default_factory=set, repr=False, compare=False)
+
+    def agree_on_call_shape(self, shape: tuple) -> None:
+        """A ValueError on every rank when the ranks call with different shapes (num_tokens, hidden,
+        topk, ...): their collectives and regions would not match. Checked on each rank's first call
+        of a shape, by one host all-gather of the shapes (like the symmetric regions' allocation, it
+        cannot be captured in a CUDA graph); later calls of an agreed shape skip it, so the hot path
+        never synchronizes with the host. (A rank that passes a new shape while the others pass an
+        agreed one is not caught: the ranks of a Megatron job call every layer in the same order.)"""
+        if self.num_ranks == 1 or shape in self._agreed_shapes:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "megatron_mok: the ranks agree on a layer shape at its first call, which cannot run inside "
+                "CUDA-graph capture: run one eager step of every layer shape before capturing"
+            )
+        shapes = self._gather_objects(shape)
+        if len(set(shapes)) != 1:
+            raise ValueError(
+                f"the ranks of the expert-parallel group called with different shapes (num_tokens, hidden, "
+                f"topk, num_local_experts, dtype), in rank order: {shapes}"
+            )
+        self._agreed_shapes.add(shape)
+
+    def _gather_objects(self, value: object) -> list[object]:
+        values: list[object] = [None] * self.num_ranks
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def symmetric_pool(self) -> tuple[Optional[object], str]:
         """(the group's SymmetricPool (comm/symmetric.py), "") or (None, why not). A process group

@@ -54,6 +54,8 @@ class PeerGradRows:
 class SymmetricExchange:
     """The Exchange (comm/exchange.py) over a group's SymmetricPool."""
 
+    windowed = True  # the owners push each window's rows as it is done
+
     def __init__(self, group: ExpertParallelGroup, pool: SymmetricPool):
         self.rank, self.num_ranks = group.rank, group.num_ranks
         self.pool = pool
@@ -118,13 +120,34 @@ class SymmetricExchange:
         local_route = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
         return torch.where(ids >= 0, local_route, -1)
 
-    def return_rows(self, slot_rows: torch.Tensor, schedule: Schedule) -> torch.Tensor:
-        combine = self.pool.region("combine", schedule.num_tokens, slot_rows.shape[1], schedule.topk, slot_rows.dtype)
-        self._begin("combine")  # every source finished reading its combine region's previous rows
-        ops.push_rows(slot_rows, schedule.slot_to_route, schedule.topk, schedule.num_tokens, combine.own, list(combine.peer_ptrs))
-        self._signal("combine", READY)
-        self._wait_ready("combine")  # every owner pushed this rank's rows
+    def open_return(self, schedule: Schedule, hidden: int, dtype: torch.dtype) -> "PushedRows":
+        return PushedRows(self, schedule, self.pool.region("combine", schedule.num_tokens, hidden, schedule.topk, dtype))
+
+
+class PushedRows:
+    """The push combine (forward) or reverse-dispatch (backward) of one call: the owners push each
+    row into slot t*K + k of its source's `combine` region, window by window."""
+
+    def __init__(self, exchange: SymmetricExchange, schedule: Schedule, combine: SymmetricRegion):
+        self.exchange, self.schedule, self.combine = exchange, schedule, combine
+        self.freed = False
+        exchange._begin("combine")  # every source finished reading its combine region's previous rows
+
+    def push(self, slot_rows: torch.Tensor, window) -> None:
+        s = self.schedule  # (window: a receive.Window of it)
+        ops.push_rows(slot_rows, window.schedule.slot_to_route, s.topk, s.num_tokens, self.combine.own, list(self.combine.peer_ptrs))
+
+    def table(self, keep: bool) -> torch.Tensor:
+        self.exchange._signal("combine", READY)
+        self.exchange._wait_ready("combine")  # every owner pushed this rank's rows
+        if not keep:
+            return self.combine.own  # read by the caller before release()
         # The table outlives the call (backward reads forward's); the region is the next call's.
-        table = combine.own.clone()
-        self._signal("combine", FREE)
+        table = self.combine.own.clone()
+        self.release()
         return table
+
+    def release(self) -> None:
+        if not self.freed:
+            self.freed = True
+            self.exchange._signal("combine", FREE)

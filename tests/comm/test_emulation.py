@@ -131,6 +131,51 @@ def test_a_failing_rank_fails_every_rank_with_its_own_error_first():
     assert time.monotonic() - start < 5.0  # rank 0 did not wait out the 30 s
 
 
+def test_a_bad_expert_id_on_one_rank_is_the_same_value_error_on_every_rank():
+    """Each rank calls mok_moe itself, as over a process group: the ids are checked after the routing
+    all-gather, on the group's ids, so every rank raises alike and none is left waiting."""
+    num_ranks, t, h, f, e, k = CPU_CASES["r2"]
+    x, ids, weights, fc1, fc2, _ = make_problem(num_ranks, t, h, f, e, k, "uniform", "cpu", torch.float32, 3)
+    ids[1, 2, 0] = num_ranks * e  # one past the last expert, on rank 1 only
+    group = EmulatedGroup(num_ranks, "cpu", timeout_s=30)
+
+    def body(rank):
+        try:
+            mok_moe(x[rank], ids[rank], weights[rank], fc1[rank * e:(rank + 1) * e], fc2[rank * e:(rank + 1) * e], group=group.ranks[rank])
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    start = time.monotonic()
+    messages = group.run(body)
+    assert time.monotonic() - start < 5.0  # nobody waited out the rendezvous
+    for message in messages:
+        assert f"expert id {num_ranks * e} on rank 1" in message, messages
+
+
+@pytest.mark.parametrize("what", ["num_tokens", "topk"])
+def test_ranks_calling_with_different_shapes_get_the_same_value_error(what):
+    """Each rank calls mok_moe itself, as over a process group, one with a different num_tokens (or
+    topk): every rank raises the shape agreement's ValueError, none hangs in a collective."""
+    num_ranks, t, h, f, e, k = CPU_CASES["r2"]
+    x, ids, weights, fc1, fc2, _ = make_problem(num_ranks, t, h, f, e, k, "uniform", "cpu", torch.float32, 4)
+    inputs = [[x[r], ids[r], weights[r]] for r in range(num_ranks)]
+    inputs[1] = [a[:-1] for a in inputs[1]] if what == "num_tokens" else [x[1], ids[1][:, :1], weights[1][:, :1]]
+    group = EmulatedGroup(num_ranks, "cpu", timeout_s=30)
+
+    def body(rank):
+        try:
+            mok_moe(*inputs[rank], fc1[rank * e:(rank + 1) * e], fc2[rank * e:(rank + 1) * e], group=group.ranks[rank])
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    start = time.monotonic()
+    messages = group.run(body)
+    assert time.monotonic() - start < 5.0
+    assert all("called with different shapes" in m for m in messages), messages
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

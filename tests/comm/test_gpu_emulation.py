@@ -11,6 +11,7 @@ import torch
 
 from megatron_mok import MoKConfig
 from megatron_mok.emulation import EmulatedGroup
+from megatron_mok.receive import receive_plan
 from cuda_checks import NEEDS_HOPPER_KERNELS
 from test_emulation import ROUTINGS, assert_bitwise, make_problem, run_concatenated, run_emulated
 
@@ -27,6 +28,12 @@ GPU_CONFIGS = {
     "auto": MoKConfig(backend="kernel"),
     "sm90_ring3": MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=3),
 }
+# A receive capacity of a quarter of a rank's routes: every case runs several windows (asserted),
+# and the skewed routings spread experts over several, so the weight gradients carry across them.
+WINDOW_CONFIGS = {
+    "auto_windows": MoKConfig(backend="kernel", receive_capacity_factor=0.25),
+    "sm90_ring3_windows": MoKConfig(backend="kernel", expert_gemm="sm90", dispatch_ring_minibatches=3, receive_capacity_factor=0.25),
+}
 
 
 @pytest.mark.parametrize("exchange", ["symmetric", "collective"])
@@ -42,6 +49,49 @@ def test_emulated_kernel_equals_ep1_kernel_bitwise(case, routing, config_name, e
     assert_bitwise(got, run_concatenated(problem, config), f"{case}/{routing}/{config_name}/{exchange}")
 
 
+@pytest.mark.parametrize("config_name", list(WINDOW_CONFIGS))
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_windowed_emulated_kernel_equals_ep1_kernel_bitwise(case, routing, config_name):
+    """Over several receive windows (the symmetric exchange), still bitwise EP = 1 in one window."""
+    num_ranks, t, h, f, e, k = GPU_CASES[case]
+    config = WINDOW_CONFIGS[config_name]
+    plan = receive_plan(num_ranks=num_ranks, num_tokens=t, topk=k, num_local_experts=e, segment_alignment=1,
+                        factor=config.receive_capacity_factor, windowed=True)
+    assert plan.num_windows > 1, plan
+    problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16, zlib.crc32(f"w/{case}/{routing}".encode()))
+    got = run_emulated(EmulatedGroup(num_ranks, "cuda", exchange="symmetric"), problem, e, config)
+    torch.cuda.synchronize()
+    assert_bitwise(got, run_concatenated(problem, config), f"{case}/{routing}/{config_name}")
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.25])
+def test_per_rank_memory_is_the_same_for_every_routing_and_within_the_bound(factor):
+    """Every buffer is sized by the window or the rank's own tokens: all-to-one-expert, all-to-the-
+    last-rank and skewed routings allocate what a uniform one does, within layer_memory_bound."""
+    from emulated_memory import per_rank_memory
+    from megatron_mok.memory import layer_memory_bound
+
+    num_ranks, t, h, f, e, k = 4, 512, 1024, 512, 4, 8
+    config = MoKConfig(backend="kernel", receive_capacity_factor=factor)
+    bound = layer_memory_bound(num_tokens=t, hidden=h, ffn_hidden=f, num_local_experts=e, topk=k, num_ranks=num_ranks, config=config)
+    group = EmulatedGroup(num_ranks, "cuda", exchange="symmetric")
+    seen = {}
+    for routing in ROUTINGS:
+        problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16, 5)
+        stats = per_rank_memory(group, problem, e, config)
+        for rank, rank_stats in enumerate(stats):
+            assert rank_stats["held"] <= bound.held, (routing, rank, rank_stats, bound)
+            assert rank_stats["peak"] <= bound.peak, (routing, rank, rank_stats, bound)
+        seen[routing] = [(s["held"], s["peak"]) for s in stats]
+    # The same per-rank figures for every routing (the 1 MB slack is the allocator's rounding of
+    # the few routing-sized int64 tables it may split differently).
+    first = seen[ROUTINGS[0]]
+    for routing, figures in seen.items():
+        for (held, peak), (held0, peak0) in zip(figures, first):
+            assert abs(held - held0) <= 1 << 20 and abs(peak - peak0) <= 1 << 20, (routing, figures, first)
+
+
 def _leaves(problem, num_ranks, local_experts):
     x, ids, weights, fc1, fc2, grad = problem
     e = local_experts
@@ -54,7 +104,7 @@ def _leaves(problem, num_ranks, local_experts):
     )
 
 
-@pytest.mark.parametrize("config_name", list(GPU_CONFIGS))
+@pytest.mark.parametrize("config_name", [*GPU_CONFIGS, "auto_windows"])
 def test_symmetric_emulated_step_replays_in_one_cuda_graph(config_name):
     """Every rank's forward and backward, their exchanges included, captured in one CUDA graph
     (the ranks' streams forked from the capture stream) and replayed twice, bitwise as eager."""
@@ -70,7 +120,7 @@ def test_symmetric_emulated_step_replays_in_one_cuda_graph(config_name):
     def step():
         for leaf in leaves:
             leaf.grad = None
-        ys = group.mok_moe(xs, ids, ws, fc1s, fc2s, config=GPU_CONFIGS[config_name])
+        ys = group.mok_moe(xs, ids, ws, fc1s, fc2s, config={**GPU_CONFIGS, **WINDOW_CONFIGS}[config_name])
         torch.autograd.backward(ys, [grad[r] for r in range(num_ranks)])
         return torch.cat(ys)
 
@@ -83,6 +133,7 @@ NEVER_ARRIVES = """
 import torch
 from megatron_mok import MoKConfig, mok_moe, ops
 from megatron_mok.emulation import EmulatedGroup
+from megatron_mok.receive import receive_plan
 group = EmulatedGroup(2, "cuda", exchange="symmetric")
 x = torch.randn(8, 64, device="cuda").bfloat16()
 ids = torch.zeros(8, 2, dtype=torch.int64, device="cuda")

@@ -1,0 +1,113 @@
+"""The memory a MoK layer call may use per rank, stated up front: `layer_memory_bound`.
+
+The bound depends on the shapes, the EP size and the config only, never on the routing: every
+buffer of a pass is sized by the receive window (receive.py) or by this rank's own tokens. It counts,
+per rank and per layer call, in bytes (s = the activation dtype's size; T tokens, H hidden, F ffn
+hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C the schedule's rows):
+
+    held (forward -> backward)   y s*T*H, the route table s*T*K*H (at R = 1 and M = 1 the down
+                                 outputs s*C*H instead), the first window's gate/up s*W*2F, and
+                                 at R = 1 and M = 1 also act s*C*F and, without a bounded ring,
+                                 the rows s*C*H; index tables 8*(C + R*T*K + T*K)
+    forward peak                 held + one window's rows, second gate/up, act and down outputs
+                                 s*W*(2H + 3F) + the gathered routing and the windows' route view
+                                 8*(R*T*K + M*W)
+    backward peak                held + dY and d x 2*s*T*H + the weight gradients s*E*3F*H (and,
+                                 over several windows, their carries 8*(pad(2F)*pad(H) +
+                                 pad(H)*pad(F)) with sm90 weight gradients, or fp32 sums
+                                 4*E*3F*H with the other families) + d topk_weights 4*T*K + one
+                                 window's dY rows, rows, gate/up, act, d gate/up and dX rows
+                                 s*W*(3H + 5F) + the gathers' route table 16*R*T*K + 8*M*W
+    symmetric (per process)      comm/symmetric.py: 2*s*T*H + s*T*K*H + 12*T*K + 16*P*R bytes per
+                                 layer shape, shared by every layer of that shape; allocated before
+                                 the first call, so not part of a call's peak
+
+Tables of 8 bytes per group route (R*T*K) are the only terms that grow with EP: 4 MB each at the
+DeepSeek-V3 shape at EP = 8, against about 2 GB of activations. Over the collective exchange a pass
+is one window of C = R*T*K rows (plus padding): the same terms with W = C, which grow with EP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_mok.config import MoKConfig
+from megatron_mok.limits import dispatch_ring_buffer_rows, dispatch_ring_holds_every_row
+from megatron_mok.receive import receive_plan
+
+
+# The signal pad's phases, at most (csrc/common/failure_codes.h ExchangePhase has 4): the bound
+# needs no extension, and the pad is 16 bytes per phase and rank.
+MAX_EXCHANGE_PHASES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMemoryBound:
+    """Bytes per rank and per layer call (the module docstring's terms)."""
+
+    held: int
+    forward_peak: int
+    backward_peak: int
+    symmetric: int  # per process and layer shape, shared by the layers of that shape
+    window_rows: int
+    num_windows: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, self.backward_peak)
+
+
+def _pad(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def layer_memory_bound(
+    *,
+    num_tokens: int,
+    hidden: int,
+    ffn_hidden: int,
+    num_local_experts: int,
+    topk: int,
+    num_ranks: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    config: MoKConfig = MoKConfig(),
+    windowed: bool = True,
+    weight_grad_family: str = "sm90",
+) -> LayerMemoryBound:
+    """The bound of one layer call. windowed: whether the exchange returns rows window by window (the
+    in-kernel exchange; False for the collective one). weight_grad_family: the GEMM family of the
+    weight gradients ("sm90" under MoKConfig.expert_gemm "auto" and "sm90")."""
+    from megatron_mok.comm.symmetric import symmetric_bytes_per_rank
+
+    t, h, f, e, k, r = num_tokens, hidden, ffn_hidden, num_local_experts, topk, num_ranks
+    s = torch.empty((), dtype=dtype).element_size()
+    plan = receive_plan(
+        num_ranks=r, num_tokens=t, topk=k, num_local_experts=e, segment_alignment=config.segment_alignment,
+        factor=config.receive_capacity_factor, windowed=windowed and r > 1,
+    )
+    w, m, c = plan.window_rows, plan.num_windows, plan.capacity
+    one_window_one_rank = r == 1 and m == 1
+    routes = r * t * k
+    ring = config.dispatch_ring_minibatches
+    rows_buffer = dispatch_ring_buffer_rows(w, ring)
+
+    held = s * t * h + s * w * 2 * f + 8 * (c + routes + t * k)
+    if one_window_one_rank:
+        held += s * c * h + s * c * f + (s * c * h if dispatch_ring_holds_every_row(c, ring) else 0)
+    else:
+        held += s * t * k * h
+    forward_peak = held + s * (rows_buffer * h + w * (2 * f + f + h)) + 8 * (routes + m * w)
+
+    weight_grads = s * e * 3 * f * h
+    if m > 1:
+        if weight_grad_family == "sm90":
+            weight_grads += 8 * (_pad(2 * f, 128) * _pad(h, 256) + _pad(h, 128) * _pad(f, 256))
+        else:
+            weight_grads += 4 * e * 3 * f * h
+    backward_peak = (
+        held + 2 * s * t * h + weight_grads + 4 * t * k + s * w * (3 * h + 5 * f) + 16 * routes + 8 * m * w
+    )
+    symmetric = symmetric_bytes_per_rank(t, h, k, dtype, r, MAX_EXCHANGE_PHASES) if r > 1 and windowed else 0
+    return LayerMemoryBound(held, forward_peak, backward_peak, symmetric, w, m)
