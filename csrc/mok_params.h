@@ -30,6 +30,9 @@ struct GatherRowsParams {
   const int64_t* slot_to_route;  // (num_slots,) route index, -1 for padding
   int64_t* route_slot;           // (num_routes,) scratch: the row of each route, -1 if none
   void* rows;                    // (num_slots, hidden), same dtype
+  // Null, or the schedule's end row (expert_offsets[num_experts], on the device): rows at or past
+  // it are not written (no stage reads them), so a receive window's unused tail costs nothing.
+  const int32_t* row_end;
   int64_t num_slots;
   int64_t num_routes;            // num_src_rows * topk
   int64_t hidden;

@@ -39,11 +39,20 @@ static_assert(kMaxTopk * (sizeof(int64_t) + sizeof(float)) <= 48 * 1024, "MOK_MA
 // `like`'s dtype and hidden size, from the source `p` already names (GatherRowsParams: one tensor;
 // PeerGatherRowsParams: the ranks' regions), num_src_rows rows of the group in all; this fills in
 // the rest of `p` and launches. src_packs_ok: the source rows allow 16-byte packs.
+// expert_offsets (optional, (E + 1,) int32): rows at or past its last entry are left unwritten.
 template <class Params>
 at::Tensor launch_gather_rows(Params p, const at::Tensor& like, int64_t num_src_rows, const at::Tensor& slot_to_route,
-                              int64_t topk, bool src_packs_ok) {
+                              int64_t topk, bool src_packs_ok, const std::optional<at::Tensor>& expert_offsets) {
   auto rows = at::empty({slot_to_route.numel(), like.size(1)}, like.options());
   if (rows.numel() == 0) return rows;
+  p.row_end = nullptr;
+  if (expert_offsets.has_value()) {
+    const at::Tensor& offsets = *expert_offsets;
+    TORCH_CHECK(offsets.is_cuda() && offsets.device() == like.device() && offsets.scalar_type() == at::kInt &&
+                    offsets.dim() == 1 && offsets.numel() >= 1 && offsets.is_contiguous(),
+                "gather rows: expert_offsets must be a contiguous 1-D int32 tensor on ", like.device().str());
+    p.row_end = offsets.data_ptr<int32_t>() + (offsets.numel() - 1);
+  }
   const int64_t num_routes = num_src_rows * topk;
   auto route_slot = at::full({std::max<int64_t>(num_routes, 1)}, -1, slot_to_route.options());
   p.slot_to_route = slot_to_route.data_ptr<int64_t>();
@@ -79,7 +88,7 @@ void check_gather_topk(const char* op, int64_t topk) {
 }
 
 at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& weights,
-                       const at::Tensor& slot_to_route, int64_t topk) {
+                       const at::Tensor& slot_to_route, int64_t topk, const std::optional<at::Tensor>& expert_offsets) {
   check_cuda(src, "src");
   check_index(slot_to_route, "slot_to_route");
   TORCH_CHECK(src.dim() == 2 && topk > 0, "gather rows: src must be 2-D and topk > 0");
@@ -94,11 +103,13 @@ at::Tensor gather_rows(const at::Tensor& src, const std::optional<at::Tensor>& w
   GatherRowsParams p{};
   p.src = src.data_ptr();
   p.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
-  return launch_gather_rows(p, src, src.size(0), slot_to_route, topk, row_packs_ok(src.size(1), src.scalar_type(), {src}));
+  return launch_gather_rows(p, src, src.size(0), slot_to_route, topk, row_packs_ok(src.size(1), src.scalar_type(), {src}),
+                            expert_offsets);
 }
 
-at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_route, int64_t topk) {
-  return gather_rows(x_all, std::nullopt, slot_to_route, topk);
+at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_route, int64_t topk,
+                         const std::optional<at::Tensor>& expert_offsets) {
+  return gather_rows(x_all, std::nullopt, slot_to_route, topk, expert_offsets);
 }
 
 // The gathers straight from the ranks' symmetric regions (comm/symmetric.py): own is this rank's
@@ -106,7 +117,8 @@ at::Tensor dispatch_rows(const at::Tensor& x_all, const at::Tensor& slot_to_rout
 // rank's address of it in rank order; weight_ptrs (the reverse-combine pull) every rank's (T * topk,) fp32 routing
 // weights. Route r reads row r / topk of the group's rows: rank (r / topk) / T's token (r / topk) % T.
 at::Tensor gather_rows_from_peers(const char* op, const at::Tensor& own, c10::IntArrayRef row_ptrs,
-                                  const c10::IntArrayRef* weight_ptrs, const at::Tensor& slot_to_route, int64_t topk) {
+                                  const c10::IntArrayRef* weight_ptrs, const at::Tensor& slot_to_route, int64_t topk,
+                                  const std::optional<at::Tensor>& expert_offsets) {
   const std::string prefix = std::string(op) + ": ";
   TORCH_CHECK(own.is_cuda() && own.is_contiguous() && own.dim() == 2, prefix,
               "the own region must be a contiguous 2-D CUDA tensor (num_tokens, hidden)");
@@ -127,18 +139,21 @@ at::Tensor gather_rows_from_peers(const char* op, const at::Tensor& own, c10::In
   p.source.num_bases = num_ranks;
   TORCH_CHECK(int64_t(num_ranks) * own.size(0) * topk < (int64_t(1) << 62), prefix, "too many routes");
   const bool packs_ok = (own.size(1) * own.element_size()) % 16 == 0 && bindings::table_aligned16(p.source.bases, num_ranks);
-  return launch_gather_rows(p, own, int64_t(num_ranks) * own.size(0), slot_to_route, topk, packs_ok);
+  return launch_gather_rows(p, own, int64_t(num_ranks) * own.size(0), slot_to_route, topk, packs_ok, expert_offsets);
 }
 
 at::Tensor dispatch_rows_from_peers(const at::Tensor& own_tokens, c10::IntArrayRef peer_token_ptrs,
-                                    const at::Tensor& slot_to_route, int64_t topk) {
-  return gather_rows_from_peers("dispatch_rows_from_peers", own_tokens, peer_token_ptrs, nullptr, slot_to_route, topk);
+                                    const at::Tensor& slot_to_route, int64_t topk,
+                                    const std::optional<at::Tensor>& expert_offsets) {
+  return gather_rows_from_peers("dispatch_rows_from_peers", own_tokens, peer_token_ptrs, nullptr, slot_to_route, topk,
+                                expert_offsets);
 }
 
 at::Tensor pull_grad_rows_from_peers(const at::Tensor& own_grad_tokens, c10::IntArrayRef peer_grad_ptrs,
-                                     c10::IntArrayRef peer_weight_ptrs, const at::Tensor& slot_to_route, int64_t topk) {
+                                     c10::IntArrayRef peer_weight_ptrs, const at::Tensor& slot_to_route, int64_t topk,
+                                     const std::optional<at::Tensor>& expert_offsets) {
   return gather_rows_from_peers("pull_grad_rows_from_peers", own_grad_tokens, peer_grad_ptrs, &peer_weight_ptrs,
-                                slot_to_route, topk);
+                                slot_to_route, topk, expert_offsets);
 }
 
 at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
@@ -169,8 +184,8 @@ at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::
 }
 
 at::Tensor pull_grad_rows(const at::Tensor& grad_y_all, const at::Tensor& weights_all,
-                          const at::Tensor& slot_to_route, int64_t topk) {
-  return gather_rows(grad_y_all, weights_all, slot_to_route, topk);
+                          const at::Tensor& slot_to_route, int64_t topk, const std::optional<at::Tensor>& expert_offsets) {
+  return gather_rows(grad_y_all, weights_all, slot_to_route, topk, expert_offsets);
 }
 
 at::Tensor route_weight_grads(const at::Tensor& grad_y, const at::Tensor& table, const at::Tensor& index,
@@ -294,13 +309,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_schedule(const 
 
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def("build_schedule(Tensor topk_ids_all, int rank, int num_local_experts, int alignment, int num_experts_checked) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk) -> Tensor");
+  m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk, Tensor? expert_offsets=None) -> Tensor");
   m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
-  m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk) -> Tensor");
-  m.def("dispatch_rows_from_peers(Tensor own_tokens, int[] peer_token_ptrs, Tensor slot_to_route, int topk) -> Tensor");
+  m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk, Tensor? expert_offsets=None) -> Tensor");
+  m.def("dispatch_rows_from_peers(Tensor own_tokens, int[] peer_token_ptrs, Tensor slot_to_route, int topk, "
+        "Tensor? expert_offsets=None) -> Tensor");
   m.def(
       "pull_grad_rows_from_peers(Tensor own_grad_tokens, int[] peer_grad_ptrs, int[] peer_weight_ptrs, "
-      "Tensor slot_to_route, int topk) -> Tensor");
+      "Tensor slot_to_route, int topk, Tensor? expert_offsets=None) -> Tensor");
   m.def("route_weight_grads(Tensor grad_y, Tensor table, Tensor index, int topk) -> Tensor");
   m.def("swiglu_forward(Tensor gate_up, Tensor offsets) -> Tensor");
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor offsets) -> Tensor");

@@ -28,8 +28,15 @@ namespace mok {
 //     to the rows of all its routes. (Walking the rows in schedule order instead read each token's
 //     row once per route at scattered times, mostly from DRAM: 8x the read traffic at top-8.)
 
+// The rows a gather writes: [0, num_slots), or up to the schedule's end row when it is given.
+__device__ __forceinline__ int64_t written_slots(const GatherRowsParams& p) {
+  if (p.row_end == nullptr) return p.num_slots;
+  return min(p.num_slots, int64_t(max(0, __ldg(p.row_end))));
+}
+
 __global__ void invert_slots_kernel(const GatherRowsParams p) {
-  for (int64_t slot = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; slot < p.num_slots;
+  const int64_t num_slots = written_slots(p);
+  for (int64_t slot = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; slot < num_slots;
        slot += int64_t(gridDim.x) * blockDim.x) {
     const int64_t route = p.slot_to_route[slot];
     if (route >= 0 && route < p.num_routes) p.route_slot[route] = slot;
@@ -59,6 +66,8 @@ __device__ __forceinline__ float route_weight(const PeerGatherRowsParams& p, int
   const int64_t token = route / p.topk;
   return token_route_weight(p, token, route - token * p.topk);
 }
+
+// (scatter_rows_kernel writes only the rows invert_slots_kernel recorded, so it needs no row_end.)
 
 // A pack of a dispatched row: as read without weights, else times the route's weight (an fp32
 // multiply rounded once, the reference's arithmetic).
@@ -90,11 +99,12 @@ __global__ void fill_unscattered_rows_kernel(const Params p) {
   const int64_t num_packs = p.hidden / kVec;
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int64_t warp = blockIdx.x * int64_t(warps) + threadIdx.x / 32;
-  for (int64_t first = warp * 32; first < p.num_slots; first += int64_t(gridDim.x) * warps * 32) {
+  const int64_t num_slots = written_slots(p);
+  for (int64_t first = warp * 32; first < num_slots; first += int64_t(gridDim.x) * warps * 32) {
     const int64_t slot = first + lane;
-    const int64_t route = slot < p.num_slots ? p.slot_to_route[slot] : 0;
+    const int64_t route = slot < num_slots ? p.slot_to_route[slot] : 0;
     const bool valid = route >= 0 && route < p.num_routes;
-    const bool unscattered = slot < p.num_slots && (!valid || p.route_slot[route] != slot);
+    const bool unscattered = slot < num_slots && (!valid || p.route_slot[route] != slot);
     unsigned todo = __ballot_sync(0xffffffffu, unscattered);
     while (todo != 0) {  // the warp fills each such row of these 32 together
       const int bit = __ffs(todo) - 1;

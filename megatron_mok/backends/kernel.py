@@ -116,11 +116,13 @@ def expert_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: to
 
 
 def dispatch_rows(source: RowSource, schedule: Schedule) -> torch.Tensor:
+    # Rows past the schedule's end (a receive window's unused tail) are left unwritten, as the GEMMs
+    # leave theirs: no stage reads them.
     if isinstance(source, PeerRows):
         return ops.dispatch_rows_from_peers(
-            source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk
+            source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk, schedule.expert_offsets
         )
-    return ops.dispatch_rows(_expect(source, GatheredRows).rows, schedule.slot_to_route, schedule.topk)
+    return ops.dispatch_rows(_expect(source, GatheredRows).rows, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
 
 
 def _expect(source, kind: type):
@@ -142,10 +144,10 @@ def pull_route_grads(source: GradSource, schedule: Schedule) -> torch.Tensor:
     if isinstance(source, PeerGradRows):
         return ops.pull_grad_rows_from_peers(
             source.grad_tokens.own, list(source.grad_tokens.peer_ptrs), list(source.grad_weights.peer_ptrs),
-            schedule.slot_to_route, schedule.topk,
+            schedule.slot_to_route, schedule.topk, schedule.expert_offsets,
         )
     gathered = _expect(source, GatheredGradRows)
-    return ops.pull_grad_rows(gathered.grad_y, gathered.weights, schedule.slot_to_route, schedule.topk)
+    return ops.pull_grad_rows(gathered.grad_y, gathered.weights, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
 
 
 def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:

@@ -6,8 +6,8 @@ crosses ranks is not a stage of a backend but the exchange (megatron_mok/comm/ex
 stages below see only this rank's rows and the exchange's gathered sources.
 
 Shapes: capacity = the schedule's rows; H hidden; F ffn_hidden; E local experts; T tokens; K topk.
-Rows at or past offsets[-1] may hold anything after a matmul stage of the kernel backend; no stage
-reads them.
+Rows at or past offsets[-1] may hold anything after a matmul or gather stage of the kernel backend;
+no stage reads them.
 
 The forward's two expert projections are their own stages (dispatch_gate_up: the pull dispatch and
 the gate/up projection with SwiGLU fused; expert_down) so the kernel backend can run them in its

@@ -12,7 +12,7 @@ from megatron_mok.ops.extension import register_fake
 
 
 @register_fake("dispatch_rows")
-def _dispatch_rows_fake(x_all, slot_to_route, topk):
+def _dispatch_rows_fake(x_all, slot_to_route, topk, expert_offsets=None):
     return x_all.new_empty((slot_to_route.shape[0], x_all.shape[1]))
 
 
@@ -22,17 +22,17 @@ def _combine_fake(table, index, weights, topk):
 
 
 @register_fake("pull_grad_rows")
-def _pull_grad_rows_fake(grad_y_all, weights_all, slot_to_route, topk):
+def _pull_grad_rows_fake(grad_y_all, weights_all, slot_to_route, topk, expert_offsets=None):
     return grad_y_all.new_empty((slot_to_route.shape[0], grad_y_all.shape[1]))
 
 
 @register_fake("dispatch_rows_from_peers")
-def _dispatch_rows_from_peers_fake(own_tokens, peer_token_ptrs, slot_to_route, topk):
+def _dispatch_rows_from_peers_fake(own_tokens, peer_token_ptrs, slot_to_route, topk, expert_offsets=None):
     return own_tokens.new_empty((slot_to_route.shape[0], own_tokens.shape[1]))
 
 
 @register_fake("pull_grad_rows_from_peers")
-def _pull_grad_rows_from_peers_fake(own_grad_tokens, peer_grad_ptrs, peer_weight_ptrs, slot_to_route, topk):
+def _pull_grad_rows_from_peers_fake(own_grad_tokens, peer_grad_ptrs, peer_weight_ptrs, slot_to_route, topk, expert_offsets=None):
     return own_grad_tokens.new_empty((slot_to_route.shape[0], own_grad_tokens.shape[1]))
 
 
@@ -41,9 +41,13 @@ def _route_weight_grads_fake(grad_y, table, index, topk):
     return grad_y.new_empty((grad_y.shape[0], topk), dtype=torch.float32)
 
 
-def dispatch_rows(x_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
-    """(capacity, H): x_all[slot_to_route // topk], zero for route -1. Ref: reference.dispatch_rows."""
-    return torch.ops.megatron_mok.dispatch_rows(x_all, slot_to_route, topk)
+def dispatch_rows(
+    x_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int, expert_offsets: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """(capacity, H): x_all[slot_to_route // topk], zero for route -1. Ref: reference.dispatch_rows.
+    expert_offsets ((E + 1,) int32, every gather here): when given, rows at or past its last entry
+    (the schedule's end) are left unwritten, as the GEMMs leave them; no stage reads them."""
+    return torch.ops.megatron_mok.dispatch_rows(x_all, slot_to_route, topk, expert_offsets)
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], topk: int) -> torch.Tensor:
@@ -51,19 +55,29 @@ def combine(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Te
     return torch.ops.megatron_mok.combine(table, index, weights, topk)
 
 
-def pull_grad_rows(grad_y_all: torch.Tensor, weights_all: torch.Tensor, slot_to_route: torch.Tensor, topk: int) -> torch.Tensor:
+def pull_grad_rows(
+    grad_y_all: torch.Tensor,
+    weights_all: torch.Tensor,
+    slot_to_route: torch.Tensor,
+    topk: int,
+    expert_offsets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """(capacity, H): w[route] * dY[route // topk]. Ref: reference.pull_route_grads."""
-    return torch.ops.megatron_mok.pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk)
+    return torch.ops.megatron_mok.pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk, expert_offsets)
 
 
 def dispatch_rows_from_peers(
-    own_tokens: torch.Tensor, peer_token_ptrs: list[int], slot_to_route: torch.Tensor, topk: int
+    own_tokens: torch.Tensor,
+    peer_token_ptrs: list[int],
+    slot_to_route: torch.Tensor,
+    topk: int,
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dispatch_rows over the group's rows where they lie, in the ranks' `tokens` regions: own_tokens
     is this rank's (T, H) copy (bf16/fp32; every rank's has its shape), peer_token_ptrs every rank's
     address of it in rank order (own's among them). Row g = route // topk of the group is rank
     g // T's token g % T. Returns (capacity, H), bitwise dispatch_rows(cat of the regions, ...)."""
-    return torch.ops.megatron_mok.dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk)
+    return torch.ops.megatron_mok.dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk, expert_offsets)
 
 
 def pull_grad_rows_from_peers(
@@ -72,12 +86,13 @@ def pull_grad_rows_from_peers(
     peer_weight_ptrs: list[int],
     slot_to_route: torch.Tensor,
     topk: int,
+    expert_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """pull_grad_rows over the ranks' `grad_tokens` (dY, (T, H) each) and `grad_weights` ((T * topk,)
     float32 each, by local route t * topk + k) regions: (capacity, H), row s = w[route] * dY[route //
     topk] of the group, bitwise pull_grad_rows on the concatenated regions."""
     return torch.ops.megatron_mok.pull_grad_rows_from_peers(
-        own_grad_tokens, peer_grad_ptrs, peer_weight_ptrs, slot_to_route, topk
+        own_grad_tokens, peer_grad_ptrs, peer_weight_ptrs, slot_to_route, topk, expert_offsets
     )
 
 

@@ -125,7 +125,7 @@ def dispatch_expert_gemm_swiglu_from_peers(
             f"{limits.raster_group_minibatches(group_m)} minibatches a raster group of group_m = {group_m} m-tiles "
             f"spans, got {ring_minibatches}"
         )
-    rows = dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk)
+    rows = dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk, expert_offsets)
     gate_up, act = expert_gemm_swiglu(rows, weight, expert_offsets, cluster_m, group_m)
     return rows, gate_up, act
 

@@ -97,6 +97,37 @@ def test_pulls_from_peers_equal_the_one_tensor_gathers_bitwise(case, routing):
         assert torch.equal(got, want), f"pull_grad_rows, own rank {rank}"
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("case", ["r4", "r4_unaligned_rows", "r2_fp32"])
+def test_gathers_given_the_offsets_write_up_to_the_schedules_end_only(case, routing):
+    """With expert_offsets, every gather writes rows [0, offsets[-1]) exactly as without, and leaves
+    the rows past it as they were (a receive window's unused tail costs no writes)."""
+    num_ranks, t, h, e, k, dtype = CASES[case]
+    gen, ids, schedule = case_inputs(case, routing)
+    tokens, token_ptrs = filled_regions(num_ranks, (t, h), dtype, gen)
+    weights, weight_ptrs = regions(num_ranks, (t * k,), torch.float32)
+    for copy in weights:
+        copy.copy_(torch.rand(t * k, device="cuda", generator=gen))
+    x_all, w_all = torch.cat(tokens), torch.cat(weights)
+    offsets = schedule.expert_offsets
+    end = int(offsets[-1])
+    # A window-like view: the schedule then a tail of padding rows past its end.
+    slots = torch.cat([schedule.slot_to_route, torch.full((300,), -1, device="cuda", dtype=torch.int64)])
+    pulls = {
+        "dispatch_rows": lambda o: ops.dispatch_rows(x_all, slots, k, o),
+        "pull_grad_rows": lambda o: ops.pull_grad_rows(x_all, w_all, slots, k, o),
+        "dispatch_rows_from_peers": lambda o: ops.dispatch_rows_from_peers(tokens[0], token_ptrs, slots, k, o),
+        "pull_grad_rows_from_peers": lambda o: ops.pull_grad_rows_from_peers(tokens[0], token_ptrs, weight_ptrs, slots, k, o),
+    }
+    for name, pull in pulls.items():
+        want = pull(None)
+        poison_allocator(1 << 28)  # the unwritten rows keep the poison: fp32 NaNs
+        got = pull(offsets)
+        assert torch.equal(got[:end], want[:end]), name
+        tail = got[end:].reshape(-1).view(torch.float32)  # (rows of 4-byte multiples here)
+        assert bool(torch.isnan(tail).all()), f"{name}: rows past the schedule's end were written"
+
+
 @pytest.mark.parametrize("ring", [0, 3])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_dispatching_gemm_from_peers_equals_the_one_tensor_kernel_bitwise(routing, ring):
