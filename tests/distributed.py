@@ -1,4 +1,4 @@
-"""Runs a test body in N CPU processes joined by gloo (torch.multiprocessing spawn)."""
+"""Runs a test body in N processes joined by gloo (or NCCL for GPU tests), torch.multiprocessing spawn."""
 
 from __future__ import annotations
 
@@ -20,12 +20,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, store_path: str, body: Callable, args: tuple, errors) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _worker(rank: int, world_size: int, store_path: str, body: Callable, args: tuple, errors, backend: str = "gloo") -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     passed = False
     try:
         # A file rendezvous: no TCP port to pick and race for between back-to-back tests.
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         body(rank, world_size, *args)
         dist.barrier()  # no rank leaves while a peer still talks to it
         passed = True
@@ -39,8 +43,9 @@ def _worker(rank: int, world_size: int, store_path: str, body: Callable, args: t
         os._exit(0 if passed else 1)
 
 
-def run_distributed(body: Callable, world_size: int, *args) -> None:
-    """Runs body(rank, world_size, *args) in `world_size` processes; raises the first failure.
+def run_distributed(body: Callable, world_size: int, *args, backend: str = "gloo") -> None:
+    """Runs body(rank, world_size, *args) in `world_size` processes (one node: LOCAL_WORLD_SIZE =
+    world_size; with backend "nccl", process r on GPU r); raises the first failure.
 
     `body` must be a module-level function (it is pickled into the workers).
     """
@@ -49,7 +54,7 @@ def run_distributed(body: Callable, world_size: int, *args) -> None:
     store_dir = tempfile.mkdtemp(prefix="mok_gloo_")
     store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, store_path, body, args, errors))
+        ctx.Process(target=_worker, args=(rank, world_size, store_path, body, args, errors, backend))
         for rank in range(world_size)
     ]
     for proc in procs:
