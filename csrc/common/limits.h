@@ -10,6 +10,9 @@
 #ifndef MOK_EXPERT_GEMM_TILE_M
 #error "MOK_EXPERT_GEMM_TILE_M is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_EXPERT_GEMM_TILE_N
+#error "MOK_EXPERT_GEMM_TILE_N is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 #ifndef MOK_DISPATCH_MINIBATCH_ROWS
 #error "MOK_DISPATCH_MINIBATCH_ROWS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
@@ -27,6 +30,9 @@ namespace mok {
 
 // Rows per m-tile of the sm90 expert GEMMs (gemm/tile_sm90.cuh asserts its Tile::kM equals it).
 constexpr int kExpertGemmTileM = MOK_EXPERT_GEMM_TILE_M;
+// Columns of B per tile (gemm/tile_sm90.cuh asserts its Tile::kN equals it): with kExpertGemmTileM
+// the weight gradient's tile, the unit of its carried accumulators (mok_params.h WgradCarryParams).
+constexpr int kExpertGemmTileN = MOK_EXPERT_GEMM_TILE_N;
 // Rows per minibatch of the dispatching GEMM: the unit in which the in-kernel dispatch hands rows
 // to the GEMM (a ready counter per minibatch) and in which its ring buffer is reused. Small enough
 // that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough that
@@ -43,7 +49,7 @@ static_assert(kMaxEpRanks >= 1 && kMaxEpRanks <= 32, "the exchange's waits give 
 
 // The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
 #define MOK_COMPILED_LIMITS(X) \
-  X(EXPERT_GEMM_TILE_M) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
+  X(EXPERT_GEMM_TILE_M) X(EXPERT_GEMM_TILE_N) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
 #define MOK_LIMIT_NAME(name) #name,
 #define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
 inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};
