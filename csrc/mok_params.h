@@ -212,6 +212,51 @@ struct ExpertWgradParams {
   FailureRecord* failure_record;
 };
 
+// The weight gradient over one window of the schedule, schedule rows [window_begin, window_begin +
+// num_rows) (gemm/expert_wgrad_sm90.cuh, ExpertWgradWindowKernel): a sequence of windows covering
+// the schedule gives out bitwise equal to one ExpertWgradProblem over all its rows. Expert e's
+// segment [o_e, o_e+1) of the whole schedule (offsets not clamped to the window) contributes its
+// rows inside the window; with b = window_begin, w_end = b + num_rows (on the last window the
+// segments end at w_end at the latest, as the whole-schedule kernel clamps them to its rows):
+//   o_e < b < o_e+1       the K chain continues from the previous window (carry in)
+//   o_e < w_end < o_e+1   it continues in the next window: the accumulators go to the carry out
+//   otherwise, b < o_e+1 <= w_end, or o_e == o_e+1 with b <= o_e < w_end (or o_e == w_end on the
+//   last window): out[e] is stored, as the whole-schedule kernel stores it.
+// NOTES: a window boundary must fall on a 64-row K block of every expert it splits (checked in the
+// kernel, kCheckCarryKBlockAlignment); offsets must be non-decreasing from >= 0 (not checked).
+struct ExpertWgradWindowProblem {
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device: the whole schedule's segments
+  int32_t num_experts;
+  int32_t num_rows;      // rows of the window (of grad and inputs), > 0
+  int32_t m;
+  int32_t n;
+  int32_t window_begin;  // schedule row of the window's first row, a multiple of 64
+  int32_t last_window;   // 1: no expert continues past the window
+};
+
+// The accumulators of the one expert whose K chain crosses a window boundary, in fragment order,
+// each consumer thread's own (loaded and stored by the thread that owns them, so exact and
+// private). For the expert's tile t = m_tile + m_tiles * n_tile (m_tiles = ceil(m / 128)),
+// consumer thread c = 128 * consumer warpgroup + thread (0..255) and accumulator register
+// acc[4 * i + j] (i = 0..31, j = 0..3), the float at
+//   ((t * 32 + i) * 256 + c) * 4 + j
+// (a warp's 16-byte chunk i lies in 512 contiguous bytes: coalesced). A buffer holds m_tiles *
+// n_tiles * 32 * 256 * 4 floats = ceil(m / 128) * 128 * ceil(n / 256) * 256 (limits.py
+// wgrad_carry_numel), 4 bytes each. carry_in and carry_out are different buffers (two different
+// experts may carry in and out of one window); null where no expert carries (a tile that needs one
+// records kCheckCarryInBuffer / kCheckCarryOutBuffer and traps).
+struct WgradCarryParams {
+  const float* in;  // read by the tiles of the expert carried into the window, or null
+  float* out;       // written by the tiles of the expert carried past the window, or null
+};
+
+struct ExpertWgradWindowParams {
+  ExpertWgradWindowProblem problem;
+  StoreEpilogueParams epilogue;  // out (num_experts, m, n) as (num_experts * m, n)
+  WgradCarryParams carry;
+  FailureRecord* failure_record;
+};
+
 }  // namespace mok
 
 // ==== The in-kernel expert-parallel exchange ====================================================

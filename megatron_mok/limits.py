@@ -12,6 +12,9 @@ projection) are tuning, not limits: megatron_mok/backends/tuning.py.
 # never straddles a minibatch boundary badly: the ring mirrors one tile past its end.
 EXPERT_GEMM_TILE_M = 128
 
+# Columns of B per tile of the sm90 expert GEMMs (one wgmma m64n256): the weight gradient's output
+# tiles are EXPERT_GEMM_TILE_M x EXPERT_GEMM_TILE_N, which sizes its carried accumulators.
+EXPERT_GEMM_TILE_N = 256
 # Rows per K block of the weight-gradient GEMM (tokens are its reduction dimension): its fp32
 # accumulators can be carried from one receive window to the next only at a K block of every
 # segment, so windowed passes align the segments to this (megatron_mok/receive.py).
@@ -33,6 +36,7 @@ MAX_EP_RANKS = 8
 
 COMPILED = {
     "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,
+    "EXPERT_GEMM_TILE_N": EXPERT_GEMM_TILE_N,
     "EXPERT_WGRAD_K_ROWS": EXPERT_WGRAD_K_ROWS,
     "DISPATCH_MINIBATCH_ROWS": DISPATCH_MINIBATCH_ROWS,
     "MAX_TOPK": MAX_TOPK,
@@ -70,3 +74,13 @@ def schedule_capacity(num_routes: int, num_local_experts: int, segment_alignment
     """Worst-case rows of a schedule: every route of the group lands here and every segment needs
     full padding (segment_alignment - 1 rows)."""
     return num_routes + num_local_experts * (segment_alignment - 1)
+
+
+def wgrad_carry_numel(m: int, n: int) -> int:
+    """fp32 elements of a carry buffer of ops.expert_gemm_wgrad_window for an (m, n) weight
+    gradient: one expert's accumulators, m and n rounded up to whole tiles (m_tiles * n_tiles tiles of
+    EXPERT_GEMM_TILE_M * EXPERT_GEMM_TILE_N floats; the layout is in csrc/mok_params.h,
+    WgradCarryParams)."""
+    m_tiles = -(-m // EXPERT_GEMM_TILE_M)
+    n_tiles = -(-n // EXPERT_GEMM_TILE_N)
+    return m_tiles * EXPERT_GEMM_TILE_M * n_tiles * EXPERT_GEMM_TILE_N

@@ -34,7 +34,7 @@ import dataclasses
 import torch
 
 from megatron_mok.config import MoKConfig
-from megatron_mok.limits import dispatch_ring_buffer_rows, dispatch_ring_holds_every_row
+from megatron_mok.limits import dispatch_ring_buffer_rows, dispatch_ring_holds_every_row, wgrad_carry_numel
 from megatron_mok.receive import receive_plan
 
 
@@ -57,10 +57,6 @@ class LayerMemoryBound:
     @property
     def peak(self) -> int:
         return max(self.forward_peak, self.backward_peak)
-
-
-def _pad(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def layer_memory_bound(
@@ -103,7 +99,7 @@ def layer_memory_bound(
     weight_grads = s * e * 3 * f * h
     if m > 1:
         if weight_grad_family == "sm90":
-            weight_grads += 8 * (_pad(2 * f, 128) * _pad(h, 256) + _pad(h, 128) * _pad(f, 256))
+            weight_grads += 2 * 4 * (wgrad_carry_numel(2 * f, h) + wgrad_carry_numel(h, f))
         else:
             weight_grads += 4 * e * 3 * f * h
     backward_peak = (

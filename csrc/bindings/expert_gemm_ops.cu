@@ -1,7 +1,8 @@
 // Torch bindings of the sm90 expert GEMMs (gemm/expert_gemm_sm90.cuh, gemm/expert_wgrad_sm90.cuh,
 // the dispatching one with moe/dispatch_ring_sm90_ws.cuh): ops expert_gemm, expert_gemm_swiglu,
-// dispatch_expert_gemm_swiglu, expert_gemm_dgrad, expert_gemm_dgrad_swiglu and expert_gemm_wgrad of
-// the `megatron_mok` library (fake implementations in megatron_mok/ops.py). Each op checks its
+// dispatch_expert_gemm_swiglu, expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad and
+// expert_gemm_wgrad_window of the `megatron_mok` library (fake implementations beside the wrappers in
+// megatron_mok/ops/expert_gemm.py). Each op checks its
 // arguments, fills its kernel's params (mok_params.h) once and launches.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -352,13 +354,11 @@ at::Tensor expert_gemm_dgrad_swiglu(const at::Tensor& grad_out, const at::Tensor
   return grad_gate_up;
 }
 
-// Weight gradients per expert: out[e] = grad[rows of e]^T @ inputs[rows of e], (experts, m, n),
-// tokens as the reduction dimension in row order (bitwise reproducible); zeros for an expert with
-// no rows. grad (rows, m) and inputs (rows, n) as stored.
-at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, const at::Tensor& expert_offsets) {
-  constexpr const char* kOp = "expert_gemm_wgrad";
-  TORCH_CHECK(grad.is_cuda(), kOp, ": grad must be a CUDA tensor");
-  const c10::cuda::CUDAGuard guard(grad.device());
+// The weight gradients' operands: grad (rows, m) and inputs (rows, n) bf16, expert_offsets
+// (experts + 1,) int32, contiguous on grad's device. Returns (experts, m, n, rows).
+std::tuple<int64_t, int64_t, int64_t, int64_t> check_wgrad_operands(const char* kOp, const at::Tensor& grad,
+                                                                    const at::Tensor& inputs,
+                                                                    const at::Tensor& expert_offsets) {
   for (auto [t, name] : {std::pair{&grad, "grad"}, std::pair{&inputs, "inputs"}, std::pair{&expert_offsets, "expert_offsets"}}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == grad.device(), kOp, ": ", name,
                 " must be a contiguous CUDA tensor on grad's device");
@@ -378,26 +378,103 @@ at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, c
   TORCH_CHECK(rows < (int64_t(1) << 31) && experts * m < (int64_t(1) << 31), kOp, ": more than 2^31 rows");
   TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
               ": this GPU has less shared memory per block than the kernel's ", std::to_string(kSmemBytes), " bytes");
-  if (rows == 0) return at::zeros({experts, m, n}, grad.options());
-  auto out = at::empty({experts, m, n}, grad.options());
+  return {experts, m, n, rows};
+}
+
+// Launches a weight-gradient kernel (ExpertWgradKernel or ExpertWgradWindowKernel) over rows > 0
+// rows of grad and inputs into out (experts, m, n), its params filled but for the failure record.
+// One CTA per SM at most, and no more than the tiles of every expert.
+template <class Kernel, class Params>
+void launch_wgrad(const char* kOp, Params p, const at::Tensor& grad, const at::Tensor& inputs, const at::Tensor& out) {
+  const int64_t rows = grad.size(0), m = grad.size(1), n = inputs.size(1), experts = out.size(0);
   const CUtensorMap grad_map = bf16_tensor_map_sw128(grad.data_ptr(), rows, m, m, Tile::kK, "grad");
   const CUtensorMap inputs_map = bf16_tensor_map_sw128(inputs.data_ptr(), rows, n, n, Tile::kK, "inputs");
   const CUtensorMap out_map = store_map(out, experts * m, n);  // out as (experts * m, n)
-  ExpertWgradParams p{};
-  p.problem = ExpertWgradProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts), int32_t(rows), int32_t(m),
-                                 int32_t(n)};
-  p.epilogue = store_epilogue(out);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   p.failure_record = failure_record(stream);
-  auto kernel = gemm_kernel_sm90<ExpertWgradKernel, ExpertWgradMaps, ExpertWgradParams, CUtensorMap, CUtensorMap,
-                                 CUtensorMap>;
+  auto kernel = gemm_kernel_sm90<Kernel, ExpertWgradMaps, Params, CUtensorMap, CUtensorMap, CUtensorMap>;
   check_register_budget(kernel, kOp);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   const int64_t tiles = experts * ((m + Tile::kM - 1) / Tile::kM) * ((n + Tile::kN - 1) / Tile::kN);
   const int grid = int(std::min<int64_t>(tiles, multiprocessor_count()));  // one CTA per SM (shared memory)
   kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(grad_map, inputs_map, out_map, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Weight gradients per expert: out[e] = grad[rows of e]^T @ inputs[rows of e], (experts, m, n),
+// tokens as the reduction dimension in row order (bitwise reproducible); zeros for an expert with
+// no rows. grad (rows, m) and inputs (rows, n) as stored.
+at::Tensor expert_gemm_wgrad(const at::Tensor& grad, const at::Tensor& inputs, const at::Tensor& expert_offsets) {
+  constexpr const char* kOp = "expert_gemm_wgrad";
+  TORCH_CHECK(grad.is_cuda(), kOp, ": grad must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const auto [experts, m, n, rows] = check_wgrad_operands(kOp, grad, inputs, expert_offsets);
+  if (rows == 0) return at::zeros({experts, m, n}, grad.options());
+  auto out = at::empty({experts, m, n}, grad.options());
+  ExpertWgradParams p{};
+  p.problem = ExpertWgradProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts), int32_t(rows), int32_t(m),
+                                 int32_t(n)};
+  p.epilogue = store_epilogue(out);
+  launch_wgrad<ExpertWgradKernel>(kOp, p, grad, inputs, out);
   return out;
+}
+
+// fp32 elements of a carry buffer of the windowed weight gradient for (m, n): one expert's tiles
+// of 128 x 256 accumulators (mok_params.h WgradCarryParams; limits.py wgrad_carry_numel).
+int64_t wgrad_carry_numel(int64_t m, int64_t n) {
+  return (m + Tile::kM - 1) / Tile::kM * Tile::kM * ((n + Tile::kN - 1) / Tile::kN * Tile::kN);
+}
+
+// A carry buffer: None, or a contiguous fp32 (wgrad_carry_numel(m, n),) tensor on grad's device.
+const float* check_carry(const char* kOp, const char* name, const std::optional<at::Tensor>& carry,
+                         const at::Tensor& grad, int64_t numel) {
+  if (!carry.has_value()) return nullptr;
+  const at::Tensor& t = *carry;
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.device() == grad.device() && t.scalar_type() == at::kFloat &&
+                  t.dim() == 1 && t.numel() == numel,
+              kOp, ": ", name, " must be None or a contiguous float32 (", std::to_string(numel),
+              ",) tensor (wgrad_carry_numel(m, n)) on grad's device, got ", sizes_str(t), " ",
+              c10::toString(t.scalar_type()));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, kOp, ": ", name,
+              " must be 16-byte aligned (read and written in 16-byte chunks)");
+  return t.data_ptr<float>();
+}
+
+// The weight gradient over one window of the schedule, rows [window_begin, window_begin + rows) of
+// it in grad and inputs, expert_offsets the whole schedule's: writes out[e] for the experts whose
+// segment ends in the window (and the empty ones it holds), continues the K chain of the expert
+// carried in from carry_in and leaves that of the expert carried past the window in carry_out
+// (mok_params.h ExpertWgradWindowProblem has the contract).
+void expert_gemm_wgrad_window(const at::Tensor& grad, const at::Tensor& inputs, const at::Tensor& expert_offsets,
+                              int64_t window_begin, bool last_window, const at::Tensor& out,
+                              const std::optional<at::Tensor>& carry_in, const std::optional<at::Tensor>& carry_out) {
+  constexpr const char* kOp = "expert_gemm_wgrad_window";
+  TORCH_CHECK(grad.is_cuda(), kOp, ": grad must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const auto [experts, m, n, rows] = check_wgrad_operands(kOp, grad, inputs, expert_offsets);
+  TORCH_CHECK(rows > 0, kOp, ": the window must hold at least one row (grad (rows, m)), got ", sizes_str(grad));
+  TORCH_CHECK(window_begin >= 0 && window_begin % Tile::kK == 0, kOp, ": window_begin must be a non-negative multiple of ",
+              std::to_string(Tile::kK), " (the K blocks of a carried segment), got ", std::to_string(window_begin));
+  TORCH_CHECK(window_begin + rows < (int64_t(1) << 31), kOp, ": window_begin + rows must be below 2^31, got ",
+              std::to_string(window_begin + rows));
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.device() == grad.device() &&
+                  out.scalar_type() == at::kBFloat16 && out.dim() == 3 && out.size(0) == experts && out.size(1) == m &&
+                  out.size(2) == n,
+              kOp, ": out must be a contiguous bfloat16 (experts, m, n) = (", std::to_string(experts), ", ",
+              std::to_string(m), ", ", std::to_string(n), ") tensor on grad's device, got ", sizes_str(out), " ",
+              c10::toString(out.scalar_type()));
+  const int64_t carry_numel = wgrad_carry_numel(m, n);
+  ExpertWgradWindowParams p{};
+  p.carry.in = check_carry(kOp, "carry_in", carry_in, grad, carry_numel);
+  p.carry.out = const_cast<float*>(check_carry(kOp, "carry_out", carry_out, grad, carry_numel));
+  // Two experts may carry, one in and one out, each tile reading one buffer while another tile
+  // writes the other: one buffer for both would race.
+  TORCH_CHECK(p.carry.in == nullptr || p.carry.in != p.carry.out, kOp,
+              ": carry_in and carry_out must be different buffers (alternate two by window parity)");
+  p.problem = ExpertWgradWindowProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts), int32_t(rows),
+                                       int32_t(m), int32_t(n), int32_t(window_begin), int32_t(last_window)};
+  p.epilogue = store_epilogue(out);
+  launch_wgrad<ExpertWgradWindowKernel>(kOp, p, grad, inputs, out);
 }
 
 }  // namespace
@@ -415,6 +492,9 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "
       "Tensor");
   m.def("expert_gemm_wgrad(Tensor grad, Tensor inputs, Tensor expert_offsets) -> Tensor");
+  m.def(
+      "expert_gemm_wgrad_window(Tensor grad, Tensor inputs, Tensor expert_offsets, int window_begin, bool last_window, "
+      "Tensor(a!) out, Tensor? carry_in, Tensor(b!)? carry_out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
@@ -424,6 +504,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm_dgrad", &expert_gemm_dgrad);
   m.impl("expert_gemm_dgrad_swiglu", &expert_gemm_dgrad_swiglu);
   m.impl("expert_gemm_wgrad", &expert_gemm_wgrad);
+  m.impl("expert_gemm_wgrad_window", &expert_gemm_wgrad_window);
 }
 
 }  // namespace mok

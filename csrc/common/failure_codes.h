@@ -18,6 +18,14 @@ enum DispatchRingWait : int {
   kWaitRingSlot = 3,        // a dispatcher: every tile loaded a ring slot's previous rows (consumed counter)
 };
 
+// The windowed weight gradient's checks of a carried expert (gemm/mainloop_wgrad_window_sm90_*,
+// reported through the watchdog like its waits); not waits. Numbered after every GEMM wait.
+enum WgradWindowCheck : int {
+  kCheckCarryKBlockAlignment = 4,  // a window boundary inside a 64-row K block of the expert it splits
+  kCheckCarryInBuffer = 5,         // an expert continues into the window, but carry_in is null
+  kCheckCarryOutBuffer = 6,        // an expert continues past the window, but carry_out is null
+};
+
 // The schedule kernel's check (moe/schedule_sm90.cuh); not a wait.
 enum ScheduleCheck : int { kCheckExpertIds = 0 };
 
@@ -63,6 +71,13 @@ inline constexpr FailureName kFailureNames[] = {
      "expert weight-gradient producer waiting for a free pipeline stage (empty barrier)"},
     {kExpertWgradKernel, kWaitLoadedStage,
      "expert weight-gradient consumer waiting for a loaded pipeline stage (full barrier)"},
+    {kExpertWgradKernel, kCheckCarryKBlockAlignment,
+     "expert weight-gradient window: a window boundary splits a carried expert's segment inside a 64-row K block "
+     "((window_begin - offsets[e]) % 64 != 0 or (window end - offsets[e]) % 64 != 0)"},
+    {kExpertWgradKernel, kCheckCarryInBuffer,
+     "expert weight-gradient window: an expert continues into the window but carry_in is None"},
+    {kExpertWgradKernel, kCheckCarryOutBuffer,
+     "expert weight-gradient window: an expert continues past the window but carry_out is None"},
     {kScheduleKernel, kCheckExpertIds, "schedule kernel: topk_ids holds an expert id outside [-1, num_experts)"},
 };
 

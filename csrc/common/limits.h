@@ -10,6 +10,9 @@
 #ifndef MOK_EXPERT_GEMM_TILE_M
 #error "MOK_EXPERT_GEMM_TILE_M is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_EXPERT_GEMM_TILE_N
+#error "MOK_EXPERT_GEMM_TILE_N is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 #ifndef MOK_EXPERT_WGRAD_K_ROWS
 #error "MOK_EXPERT_WGRAD_K_ROWS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
@@ -30,6 +33,9 @@ namespace mok {
 
 // Rows per m-tile of the sm90 expert GEMMs (gemm/tile_sm90.cuh asserts its Tile::kM equals it).
 constexpr int kExpertGemmTileM = MOK_EXPERT_GEMM_TILE_M;
+// Columns of B per tile (gemm/tile_sm90.cuh asserts its Tile::kN equals it): with kExpertGemmTileM
+// the weight gradient's tile, the unit of its carried accumulators (mok_params.h WgradCarryParams).
+constexpr int kExpertGemmTileN = MOK_EXPERT_GEMM_TILE_N;
 // Rows per K block of the weight-gradient GEMM: receive windows meet at its multiples, so the fp32
 // accumulators it carries between windows continue the one-window K loop exactly.
 constexpr int kExpertWgradKRows = MOK_EXPERT_WGRAD_K_ROWS;
@@ -49,7 +55,7 @@ static_assert(kMaxEpRanks >= 1 && kMaxEpRanks <= 32, "the exchange's waits give 
 
 // The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
 #define MOK_COMPILED_LIMITS(X) \
-  X(EXPERT_GEMM_TILE_M) X(EXPERT_WGRAD_K_ROWS) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
+  X(EXPERT_GEMM_TILE_M) X(EXPERT_GEMM_TILE_N) X(EXPERT_WGRAD_K_ROWS) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
 #define MOK_LIMIT_NAME(name) #name,
 #define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
 inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};

@@ -58,6 +58,16 @@ __device__ __forceinline__ void fail_if_timed_out(int wait_id, WaitWatch* watch,
   }
 }
 
+// A failed in-kernel check of a role (not a wait): named to the watchdog like a timed-out wait, so
+// the record says which check failed; the role does nothing more. Should the watchdog not trap
+// within kWaitTimeoutNs, trap here.
+__device__ __forceinline__ void fail_check(int check_id, WaitWatch* watch) {
+  *reinterpret_cast<volatile int*>(&watch->failed) = 1 + check_id;
+  const uint64_t start = global_timer_ns();
+  while (global_timer_ns() - start < kWaitTimeoutNs) __nanosleep(1000000);
+  asm volatile("trap;");
+}
+
 __device__ __forceinline__ void mark_finished(WaitWatch* watch) { atomicAdd(&watch->finished, 1); }
 
 // Run by one thread until `roles` roles have called mark_finished.

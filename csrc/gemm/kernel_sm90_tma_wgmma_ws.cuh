@@ -16,6 +16,10 @@
 //     `empty` once at most one wgmma group is in flight. Then the epilogue writes the tile, from the
 //     warpgroup's staging buffers, and the warpgroup goes on to its next tile while the stores drain;
 //     meanwhile the producer already fills the stages of the next tile.
+//     A mainloop with Mainloop::kCarriesAccumulators splits a tile's K chain across launches (the
+//     windowed weight gradient): resume_accumulators seeds acc before the first K block, and
+//     suspend_accumulators, true when the chain goes on in a later launch, takes the accumulators
+//     instead of the epilogue. For every other mainloop both hooks compile away (if constexpr).
 #pragma once
 
 #include <cstdint>
@@ -164,6 +168,7 @@ struct GemmKernelSm90 {
       // the previous tile's accumulators alive through its epilogue.
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      if constexpr (Mainloop::kCarriesAccumulators) mainloop.resume_accumulators(acc, mma_tile, consumer, thread);
       Epilogue::before_mainloop(p.epilogue, out_extent, scheduler.output_tile(c), consumer, thread);
       for (int kb = 0; kb < mma_tile.k_blocks; ++kb) {
         sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
@@ -185,6 +190,9 @@ struct GemmKernelSm90 {
         sm90::release_stage<Mainloop::kClusterM>(&shared.empty[previous_stage]);
       }
       Mainloop::tile_loaded(p, c, consumer, thread);
+      if constexpr (Mainloop::kCarriesAccumulators) {
+        if (mainloop.suspend_accumulators(acc, mma_tile, consumer, thread)) continue;  // no product yet
+      }
       uint32_t packed[64];
       pack_accumulators(acc, packed);
       Epilogue::store(maps.epilogue, p.epilogue, out_extent, packed, scheduler.output_tile(c), staging,

@@ -65,6 +65,7 @@ class ExpertGemmMainloop {
   static constexpr int kSideThreads = ASource::kSideThreads;
   static constexpr int kSideRoles = ASource::kSideRoles;
   static constexpr bool kKBlocksMayBeZero = false;  // K > 0 (the op checks it)
+  static constexpr bool kCarriesAccumulators = false;  // every tile's K chain is whole
   using ProducerState = typename ASource::ProducerState;
 
   struct Loads {

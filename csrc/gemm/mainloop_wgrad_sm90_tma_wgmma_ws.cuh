@@ -48,6 +48,7 @@ class WgradMainloop {
   static constexpr int kSideThreads = 0;
   static constexpr int kSideRoles = 0;
   static constexpr bool kKBlocksMayBeZero = true;  // an expert with no rows
+  static constexpr bool kCarriesAccumulators = false;  // the windowed mainloop's (mainloop_wgrad_window_*)
   struct ProducerState {};
   struct Loads {};
   struct ConsumerTile {
@@ -117,7 +118,17 @@ class WgradMainloop {
     }
   }
 
+  // The tile's chain starts from zero: its first wgmma ignores acc.
   __device__ __forceinline__ void mma(float (&acc)[128], const ConsumerTile&, int kb, uint8_t* a, uint8_t* b) const {
+    mma_k_block(acc, a, b, kb != 0);
+  }
+
+  template <class Params>
+  static __device__ __forceinline__ void tile_loaded(const Params&, const WgradTileCoord&, int, int) {}
+
+ protected:
+  // One K block's four wgmma; accumulate = false: the first ignores acc (scale-d 0).
+  static __device__ __forceinline__ void mma_k_block(float (&acc)[128], uint8_t* a, uint8_t* b, bool accumulate) {
     const uint64_t a_desc = sm90::smem_descriptor_sw128_mn(a, Tile::kBoxBytes);
     const uint64_t b_desc = sm90::smem_descriptor_sw128_mn(b, Tile::kBoxBytes);
     sm90::wgmma_fence();
@@ -125,14 +136,11 @@ class WgradMainloop {
 #pragma unroll
     for (int kk = 0; kk < Tile::kK / 16; ++kk) {
       // +16 K rows of 128 bytes per wgmma, in 16-byte descriptor units.
-      sm90::wgmma_m64n256k16_bf16<1, 1>(acc, a_desc + 128 * kk, b_desc + 128 * kk, (kb | kk) != 0);
+      sm90::wgmma_m64n256k16_bf16<1, 1>(acc, a_desc + 128 * kk, b_desc + 128 * kk, kk != 0 || accumulate);
     }
     sm90::wgmma_commit_group();
     sm90::fence_accumulators(acc);
   }
-
-  template <class Params>
-  static __device__ __forceinline__ void tile_loaded(const Params&, const WgradTileCoord&, int, int) {}
 };
 
 }  // namespace mok

@@ -176,4 +176,89 @@ class WgradTileScheduler {
   ExpertWgradProblem p_;
 };
 
+// A tile of the windowed weight gradient: the WgradTileCoord of the expert's rows inside the window
+// (row_begin relative to the window's first row), and where its K chain comes from and goes on.
+struct WgradWindowTileCoord : WgradTileCoord {
+  int segment_begin;  // o_e - window_begin: K blocks of the whole schedule start here (may be < 0)
+  int carry_tile;     // the tile's index among its expert's, its place in a carry buffer
+  bool carry_in;      // the chain continues from the previous window
+  bool carry_out;     // the chain goes on in the next window
+};
+
+// The windowed weight gradient's tiles (mok_params.h ExpertWgradWindowProblem): those of the
+// experts the window touches, [first_expert, end_expert), in WgradTileScheduler's order (expert-major,
+// then n-tiles, m fastest); CTA c takes tiles c, c + grid, ..., so the tile count depends on the
+// routing and CTAs past the last tile have none. Each CTA finds the experts from expert_offsets
+// when constructed: by every thread of the CTA at once (the kernel skeleton does), one offset per
+// thread and round, counted with __syncthreads_count, so the search costs one pass of loads.
+class WgradWindowTileScheduler {
+ public:
+  using Coord = WgradWindowTileCoord;
+
+  __device__ explicit WgradWindowTileScheduler(const ExpertWgradWindowProblem& problem) : p_(problem) {
+    using Tile = ExpertGemmTile;
+    m_tiles_ = (p_.m + Tile::kM - 1) / Tile::kM;
+    per_expert_ = m_tiles_ * ((p_.n + Tile::kN - 1) / Tile::kN);
+    // The segments are ordered, so the experts before the window (started before it and ended at
+    // its first row at the latest) and those after it (starting at its end or later; none on the
+    // last window, where such a segment is empty and stored) are a prefix and a suffix.
+    const int begin = p_.window_begin, end = p_.window_begin + p_.num_rows;
+    int before = 0, after = 0;
+    for (int first = 0; first < p_.num_experts; first += int(blockDim.x)) {
+      const int e = first + int(threadIdx.x);
+      bool is_before = false, is_after = false;
+      if (e < p_.num_experts) {
+        const int o = __ldg(p_.expert_offsets + e), o_next = __ldg(p_.expert_offsets + e + 1);
+        is_before = o < begin && o_next <= begin;
+        is_after = !p_.last_window && o >= end;
+      }
+      before += __syncthreads_count(is_before);
+      after += __syncthreads_count(is_after);
+    }
+    first_expert_ = before;
+    end_expert_ = max(first_expert_, p_.num_experts - after);  // (max: offsets out of order)
+  }
+
+  __device__ int cta_rank() const { return 0; }  // no clusters
+  __device__ unsigned first_tile() const { return blockIdx.x; }
+  __device__ unsigned tile_step() const { return gridDim.x; }
+
+  __device__ bool at(int64_t tile, WgradWindowTileCoord& c) const {
+    using Tile = ExpertGemmTile;
+    if (tile >= int64_t(per_expert_) * (end_expert_ - first_expert_)) return false;
+    const int relative = int(tile / per_expert_);
+    const int local = int(tile - int64_t(per_expert_) * relative);
+    c.expert = first_expert_ + relative;
+    c.m0 = (local % m_tiles_) * Tile::kM;
+    c.n0 = (local / m_tiles_) * Tile::kN;
+    // The segment in window rows; on the last window it ends at the window's end at the latest
+    // (the whole-schedule kernel clamps the offsets to its rows).
+    const int begin = p_.window_begin, end = p_.window_begin + p_.num_rows;
+    int o = __ldg(p_.expert_offsets + c.expert), o_next = __ldg(p_.expert_offsets + c.expert + 1);
+    if (p_.last_window) {
+      o = min(o, end);
+      o_next = min(o_next, end);
+    }
+    const int first_row = min(max(o, begin), end);
+    c.row_begin = first_row - begin;
+    c.rows = max(first_row, min(o_next, end)) - first_row;
+    c.segment_begin = o - begin;
+    c.carry_tile = local;
+    c.carry_in = o < begin && begin < o_next;
+    c.carry_out = o < end && end < o_next;
+    return true;
+  }
+
+  // As WgradTileScheduler's: rows of out viewed as (num_experts * m, n).
+  __device__ TileCoord output_tile(const WgradTileCoord& c) const {
+    return TileCoord{c.expert, c.expert * p_.m + c.m0, min(ExpertGemmTile::kM, p_.m - c.m0), c.n0};
+  }
+  __device__ OutputExtent output_extent() const { return OutputExtent{p_.num_experts * p_.m, p_.n}; }
+
+ private:
+  ExpertWgradWindowProblem p_;
+  int m_tiles_, per_expert_;
+  int first_expert_, end_expert_;
+};
+
 }  // namespace mok

@@ -18,6 +18,7 @@ struct ExpertGemmTile {
   static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
   static_assert(kM == kExpertGemmTileM, "megatron_mok/limits.py EXPERT_GEMM_TILE_M is this tile's rows");
   static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
+  static_assert(kN == kExpertGemmTileN, "megatron_mok/limits.py EXPERT_GEMM_TILE_N is this tile's B rows");
   static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
   static_assert(kK == kExpertWgradKRows, "megatron_mok/limits.py EXPERT_WGRAD_K_ROWS is the weight gradient's K block");
   // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room

@@ -7,7 +7,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
                          dispatch_expert_gemm_swiglu_from_peers (for now: two kernels),
-                         expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad
+                         expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad,
+                         expert_gemm_wgrad_window (and wgrad_carry_numel, its carries' size)
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
@@ -38,6 +39,8 @@ from megatron_mok.ops.expert_gemm import (
     expert_gemm_dgrad_swiglu,
     expert_gemm_swiglu,
     expert_gemm_wgrad,
+    expert_gemm_wgrad_window,
+    wgrad_carry_numel,
 )
 from megatron_mok.ops.extension import compiled_limits, extension_error, last_failure
 from megatron_mok.ops.schedule import build_schedule
@@ -60,6 +63,7 @@ __all__ = [
     "expert_gemm_dgrad_swiglu",
     "expert_gemm_swiglu",
     "expert_gemm_wgrad",
+    "expert_gemm_wgrad_window",
     "extension_error",
     "gather_peer_regions",
     "last_failure",
@@ -69,4 +73,5 @@ __all__ = [
     "route_weight_grads",
     "swiglu_backward",
     "swiglu_forward",
+    "wgrad_carry_numel",
 ]

@@ -1,14 +1,18 @@
 """The sm90 expert GEMMs (csrc/gemm/): persistent warp-specialized TMA + wgmma grouped GEMMs over the
 schedule's expert segments, forward (gate/up with SwiGLU and optionally the pull dispatch inside,
-down) and backward (dgrads reading the weights as stored, weight gradients). References: the
-functions of the same stage in backends/reference.py. Launch-shape defaults: backends/tuning.py.
+down) and backward (dgrads reading the weights as stored, weight gradients, whole or one window of
+rows at a time with the accumulators carried). References: the functions of the same stage in
+backends/reference.py. Launch-shape defaults: backends/tuning.py.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_mok import limits
+from megatron_mok.limits import wgrad_carry_numel
 from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
 from megatron_mok.ops.dispatch_combine import dispatch_rows_from_peers
 from megatron_mok.ops.extension import register_fake
@@ -47,6 +51,11 @@ def _expert_gemm_dgrad_swiglu_fake(grad_out, fc2, expert_offsets, gate_up, group
 @register_fake("expert_gemm_wgrad")
 def _expert_gemm_wgrad_fake(grad, inputs, expert_offsets):
     return grad.new_empty((expert_offsets.shape[0] - 1, grad.shape[1], inputs.shape[1]))
+
+
+@register_fake("expert_gemm_wgrad_window")
+def _expert_gemm_wgrad_window_fake(grad, inputs, expert_offsets, window_begin, last_window, out, carry_in, carry_out):
+    return None  # writes out and carry_out in place
 
 
 def expert_gemm(
@@ -157,3 +166,100 @@ def expert_gemm_wgrad(grad: torch.Tensor, inputs: torch.Tensor, expert_offsets: 
     in row order (bitwise reproducible), zeros for an expert with no rows; grad (rows, m) and inputs
     (rows, n) bf16. Ref: reference.segment_weight_grad."""
     return torch.ops.megatron_mok.expert_gemm_wgrad(grad, inputs, expert_offsets)
+
+
+# A window boundary must fall on a K block of every segment it splits (csrc/gemm/tile_sm90.cuh kK).
+WGRAD_WINDOW_ALIGNMENT = 64
+
+
+def expert_gemm_wgrad_window(
+    grad: torch.Tensor,
+    inputs: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    window_begin: int,
+    last_window: bool,
+    out: torch.Tensor,
+    carry_in: Optional[torch.Tensor] = None,
+    carry_out: Optional[torch.Tensor] = None,
+) -> None:
+    """expert_gemm_wgrad over one window of the schedule's rows, in place: calling it for the windows
+    [w * W, w * W + W) of the schedule in order, w = 0 .. M - 1 (the last one may be shorter), gives
+    `out` bitwise equal to expert_gemm_wgrad(all grad rows, all inputs rows, expert_offsets), with
+    only a window's rows in memory at once.
+
+    grad (W, m) bf16 and inputs (W, n) bf16: schedule rows [window_begin, window_begin + W); m and n
+    multiples of 8, W >= 1. expert_offsets (E + 1,) int32: the WHOLE schedule's segment offsets (not
+    clamped to the window), non-decreasing from 0 (not checked). window_begin: a multiple of 64.
+    last_window: the schedule ends with this window. out (E, m, n) bf16: written in place, expert e
+    by the window where its segment [o_e, o_e+1) ends (b < o_e+1 <= b + W, b = window_begin), or an
+    empty expert by the window with b <= o_e < b + W (the last window also stores those at or past
+    its end, as expert_gemm_wgrad does past its rows).
+
+    An expert whose segment crosses a window boundary has its fp32 accumulators carried: carry_in
+    holds those of the expert continuing into this window (o_e < b < o_e+1), carry_out receives those
+    of the expert continuing past it (o_e < b + W < o_e+1; nothing of it goes to out yet). Each is
+    None or a float32 (wgrad_carry_numel(m, n),) tensor, and they must be different buffers: pass
+    carry_in = bufs[w % 2], carry_out = bufs[(w + 1) % 2] (None for w = 0, and on the last window).
+    Every window boundary must fall on a 64-row K block of the segment it splits
+    ((boundary - o_e) % 64 == 0, e.g. segments aligned to 64 and W a multiple of 64); the kernel
+    checks it and a missing carry buffer on the device (offsets are not read on the host), records
+    the failure (last_failure()) and traps. Ref: reference.segment_weight_grad over all rows."""
+    _check_wgrad_window_args(grad, inputs, expert_offsets, window_begin, last_window, out, carry_in, carry_out)
+    torch.ops.megatron_mok.expert_gemm_wgrad_window(
+        grad, inputs, expert_offsets, window_begin, last_window, out, carry_in, carry_out
+    )
+
+
+def _check_wgrad_window_args(grad, inputs, expert_offsets, window_begin, last_window, out, carry_in, carry_out):
+    """ValueErrors naming the argument, shapes and dtypes before devices (so they are checkable on the CPU)."""
+
+    def fail(message: str) -> None:
+        raise ValueError(f"expert_gemm_wgrad_window: {message}")
+
+    tensors = {"grad": grad, "inputs": inputs, "expert_offsets": expert_offsets, "out": out}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            fail(f"{name} must be a tensor, got {type(t).__name__}")
+    for name in ("grad", "inputs"):
+        t = tensors[name]
+        if t.dtype != torch.bfloat16 or t.dim() != 2:
+            fail(f"{name} must be a 2-D bfloat16 tensor, got {tuple(t.shape)} {t.dtype}")
+    if grad.shape[0] != inputs.shape[0]:
+        fail(f"grad (W, m) and inputs (W, n) must have the same rows, got {tuple(grad.shape)} and {tuple(inputs.shape)}")
+    rows, m, n = grad.shape[0], grad.shape[1], inputs.shape[1]
+    if rows < 1:
+        fail("the window must hold at least one row (grad (W, m)), got 0")
+    if m <= 0 or m % 8 or n <= 0 or n % 8:
+        fail(f"m (grad's columns) and n (inputs' columns) must be positive multiples of 8, got {m} and {n}")
+    if expert_offsets.dtype != torch.int32 or expert_offsets.dim() != 1 or expert_offsets.shape[0] < 2:
+        fail(f"expert_offsets must be int32 (E + 1,) with at least one expert, got {tuple(expert_offsets.shape)} "
+             f"{expert_offsets.dtype}")
+    if isinstance(window_begin, bool) or not isinstance(window_begin, int):
+        fail(f"window_begin must be an int, got {type(window_begin).__name__}")
+    if window_begin < 0 or window_begin % WGRAD_WINDOW_ALIGNMENT:
+        fail(f"window_begin must be a non-negative multiple of {WGRAD_WINDOW_ALIGNMENT} (the K blocks of a carried "
+             f"segment), got {window_begin}")
+    if window_begin + rows >= 1 << 31:
+        fail(f"window_begin + W must be below 2^31, got {window_begin + rows}")
+    if not isinstance(last_window, bool):
+        fail(f"last_window must be a bool, got {type(last_window).__name__}")
+    experts = expert_offsets.shape[0] - 1
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (experts, m, n):
+        fail(f"out must be bfloat16 (E, m, n) = {(experts, m, n)}, got {tuple(out.shape)} {out.dtype}")
+    numel = wgrad_carry_numel(m, n)
+    for name, carry in (("carry_in", carry_in), ("carry_out", carry_out)):
+        if carry is None:
+            continue
+        if not isinstance(carry, torch.Tensor) or carry.dtype != torch.float32 or tuple(carry.shape) != (numel,):
+            got = f"{tuple(carry.shape)} {carry.dtype}" if isinstance(carry, torch.Tensor) else type(carry).__name__
+            fail(f"{name} must be None or float32 (wgrad_carry_numel(m, n),) = ({numel},), got {got}")
+        tensors[name] = carry
+    if carry_in is not None and carry_out is not None and torch._C._is_alias_of(carry_in, carry_out):
+        fail("carry_in and carry_out must not share storage (one expert's tiles read the one while another's write "
+             "the other): alternate two buffers by window parity")
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            fail(f"{name} must be contiguous")
+    for name, t in tensors.items():
+        if t.device.type != "cuda" or t.device != grad.device:
+            fail(f"{name} must be a CUDA tensor on grad's device ({grad.device}), got {t.device}")

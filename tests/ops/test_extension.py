@@ -23,7 +23,7 @@ needs_toolchain = pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no
 OPS = (
     "build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward",
     "swiglu_backward", "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu", "expert_gemm_dgrad",
-    "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
+    "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad", "expert_gemm_wgrad_window", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
     "exchange_begin", "exchange_signal", "exchange_wait_ready", "push_rows", "gather_peer_regions",
 )
 
@@ -80,6 +80,22 @@ def test_exchange_fakes_give_the_shapes_without_a_device():
     ops.push_rows(own.new_empty(40, 64), slot_to_route, 2, 9, own.new_empty(18, 64), [16, 32])
 
 
+@needs_toolchain
+def test_wgrad_window_fake_writes_in_place_without_a_device():
+    """The windowed weight gradient's fake on meta tensors: no result, out and carry_out mutated."""
+    meta = torch.device("meta")
+    m, n = 64, 256
+    grad = torch.empty(128, m, dtype=torch.bfloat16, device=meta)
+    inputs = torch.empty(128, n, dtype=torch.bfloat16, device=meta)
+    offsets = torch.empty(4, dtype=torch.int32, device=meta)
+    out = torch.empty(3, m, n, dtype=torch.bfloat16, device=meta)
+    carries = [torch.empty(limits.wgrad_carry_numel(m, n), device=meta) for _ in range(2)]
+    assert torch.ops.megatron_mok.expert_gemm_wgrad_window(grad, inputs, offsets, 128, False, out, *carries) is None
+    schema = torch.ops.megatron_mok.expert_gemm_wgrad_window.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"out", "carry_out"}
+
+
 def test_kernel_backend_is_not_chosen_for_cpu_tensors():
     from megatron_mok.backends import kernel_unsupported_reason
 
@@ -92,11 +108,13 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
     """ptxas's verdict on every expert-GEMM kernel the bindings instantiate (the translation unit
     csrc/bindings/expert_gemm_ops.cu, compiled as setup.py does): a function call in a kernel
     serializes every wgmma (C7510), a register shortfall drops setmaxnreg (C7507), a divergent path
-    serializes wgmma (C7518) -- silent performance losses the build log must not show. Spills (nvcc
+    serializes wgmma (C7518), as does a non-wgmma write of accumulators inside a wgmma pipeline
+    stage (C7515, e.g. a branch around the windowed weight gradient's carry load) -- silent
+    performance losses the build log must not show. Spills (nvcc
     13.0): none in the K-major store kernels and the weight gradient, a few bytes in the MN-major and
     SwiGLU epilogues, most in the dispatching kernels (the dispatch warps live on the producer's 40
     registers): allowed up to 16 (store), 32 (SwiGLU, SwiGLU backward), 64 (dispatching), 0 (weight
-    gradient), so a larger spill fails here."""
+    gradients, whole and windowed), so a larger spill fails here."""
     from torch.utils.cpp_extension import include_paths
 
     source = os.path.join(CSRC, "bindings", "expert_gemm_ops.cu")
@@ -110,7 +128,7 @@ def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setm
     )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
-    for warning in ("C7510", "C7507", "C7518"):
+    for warning in ("C7510", "C7507", "C7518", "C7515"):
         assert warning not in log, log
     # ptxas reports each function as it compiles it: "Compiling entry function '<mangled>'" then
     # its spill line; the mangled name carries the epilogue's and the A source's class names.
