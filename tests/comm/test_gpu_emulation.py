@@ -49,9 +49,13 @@ def test_emulated_kernel_equals_ep1_kernel_bitwise(case, routing, config_name, e
     assert_bitwise(got, run_concatenated(problem, config), f"{case}/{routing}/{config_name}/{exchange}")
 
 
+# (r8_t1's 16 routes fit one 128-row window whatever the factor.)
+WINDOW_CASES = [case for case in GPU_CASES if case != "r8_t1"]
+
+
 @pytest.mark.parametrize("config_name", list(WINDOW_CONFIGS))
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("case", list(GPU_CASES))
+@pytest.mark.parametrize("case", WINDOW_CASES)
 def test_windowed_emulated_kernel_equals_ep1_kernel_bitwise(case, routing, config_name):
     """Over several receive windows (the symmetric exchange), still bitwise EP = 1 in one window."""
     num_ranks, t, h, f, e, k = GPU_CASES[case]
