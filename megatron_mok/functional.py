@@ -273,27 +273,33 @@ def _backward_window(
     stages, ctx: ForwardContext, window, grad_source, x_source, returned, fc1, fc2, d_fc1, d_fc2,
     need_input_grads: bool, need_weight_grads: bool, dtype: torch.dtype,
 ) -> Optional[torch.Tensor]:
-    """One window of backward: pull dY, the down dgrad with the SwiGLU backward, the gate/up dgrad
-    and its push, the weight gradients' share of the window. -> d x after the last window's push."""
+    """One window of backward: pull dY, the down dgrad with the SwiGLU backward, the fc2 weight
+    gradient's share, the gate/up dgrad and its push, the fc1 weight gradient's share. -> d x after
+    the last window's push. Ordered so that few window-sized buffers are alive at once: each is
+    dropped as soon as its last reader ran, and the rows are pulled only for the fc1 gradient."""
     offsets = window.schedule.expert_offsets
     grad_slot_out = stages.pull_route_grads(grad_source, window.schedule)
+    rows = ctx.rows if window.index == 0 else None
     if window.index == 0:
-        rows, gate_up, act = ctx.rows, ctx.gate_up, ctx.act
+        gate_up, act = ctx.gate_up, ctx.act
     else:  # recomputed: forward kept only the first window's gate/up (receive.py)
-        rows, gate_up, act = stages.dispatch_gate_up(x_source, window.schedule, fc1, 0)
+        # (its rows are dropped here and pulled again for the fc1 gradient, below)
+        gate_up, act = stages.dispatch_gate_up(x_source, window.schedule, fc1, 0)[1:]
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
+    if need_weight_grads:
+        if act is None:
+            act = stages.swiglu(gate_up, offsets)
+        d_fc2.add(grad_slot_out, act, window)
+    del grad_slot_out, gate_up, act
     d_x = None
     if returned is not None:
         returned.push(stages.dgrad_rows(grad_gate_up, fc1, offsets), window)
-        if window.last:  # summed before the weight gradients, so one rank's dX rows are freed first
+        if window.last:  # summed before the rows are pulled again, so the dX rows are freed first
             d_x = _return_grad_x(returned, ctx, stages, need_input_grads, dtype)
     if need_weight_grads:
         if rows is None:
             rows = stages.dispatch_rows(x_source, window.schedule)
-        if act is None:
-            act = stages.swiglu(gate_up, offsets)
         d_fc1.add(grad_gate_up, rows, window)
-        d_fc2.add(grad_slot_out, act, window)
     return d_x
 
 

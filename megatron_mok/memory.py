@@ -7,17 +7,20 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
 
     held (forward -> backward)   y s*T*H, the route table s*T*K*H (at R = 1 and M = 1 the down
                                  outputs s*C*H instead), the first window's gate/up s*W*2F, and
-                                 at R = 1 and M = 1 also act s*C*F and, without a bounded ring,
-                                 the rows s*C*H; index tables 8*(C + R*T*K + T*K)
-    forward peak                 held + one window's rows, second gate/up, act and down outputs
-                                 s*W*(2H + 3F) + the gathered routing and the windows' route view
-                                 8*(R*T*K + M*W)
+                                 at R = 1 and M = 1 also act s*C*F and the rows s*C*H (kept unless
+                                 the sm90 gate/up ran them through a bounded ring); index tables
+                                 8*(C + R*T*K + T*K)
+    forward peak                 held + one window's rows (or the ring), second gate/up, act and
+                                 down outputs s*W*(2H + 3F) + the gathered routing, the gathers'
+                                 route scratch and the windows' route view 8*(2*R*T*K + M*W)
     backward peak                held + dY and d x 2*s*T*H + the weight gradients s*E*3F*H (and,
                                  over several windows, their carries 8*(pad(2F)*pad(H) +
                                  pad(H)*pad(F)) with sm90 weight gradients, or fp32 sums
                                  4*E*3F*H with the other families) + d topk_weights 4*T*K + one
-                                 window's dY rows, rows, gate/up, act, d gate/up and dX rows
-                                 s*W*(3H + 5F) + the gathers' route table 16*R*T*K + 8*M*W
+                                 window's live buffers s*W*max(2H + 3F, H + 6F) (the order of
+                                 functional._backward_window) + 8*(2*R*T*K + M*W)
+    every term                   + 1 MB per buffer: the caching allocator does not split a free
+                                 block when less than 1 MB would remain
     symmetric (per process)      comm/symmetric.py: 2*s*T*H + s*T*K*H + 12*T*K + 16*P*R bytes per
                                  layer shape, shared by every layer of that shape; allocated before
                                  the first call, so not part of a call's peak
@@ -33,10 +36,16 @@ import dataclasses
 
 import torch
 
+from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES
 from megatron_mok.config import MoKConfig
 from megatron_mok.limits import dispatch_ring_buffer_rows, dispatch_ring_holds_every_row, wgrad_carry_numel
 from megatron_mok.receive import receive_plan
 
+
+# PyTorch's caching allocator does not split a free block whose remainder would be under 1 MB, so
+# every buffer may count up to that much more than its size; the bound allows it per buffer.
+ALLOCATOR_BLOCK_SLACK = 1 << 20
+HELD_BUFFERS, FORWARD_BUFFERS, BACKWARD_BUFFERS = 10, 8, 16
 
 # The signal pad's phases, at most (csrc/common/failure_codes.h ExchangePhase has 4): the bound
 # needs no extension, and the pad is 16 bytes per phase and rank.
@@ -87,14 +96,17 @@ def layer_memory_bound(
     one_window_one_rank = r == 1 and m == 1
     routes = r * t * k
     ring = config.dispatch_ring_minibatches
-    rows_buffer = dispatch_ring_buffer_rows(w, ring)
 
-    held = s * t * h + s * w * 2 * f + 8 * (c + routes + t * k)
+    rows_kept = EXPERT_GEMM_CHOICES[config.expert_gemm].gate_up == "grouped_mm" or dispatch_ring_holds_every_row(c, ring)
+    held = s * t * h + s * w * 2 * f + 8 * (c + routes + t * k) + HELD_BUFFERS * ALLOCATOR_BLOCK_SLACK
     if one_window_one_rank:
-        held += s * c * h + s * c * f + (s * c * h if dispatch_ring_holds_every_row(c, ring) else 0)
+        held += s * c * h + s * c * f + (s * c * h if rows_kept else 0)
     else:
         held += s * t * k * h
-    forward_peak = held + s * (rows_buffer * h + w * (2 * f + f + h)) + 8 * (routes + m * w)
+    rows_buffer = w if rows_kept else dispatch_ring_buffer_rows(w, ring)
+    forward_peak = (
+        held + s * (rows_buffer * h + w * (2 * f + f + h)) + 8 * (2 * routes + m * w) + FORWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK
+    )
 
     weight_grads = s * e * 3 * f * h
     if m > 1:
@@ -102,8 +114,14 @@ def layer_memory_bound(
             weight_grads += 2 * 4 * (wgrad_carry_numel(2 * f, h) + wgrad_carry_numel(h, f))
         else:
             weight_grads += 4 * e * 3 * f * h
+    # One window's buffers alive at once, at most (functional._backward_window's order): dY rows with
+    # the recomputed rows, gate/up and act (2H + 3F); then dY rows, gate/up, act, d act and d gate/up
+    # (H + 6F, d act inside grouped_mm's SwiGLU-backward dgrad); later only d gate/up with the dX
+    # rows or with the rows pulled again (H + 2F).
+    window_live = s * w * max(2 * h + 3 * f, h + 6 * f)
     backward_peak = (
-        held + 2 * s * t * h + weight_grads + 4 * t * k + s * w * (3 * h + 5 * f) + 16 * routes + 8 * m * w
+        held + 2 * s * t * h + weight_grads + 4 * t * k + window_live + 8 * (2 * routes + m * w)
+        + BACKWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK
     )
     symmetric = symmetric_bytes_per_rank(t, h, k, dtype, r, MAX_EXCHANGE_PHASES) if r > 1 and windowed else 0
     return LayerMemoryBound(held, forward_peak, backward_peak, symmetric, w, m)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "comm"))
 from timing import median_ms  # noqa: E402
 from test_emulation import make_problem, run_concatenated, run_emulated  # noqa: E402
 
-from megatron_mok import MoKConfig, ops  # noqa: E402
+from megatron_mok import MoKConfig, mok_moe, ops  # noqa: E402
 from megatron_mok.emulation import EmulatedGroup  # noqa: E402
 
 # name: total (tokens, hidden, ffn, experts, topk) of the group; each rank gets tokens / R and
@@ -45,6 +45,7 @@ def main() -> int:
     parser.add_argument("--shape", default="small", choices=SHAPES)
     parser.add_argument("--expert-gemm", default="auto")
     parser.add_argument("--no-time", action="store_true", help="check only")
+    parser.add_argument("--graph", action="store_true", help="also time each step captured in one CUDA graph (no host launch cost)")
     args = parser.parse_args()
     config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm)
     t, h, f, e, k = SHAPES[args.shape]
@@ -54,6 +55,7 @@ def main() -> int:
         problem = make_problem(num_ranks, t // num_ranks, h, f, e // num_ranks, k, "uniform", "cuda", torch.bfloat16, 5)
         want = run_concatenated(problem, config)
         ep1_ms = None if args.no_time else median_ms(lambda p: run_concatenated(p, config), [problem])
+        ep1_graph_ms = graph_ms(concatenated_step(problem, config)) if args.graph and not args.no_time else None
         for exchange in args.exchange.split(","):
             group = EmulatedGroup(num_ranks, "cuda", exchange=exchange)
             try:
@@ -68,6 +70,8 @@ def main() -> int:
                 ms = median_ms(lambda p: run_emulated(group, p, e // num_ranks, config), [problem])
             failed |= not equal
             rows.append((num_ranks, exchange, equal, ms, ep1_ms))
+            if args.graph and not args.no_time and exchange == "symmetric":
+                rows.append((num_ranks, "symm graph", equal, graph_ms(emulated_step(group, problem, e // num_ranks, config)), ep1_graph_ms))
             print(f"R={num_ranks} {exchange}: bitwise {'equal' if equal else 'DIFFERENT'}", flush=True)
     print(f"\nshape {args.shape} (total T, H, F, E, K = {SHAPES[args.shape]}), forward+backward, {config.expert_gemm}")
     print(f"{'ranks':>5} {'exchange':<11} {'bitwise':<9} {'emulated ms':>12} {'EP=1 ms':>9} {'overhead':>9}")
@@ -76,6 +80,52 @@ def main() -> int:
         print(f"{num_ranks:>5} {exchange:<11} {'equal' if equal else 'DIFFERENT':<9} "
               f"{_ms(ms):>12} {_ms(ep1):>9} {over:>9}")
     return 1 if failed else 0
+
+
+def concatenated_step(problem, config):
+    """EP = 1 on the concatenated problem, forward + backward, static leaves (for graph capture)."""
+    x, ids, weights, fc1, fc2, grad = problem
+    r, t, h = x.shape
+    leaves = [a.clone().requires_grad_() for a in (x.reshape(r * t, h), weights.reshape(r * t, -1), fc1, fc2)]
+    ids_flat, grad_flat = ids.reshape(r * t, -1), grad.reshape(r * t, h)
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        mok_moe(leaves[0], ids_flat, leaves[1], leaves[2], leaves[3], config=config).backward(grad_flat)
+    return step
+
+
+def emulated_step(group, problem, local_experts, config):
+    """Every emulated rank's forward + backward, static leaves (for graph capture)."""
+    x, ids, weights, fc1, fc2, grad = problem
+    r, e = group.num_ranks, local_experts
+    xs = [x[k].clone().requires_grad_() for k in range(r)]
+    ws = [weights[k].clone().requires_grad_() for k in range(r)]
+    fc1s = [fc1[k * e:(k + 1) * e].clone().requires_grad_() for k in range(r)]
+    fc2s = [fc2[k * e:(k + 1) * e].clone().requires_grad_() for k in range(r)]
+    leaves = [*xs, *ws, *fc1s, *fc2s]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        ys = group.mok_moe(xs, [ids[k] for k in range(r)], ws, fc1s, fc2s, config=config)
+        torch.autograd.backward(ys, [grad[k] for k in range(r)])
+    return step
+
+
+def graph_ms(step) -> float:
+    """Median ms of replaying `step` captured in one CUDA graph (warmed up eagerly first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return median_ms(lambda _: graph.replay(), [None])
 
 
 def _ms(value) -> str:
