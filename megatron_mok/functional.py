@@ -278,13 +278,14 @@ def _backward_window(
     the last window's push. Ordered so that few window-sized buffers are alive at once: each is
     dropped as soon as its last reader ran, and the rows are pulled only for the fc1 gradient."""
     offsets = window.schedule.expert_offsets
-    grad_slot_out = stages.pull_route_grads(grad_source, window.schedule)
     rows = ctx.rows if window.index == 0 else None
     if window.index == 0:
         gate_up, act = ctx.gate_up, ctx.act
-    else:  # recomputed: forward kept only the first window's gate/up (receive.py)
-        # (its rows are dropped here and pulled again for the fc1 gradient, below)
-        gate_up, act = stages.dispatch_gate_up(x_source, window.schedule, fc1, 0)[1:]
+    else:  # recomputed: forward kept only the first window's gate/up (receive.py). Its rows and act
+        # are dropped at once (the rows are pulled again for the fc1 gradient, act made again from
+        # gate/up: the SwiGLU kernels and the GEMM epilogue's give the same bits).
+        gate_up, act = stages.dispatch_gate_up(x_source, window.schedule, fc1, 0)[1], None
+    grad_slot_out = stages.pull_route_grads(grad_source, window.schedule)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
     if need_weight_grads:
         if act is None:

@@ -17,7 +17,7 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
                                  over several windows, their carries 8*(pad(2F)*pad(H) +
                                  pad(H)*pad(F)) with sm90 weight gradients, or fp32 sums
                                  4*E*3F*H with the other families) + d topk_weights 4*T*K + one
-                                 window's live buffers s*W*max(2H + 3F, H + 6F) (the order of
+                                 window's live buffers s*W*(H + 6F) (the order of
                                  functional._backward_window) + 8*(2*R*T*K + M*W)
     every term                   + 1 MB per buffer: the caching allocator does not split a free
                                  block when less than 1 MB would remain
@@ -114,11 +114,11 @@ def layer_memory_bound(
             weight_grads += 2 * 4 * (wgrad_carry_numel(2 * f, h) + wgrad_carry_numel(h, f))
         else:
             weight_grads += 4 * e * 3 * f * h
-    # One window's buffers alive at once, at most (functional._backward_window's order): dY rows with
-    # the recomputed rows, gate/up and act (2H + 3F); then dY rows, gate/up, act, d act and d gate/up
+    # One window's buffers alive at once, at most (functional._backward_window's order): the
+    # recomputed rows, gate/up and act (H + 3F); then dY rows, gate/up, d act, d gate/up and act
     # (H + 6F, d act inside grouped_mm's SwiGLU-backward dgrad); later only d gate/up with the dX
     # rows or with the rows pulled again (H + 2F).
-    window_live = s * w * max(2 * h + 3 * f, h + 6 * f)
+    window_live = s * w * (h + 6 * f)
     backward_peak = (
         held + 2 * s * t * h + weight_grads + 4 * t * k + window_live + 8 * (2 * routes + m * w)
         + BACKWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK
