@@ -111,8 +111,10 @@ def test_gathers_given_the_offsets_write_up_to_the_schedules_end_only(case, rout
     x_all, w_all = torch.cat(tokens), torch.cat(weights)
     offsets = schedule.expert_offsets
     end = int(offsets[-1])
-    # A window-like view: the schedule then a tail of padding rows past its end.
-    slots = torch.cat([schedule.slot_to_route, torch.full((300,), -1, device="cuda", dtype=torch.int64)])
+    # A window-like view: the schedule then a tail of padding rows past its end, long enough that the
+    # output (over 1 MB) comes from the caching allocator's large pool, where the poison lies.
+    tail = max(300, (2 << 20) // (h * torch.empty((), dtype=dtype).element_size()))
+    slots = torch.cat([schedule.slot_to_route, torch.full((tail,), -1, device="cuda", dtype=torch.int64)])
     pulls = {
         "dispatch_rows": lambda o: ops.dispatch_rows(x_all, slots, k, o),
         "pull_grad_rows": lambda o: ops.pull_grad_rows(x_all, w_all, slots, k, o),
@@ -301,6 +303,9 @@ def test_a_peer_that_never_frees_is_a_named_bounded_wait():
 # ---- registration ----------------------------------------------------------------------------------
 
 
+_ALIVE: list = []
+
+
 def _op_args(name):
     """Arguments for one op on a one-rank group whose pad is far ahead (every wait passes at once,
     however often opcheck runs the op)."""
@@ -316,6 +321,8 @@ def _op_args(name):
     weights, weight_ptrs = regions(1, (t * k,), torch.float32)
     combine, combine_ptrs = regions(1, (t * k, h), torch.bfloat16)
     rows = torch.randn(schedule.capacity, h, device="cuda", generator=gen).bfloat16()
+    # Every region an op reads through the pointer tables only must outlive this call.
+    _ALIVE[:] = [signals, tokens, weights, combine]
     return {
         "exchange_begin": (calls, signals[0], 0, 1),
         "exchange_signal": (calls, signals[0], signal_ptrs, 0, 1, READY),
