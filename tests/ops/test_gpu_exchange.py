@@ -129,7 +129,7 @@ def test_gathers_given_the_offsets_write_up_to_the_schedules_end_only(case, rout
         assert torch.equal(got[:end], want), name
         tail = got[end:].reshape(-1).view(torch.float32)  # (rows of 4-byte multiples here)
         assert bool(torch.isnan(tail).all()), f"{name}: rows past the schedule's end were written"
-        del got, want  # freed, so the next op's output is carved from the next poison
+        del got, want, tail  # freed, so the next op's output is carved from the next poison
 
 
 @pytest.mark.parametrize("ring", [0, 3])
