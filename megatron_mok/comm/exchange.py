@@ -20,6 +20,7 @@ exactly one slot, so nothing is ever summed across ranks.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Protocol, Union
 
 import torch
@@ -198,13 +199,29 @@ def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
     (comm/symmetric_exchange.py) when asked for, or by default where the group offers it (emulated
     ranks; a process group does not yet: its symmetric path has not run on a multi-GPU node), else
     the collective one. The choice depends only on the group and the config, so every rank of a group decides alike."""
-    if kind == "collective" or (kind == "auto" and (group.num_ranks == 1 or not group.symmetric_by_default)):
+    if kind == "collective" or group.num_ranks == 1 and kind == "auto":
+        return CollectiveExchange(group)
+    if kind == "auto" and not group.symmetric_by_default:
+        _warn_once(group, "the in-kernel exchange is not yet the default over process groups (it has not run on "
+                   "a multi-GPU node; MoKConfig(exchange='symmetric') / --mok-exchange symmetric asks for it)")
         return CollectiveExchange(group)
     pool, reason = group.symmetric_pool()
     if pool is None:
         if kind == "symmetric":
             raise ValueError(f"MoKConfig.exchange='symmetric' cannot run over this group: {reason}")
+        _warn_once(group, f"the in-kernel exchange cannot run over this group: {reason}")
         return CollectiveExchange(group)
     from megatron_mok.comm.symmetric_exchange import SymmetricExchange
 
     return SymmetricExchange(group, pool)
+
+
+_warned: set = set()
+
+
+def _warn_once(group: ExpertParallelGroup, why: str) -> None:
+    """One warning per reason when a process group of CUDA ranks runs the collective exchange at
+    EP > 1 (correct, but its buffers grow with EP); emulated and CPU groups choose it knowingly."""
+    if group.group is not None and group.device.type == "cuda" and why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"megatron_mok: EP = {group.num_ranks} runs the collective exchange because {why}", stacklevel=3)
