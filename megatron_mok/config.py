@@ -61,7 +61,9 @@ class MoKConfig:
             macrobatch through the same stages, so the expert stages' memory is set by the window,
             not by EP times the tokens, whatever the routing. Routings that send a rank more rows
             run more (fixed-count, mostly empty) windows and recompute their gate/up in backward;
-            results are bitwise the same for any factor. 1.0 (the default): a balanced routing
+            with the sm90 weight gradients (`expert_gemm` "auto" and "sm90") results are bitwise the
+            same for any factor; the other families sum the windows' weight-gradient partials in
+            fp32 (equal up to rounding). 1.0 (the default): a balanced routing
             fits one window, and memory matches EP = 1's (docs/performance.md, EP memory). The
             collective exchange runs one window of the whole schedule.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU

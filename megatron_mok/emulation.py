@@ -51,14 +51,15 @@ from megatron_mok.validation import validate_moe_inputs
 def require_eager_module_loading() -> None:
     """Makes sure CUDA loads every kernel when it starts (the module docstring says why): sets
     CUDA_MODULE_LOADING=EAGER when CUDA has not started, else raises unless it is set."""
-    if os.environ.get("CUDA_MODULE_LOADING") == "EAGER":
+    mode = os.environ.get("CUDA_MODULE_LOADING")
+    if mode == "EAGER":
         return
-    if not torch.cuda.is_initialized():
+    if mode is None and not torch.cuda.is_initialized():
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
         return
     raise RuntimeError(
         "EmulatedGroup(exchange='symmetric') needs CUDA_MODULE_LOADING=EAGER in the environment before "
-        "CUDA starts (CUDA has started in this process without it): emulated ranks' kernels wait for "
+        f"CUDA starts (it is {mode!r}, CUDA started={torch.cuda.is_initialized()}): emulated ranks' kernels wait for "
         "kernels launched after them, and lazy module loading can wait for the device to be idle, a deadlock"
     )
 

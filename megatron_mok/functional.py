@@ -146,8 +146,10 @@ def forward(
         schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
     else:
         _check_schedule(schedule, topk_ids, num_local_experts, exchange, plan)
-        if config.check_expert_ids and not schedule.expert_ids_checked and topk_ids.device.type != "cpu":
-            # (validate_moe_inputs checks CPU ids; on CUDA the schedule build does, and this one skipped it.)
+        if config.check_expert_ids and not schedule.expert_ids_checked and (topk_ids.device.type != "cpu" or exchange.num_ranks > 1):
+            # (validate_moe_inputs checks CPU ids at EP = 1; elsewhere the schedule build does, and this
+            # one skipped it. At EP > 1 a CPU rank then raises alone: the schedule's builder chose not
+            # to check, which the group's own build would have done on every rank alike.)
             check_expert_ids(topk_ids, num_local_experts * exchange.num_ranks)
 
     stages = stages_for(backend, config.expert_gemm)
@@ -161,6 +163,7 @@ def forward(
         window_kept = _forward_window(stages, source, window, fc1, fc2, returned, config, keep_rows)
         if window.index == 0:
             rows, gate_up, act = window_kept
+        del window_kept  # (a later window's gate/up is not kept)
     exchange.release(source)
     route_index = exchange.route_index(schedule, topk_ids)
     route_table = returned.table(keep=True)

@@ -27,12 +27,14 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
 
 Tables of 8 bytes per group route (R*T*K) are the only terms that grow with EP: 4 MB each at the
 DeepSeek-V3 shape at EP = 8, against about 2 GB of activations. Over the collective exchange a pass
-is one window of C = R*T*K rows (plus padding): the same terms with W = C, which grow with EP.
+is one window of C = R*T*K rows, plus gathered copies of x and dY (R*T rows) and all-to-all buffers
+(R*T*K rows): all grow with EP, and this module does not bound them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -78,19 +80,28 @@ def layer_memory_bound(
     num_ranks: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     config: MoKConfig = MoKConfig(),
-    windowed: bool = True,
-    weight_grad_family: str = "sm90",
+    windowed: Optional[bool] = None,
 ) -> LayerMemoryBound:
-    """The bound of one layer call. windowed: whether the exchange returns rows window by window (the
-    in-kernel exchange; False for the collective one). weight_grad_family: the GEMM family of the
-    weight gradients ("sm90" under MoKConfig.expert_gemm "auto" and "sm90")."""
+    """The bound of one layer call of the kernel backend (bf16). windowed: whether the exchange
+    returns rows window by window, the in-kernel exchange (None: at EP > 1, and not at EP = 1 without
+    a group). The collective exchange at EP > 1 is not bounded here: its gathered x and dY and its
+    all-to-all buffers grow with EP (the module docstring), so asking for it is a ValueError."""
     from megatron_mok.comm.symmetric import symmetric_bytes_per_rank
 
     t, h, f, e, k, r = num_tokens, hidden, ffn_hidden, num_local_experts, topk, num_ranks
+    windowed = r > 1 if windowed is None else windowed
+    if r > 1 and not windowed:
+        raise ValueError(
+            "layer_memory_bound bounds the in-kernel exchange at EP > 1; the collective exchange's buffers "
+            "grow with EP (EP*T rows of x and dY, EP*T*K rows in flight) and are not bounded here"
+        )
+    if dtype != torch.bfloat16:
+        raise ValueError(f"layer_memory_bound models the kernel backend, which runs bf16; got dtype {dtype}")
     s = torch.empty((), dtype=dtype).element_size()
+    weight_grad_family = EXPERT_GEMM_CHOICES[config.expert_gemm].weight_grads
     plan = receive_plan(
         num_ranks=r, num_tokens=t, topk=k, num_local_experts=e, segment_alignment=config.segment_alignment,
-        factor=config.receive_capacity_factor, windowed=windowed and r > 1,
+        factor=config.receive_capacity_factor, windowed=windowed,
     )
     w, m, c = plan.window_rows, plan.num_windows, plan.capacity
     one_window_one_rank = r == 1 and m == 1
@@ -103,7 +114,8 @@ def layer_memory_bound(
         held += s * c * h + s * c * f + (s * c * h if rows_kept else 0)
     else:
         held += s * t * k * h
-    rows_buffer = w if rows_kept else dispatch_ring_buffer_rows(w, ring)
+    # Over the in-kernel exchange the sm90 gate/up pulls a window's rows whole before its GEMM (no ring).
+    rows_buffer = w if rows_kept or r > 1 else dispatch_ring_buffer_rows(w, ring)
     forward_peak = (
         held + s * (rows_buffer * h + w * (2 * f + f + h)) + 8 * (2 * routes + m * w) + FORWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK
     )

@@ -35,6 +35,10 @@ from megatron_mok.limits import EXPERT_GEMM_TILE_M, EXPERT_WGRAD_K_ROWS, schedul
 from megatron_mok.schedule import Schedule
 
 
+# A pass's windows are a host loop of launches: past this many, a too small factor is an error.
+MAX_RECEIVE_WINDOWS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class ReceivePlan:
     """How a pass covers a schedule; a function of the shapes and the config only, so every rank of
@@ -68,7 +72,13 @@ def receive_plan(
     window_rows = receive_window_rows(num_tokens, topk, num_local_experts, alignment, factor)
     if window_rows >= capacity:  # (the coarser alignment's padding filled the gap)
         return ReceivePlan(alignment, capacity, capacity, 1)
-    return ReceivePlan(alignment, capacity, window_rows, -(-capacity // window_rows))
+    num_windows = -(-capacity // window_rows)
+    if num_windows > MAX_RECEIVE_WINDOWS:
+        raise ValueError(
+            f"MoKConfig.receive_capacity_factor={factor} gives {num_windows} receive windows per pass (each a "
+            f"sequence of launches), more than {MAX_RECEIVE_WINDOWS}: use a larger factor"
+        )
+    return ReceivePlan(alignment, capacity, window_rows, num_windows)
 
 
 @dataclasses.dataclass(frozen=True)

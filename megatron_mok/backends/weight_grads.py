@@ -55,9 +55,10 @@ class Fp32WindowSum:
         self.dtype: Optional[torch.dtype] = None
 
     def add(self, grad_out: Tensor, inputs: Tensor, window: Window) -> None:
-        partial = self.segment_weight_grad(grad_out, inputs, window.schedule.expert_offsets).float()
+        partial = self.segment_weight_grad(grad_out, inputs, window.schedule.expert_offsets)
         self.dtype = grad_out.dtype
-        self.total = partial if self.total is None else self.total.add_(partial)
+        # (add_ promotes the partial in place: no fp32 copy of it beside the sum)
+        self.total = partial.float() if self.total is None else self.total.add_(partial)
 
     def result(self) -> Tensor:
         return self.total.to(self.dtype)

@@ -90,7 +90,7 @@ class Exchange(Protocol):
 
     def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens * topk,) int64: where route t*topk+k of this rank finds its row in the table
-        `return_rows` gives; -1 for a dropped route. Depends on the routing only (forward and
+        table of `open_return(...).table()` gives; -1 for a dropped route. Depends on the routing only (forward and
         backward share it)."""
         ...
 

@@ -38,7 +38,13 @@ class ExpertParallelGroup:
         cannot be captured in a CUDA graph); later calls of an agreed shape skip it, so the hot path
         never synchronizes with the host. (A rank that passes a new shape while the others pass an
         agreed one is not caught: the ranks of a Megatron job call every layer in the same order.)"""
-        if self.num_ranks == 1 or shape in self._agreed_shapes:
+        if self.num_ranks == 1:
+            return
+        self._agree(shape)
+
+    @torch.compiler.disable  # a host collective at a shape's first call, outside any traced graph
+    def _agree(self, shape: tuple) -> None:
+        if shape in self._agreed_shapes:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(

@@ -51,5 +51,10 @@ def _one_rank_body(rank, world_size, factor):
 @pytest.mark.parametrize("factor", [1.0, 0.25])
 def test_one_rank_process_group_runs_the_symmetric_exchange_bitwise(factor):
     from distributed import run_distributed
+    from megatron_mok.receive import receive_plan
+
+    # (the body's shape: T 300, K 4, 4 experts; 0.25 gives several windows, 1.0 one)
+    plan = receive_plan(num_ranks=1, num_tokens=300, topk=4, num_local_experts=4, segment_alignment=1, factor=factor, windowed=True)
+    assert (plan.num_windows > 1) == (factor < 1), plan
 
     run_distributed(_one_rank_body, 1, factor, backend="nccl")

@@ -121,7 +121,6 @@ def test_gathers_given_the_offsets_write_the_same_rows_up_to_the_schedules_end(c
         "pull_grad_rows_from_peers": lambda o: ops.pull_grad_rows_from_peers(tokens[0], token_ptrs, weight_ptrs, slots, k, o),
     }
     for name, pull in pulls.items():
-        poison_allocator(1 << 28)
         got = pull(offsets)
         assert got.shape == (slots.shape[0], h), name
         assert torch.equal(got[:end], pull(None)[:end]), name

@@ -1,0 +1,43 @@
+"""megatron_mok.memory.layer_memory_bound: what it bounds, and its terms at EP = 1 against the
+design's hand count (docs/design.md §8). Its measured side is a GPU test
+(tests/comm/test_gpu_emulation.py) and docs/performance.md, "EP memory"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig
+from megatron_mok.memory import ALLOCATOR_BLOCK_SLACK, HELD_BUFFERS, layer_memory_bound
+
+DSV3 = dict(num_tokens=8192, hidden=7168, ffn_hidden=2048, num_local_experts=32, topk=8)
+
+
+def test_ep1_held_is_the_designs_count():
+    t, h, f, k = 8192, 7168, 2048, 8
+    c = t * k
+    tables = 8 * (c + c + t * k)
+    # y, the route table (the down outputs), gate/up, act, and the rows (auto keeps them).
+    want = 2 * (t * h + c * h + c * 2 * f + c * f + c * h) + tables + HELD_BUFFERS * ALLOCATOR_BLOCK_SLACK
+    assert layer_memory_bound(**DSV3).held == want
+
+
+def test_ep8_does_not_grow_with_ep_beyond_the_route_tables():
+    bounds = [layer_memory_bound(**DSV3, num_ranks=r) for r in (2, 4, 8)]
+    for bound in bounds[1:]:
+        # 8-byte tables per group route: a few MB per doubling of EP, at most
+        assert 0 <= bound.peak - bounds[0].peak < 64 << 20
+        assert 0 <= bound.held - bounds[0].held < 16 << 20
+        assert bound.window_rows == bounds[0].window_rows
+
+
+def test_collective_exchange_and_non_bf16_are_not_bounded():
+    with pytest.raises(ValueError, match="collective exchange"):
+        layer_memory_bound(**DSV3, num_ranks=8, windowed=False)
+    with pytest.raises(ValueError, match="bf16"):
+        layer_memory_bound(**DSV3, dtype=torch.float32)
+
+
+def test_one_rank_over_the_symmetric_exchange_plans_its_windows():
+    one = layer_memory_bound(**DSV3, config=MoKConfig(receive_capacity_factor=0.25), windowed=True)
+    assert one.num_windows > 1 and one.peak < layer_memory_bound(**DSV3).peak
