@@ -262,9 +262,10 @@ struct ExpertWgradWindowParams {
 // ==== The in-kernel expert-parallel exchange ====================================================
 // The structs of the exchange through symmetric memory (comm/symmetric.py has the regions and the
 // signal protocol): the row source of the peer gathers (moe/row_source_sm90.cuh,
-// moe/dispatch_sm90.cuh), the signal kernels (moe/exchange_sm90.cuh), the push combine and the
-// region pull (moe/push_combine_sm90.cuh); bindings/exchange_ops.cu and bindings/moe_ops.cu fill
-// them. One section of its own at the end of this file: kMaxEpRanks comes from common/limits.h,
+// moe/dispatch_sm90.cuh) and of the dispatching GEMM's ring (moe/dispatch_ring_sm90_ws.cuh), the
+// signal kernels (moe/exchange_sm90.cuh), the push combine and the region pull
+// (moe/push_combine_sm90.cuh); bindings/exchange_ops.cu, bindings/moe_ops.cu and
+// bindings/expert_gemm_ops.cu fill them. One section of its own at the end of this file: kMaxEpRanks comes from common/limits.h,
 // included here so that the section stands alone.
 
 #include "common/limits.h"
@@ -291,6 +292,17 @@ struct RowSource {
 // `source`; num_routes is the group's, num_bases * rows_per_base * topk. A kernel instantiated for
 // GatherRowsParams reads exactly as before (same SASS): the peer form is a second instantiation.
 struct PeerGatherRowsParams : GatherRowsParams {
+  RowSource source;
+};
+
+// The dispatching GEMM's ring (moe/dispatch_ring_sm90_ws.cuh) filled straight from the ranks'
+// `tokens` regions: ring row r = row g = slot_to_route[r] / topk of the group, rank g / T's token
+// g % T (T = source.rows_per_base). The inherited x is unused (null); x_rows is the group's rows,
+// num_bases * rows_per_base, below 2^31 (the dispatch warps locate rows in 32 bits);
+// source.weight_bases stay null. Every base and the row size (2K bytes) 16-byte aligned (the copy
+// reads 16-byte units; the bulk prefetch needs it). As for the gathers,
+// the one-tensor ring (DispatchRingParams) reads exactly as before: this is a second instantiation.
+struct PeerDispatchRingParams : DispatchRingParams {
   RowSource source;
 };
 

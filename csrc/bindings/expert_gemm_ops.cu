@@ -1,9 +1,10 @@
 // Torch bindings of the sm90 expert GEMMs (gemm/expert_gemm_sm90.cuh, gemm/expert_wgrad_sm90.cuh,
 // the dispatching one with moe/dispatch_ring_sm90_ws.cuh): ops expert_gemm, expert_gemm_swiglu,
-// dispatch_expert_gemm_swiglu, expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad and
+// dispatch_expert_gemm_swiglu (from one tensor) and dispatch_expert_gemm_swiglu_from_peers (from the
+// ranks' symmetric regions), expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad and
 // expert_gemm_wgrad_window of the `megatron_mok` library (fake implementations beside the wrappers in
-// megatron_mok/ops/expert_gemm.py). Each op checks its
-// arguments, fills its kernel's params (mok_params.h) once and launches.
+// megatron_mok/ops/expert_gemm.py). Each op checks its arguments, fills its kernel's params
+// (mok_params.h) once and launches.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,6 +18,7 @@
 #include <tuple>
 
 #include "bindings/checks.h"
+#include "bindings/op_utils.h"
 #include "common/device_info.h"
 #include "common/failure_record.h"
 #include "common/limits.h"
@@ -254,6 +256,70 @@ int64_t dispatch_ring_buffer_rows(int64_t rows, int64_t ring_minibatches) {
   return ring == minibatches ? rows : ring * kDispatchMinibatchRows + kExpertGemmTileM;
 }
 
+// The checks of both dispatching ops past check_expert_gemm (`x` names their row operand): the
+// schedule, topk and the ring.
+void check_dispatch(const char* op, const char* x_name, const at::Tensor& x, const at::Tensor& slot_to_route, int64_t topk,
+                    int64_t group_m, int64_t ring_minibatches) {
+  TORCH_CHECK(slot_to_route.is_cuda() && slot_to_route.is_contiguous() && slot_to_route.device() == x.device() &&
+                  slot_to_route.scalar_type() == at::kLong && slot_to_route.dim() == 1,
+              op, ": slot_to_route must be a contiguous int64 (rows,) tensor on ", x_name, "'s device, got ",
+              sizes_str(slot_to_route), " ", c10::toString(slot_to_route.scalar_type()));
+  // (Minibatch bounds are computed in 32 bits on the device.)
+  TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31) - kDispatchMinibatchRows, op, ": more than 2^31 rows");
+  TORCH_CHECK(topk > 0 && topk < (int64_t(1) << 31), op, ": topk must be positive, got ", std::to_string(topk));
+  // A dispatcher waits for the slot of minibatch m - ring only once every minibatch below m is
+  // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
+  // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
+  // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
+  const int64_t group_minibatches = (group_m * kExpertGemmTileM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), op,
+              ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),
+              " minibatches of ", std::to_string(kDispatchMinibatchRows), " rows that a raster group of group_m = ",
+              std::to_string(group_m), " m-tiles spans, got ", std::to_string(ring_minibatches));
+}
+
+// The dispatching GEMM once checked: `source` names where the rows come from (x, or the peers'
+// table), x_rows rows of the group in all; `like` gives the dtype, K and device. Fills in the rest
+// of the ring's params and launches; returns (rows or the ring, gate_up, act).
+template <class ASource>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_dispatching_gemm(
+    typename ASource::Params source, const at::Tensor& like, int64_t x_rows, const at::Tensor& slot_to_route,
+    int64_t topk, const at::Tensor& weight, const at::Tensor& expert_offsets, int64_t num_experts, int64_t two_ffn,
+    int64_t cluster_m, int64_t group_m, int64_t ring_minibatches) {
+  const int64_t ffn = two_ffn / 2;
+  const int64_t num_rows = slot_to_route.numel();
+  const int64_t minibatches = (num_rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
+  const int64_t ring = ring_minibatches_for(num_rows, ring_minibatches);
+  auto rows = at::empty({dispatch_ring_buffer_rows(num_rows, ring_minibatches), like.size(1)}, like.options());
+  auto gate_up = at::empty({num_rows, two_ffn}, like.options());
+  auto act = at::empty({num_rows, ffn}, like.options());
+  if (num_rows == 0) return {rows, gate_up, act};
+  auto counters = at::zeros({3 * minibatches}, like.options().dtype(at::kInt));
+  ExpertGemmKernelParams<SwigluEpilogue, ASource> p{};
+  p.problem = make_problem(expert_offsets, num_experts, num_rows, ffn, two_ffn, like.size(1), group_m);
+  p.epilogue = swiglu_epilogue(act, gate_up);
+  p.a_source = source;
+  // Routes whose token is past the group's rows read zeros: a schedule never names one.
+  DispatchRingParams& d = p.a_source;
+  d.slot_to_route = slot_to_route.data_ptr<int64_t>();
+  d.rows = rows.data_ptr();
+  d.counters = counters.data_ptr<int32_t>();
+  d.x_rows = x_rows;
+  d.topk = int32_t(topk);
+  d.minibatch_rows = kDispatchMinibatchRows;
+  d.num_minibatches = int32_t(minibatches);
+  d.ring_minibatches = int32_t(ring);
+  d.ring_rows = int32_t(ring * kDispatchMinibatchRows);
+  d.ring_mirrored = int32_t(ring < minibatches);
+  const CUtensorMap b_map = weight_map(weight, p.problem);
+  const CUtensorMap a_map = rows_map(rows, p.problem);
+  const CUtensorMap act_map = store_map(act, num_rows, ffn);
+  const CUtensorMap gate_map = gate_up_half_map(gate_up, num_rows, ffn, 0);
+  launch_with_cluster<SwigluEpilogue, ASource>(cluster_m, p, a_map, b_map, act_map, gate_map,
+                                               gate_up_half_map(gate_up, num_rows, ffn, 1));
+  return {rows, gate_up, act};
+}
+
 // The pull dispatch and the gate/up projection in one kernel: (rows, gate_up, act) with rows[r] =
 // x[slot_to_route[r] / topk] (zeros where slot_to_route[r] is -1) and gate_up, act those of
 // expert_gemm_swiglu(rows, ...). The GEMM starts on each minibatch of rows once it is dispatched.
@@ -267,47 +333,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu(
   TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [num_experts, two_ffn] = check_expert_gemm(kOp, "x", x, weight, expert_offsets, cluster_m, group_m);
-  const int64_t ffn = check_swiglu_weight(kOp, two_ffn);
-  TORCH_CHECK(slot_to_route.is_cuda() && slot_to_route.is_contiguous() && slot_to_route.device() == x.device() &&
-                  slot_to_route.scalar_type() == at::kLong && slot_to_route.dim() == 1,
-              kOp, ": slot_to_route must be a contiguous int64 (rows,) tensor on x's device, got ",
-              sizes_str(slot_to_route), " ", c10::toString(slot_to_route.scalar_type()));
-  // (Minibatch bounds are computed in 32 bits on the device.)
-  TORCH_CHECK(slot_to_route.numel() < (int64_t(1) << 31) - kDispatchMinibatchRows, kOp, ": more than 2^31 rows");
-  TORCH_CHECK(topk > 0 && topk < (int64_t(1) << 31), kOp, ": topk must be positive, got ", std::to_string(topk));
+  check_swiglu_weight(kOp, two_ffn);
+  check_dispatch(kOp, "x", x, slot_to_route, topk, group_m, ring_minibatches);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, kOp, ": x must be 16-byte aligned");
-  // A dispatcher waits for the slot of minibatch m - ring only once every minibatch below m is
-  // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
-  // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
-  // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
-  const int64_t group_minibatches = (group_m * kExpertGemmTileM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
-  TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), kOp,
-              ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),
-              " minibatches of ", std::to_string(kDispatchMinibatchRows), " rows that a raster group of group_m = ",
-              std::to_string(group_m), " m-tiles spans, got ", std::to_string(ring_minibatches));
-  const int64_t num_rows = slot_to_route.numel();
-  const int64_t minibatches = (num_rows + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
-  const int64_t ring = ring_minibatches_for(num_rows, ring_minibatches);
-  auto rows = at::empty({dispatch_ring_buffer_rows(num_rows, ring_minibatches), x.size(1)}, x.options());
-  auto gate_up = at::empty({num_rows, two_ffn}, x.options());
-  auto act = at::empty({num_rows, ffn}, x.options());
-  if (num_rows == 0) return {rows, gate_up, act};
-  auto counters = at::zeros({3 * minibatches}, x.options().dtype(at::kInt));
-  ExpertGemmKernelParams<SwigluEpilogue, DispatchRingA> p{};
-  p.problem = make_problem(expert_offsets, num_experts, num_rows, ffn, two_ffn, x.size(1), group_m);
-  p.epilogue = swiglu_epilogue(act, gate_up);
-  // Routes whose token is past x read zeros: a schedule never names one.
-  p.a_source = DispatchRingParams{x.data_ptr(), slot_to_route.data_ptr<int64_t>(), rows.data_ptr(),
-                                  counters.data_ptr<int32_t>(), x.size(0), int32_t(topk), kDispatchMinibatchRows,
-                                  int32_t(minibatches), int32_t(ring), int32_t(ring * kDispatchMinibatchRows),
-                                  int32_t(ring < minibatches)};
-  const CUtensorMap b_map = weight_map(weight, p.problem);
-  const CUtensorMap a_map = rows_map(rows, p.problem);
-  const CUtensorMap act_map = store_map(act, num_rows, ffn);
-  const CUtensorMap gate_map = gate_up_half_map(gate_up, num_rows, ffn, 0);
-  launch_with_cluster<SwigluEpilogue, DispatchRingA>(cluster_m, p, a_map, b_map, act_map, gate_map,
-                                                     gate_up_half_map(gate_up, num_rows, ffn, 1));
-  return {rows, gate_up, act};
+  DispatchRingParams source{};
+  source.x = x.data_ptr();
+  return launch_dispatching_gemm<DispatchRingA>(source, x, x.size(0), slot_to_route, topk, weight, expert_offsets,
+                                                num_experts, two_ffn, cluster_m, group_m, ring_minibatches);
+}
+
+// The same kernel with the rows pulled straight from the ranks' `tokens` regions (comm/symmetric.py):
+// own_tokens is this rank's (T, K) bf16 copy (its shape, dtype and device stand for every rank's; it
+// is not read), peer_token_ptrs every rank's address of it in rank order. Row r reads row g =
+// slot_to_route[r] / topk of the group's rows: rank g / T's token g % T. Results bitwise those of
+// dispatch_expert_gemm_swiglu on the concatenated regions (the same bf16 rows reach the same tiles).
+// Every address must be 16-byte aligned (the ring copies 16-byte units; ops/expert_gemm.py falls
+// back to the two-kernel pull otherwise); K % 8 == 0 makes every row so too.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_expert_gemm_swiglu_from_peers(
+    const at::Tensor& own_tokens, c10::IntArrayRef peer_token_ptrs, const at::Tensor& slot_to_route, int64_t topk,
+    const at::Tensor& weight, const at::Tensor& expert_offsets, int64_t cluster_m, int64_t group_m,
+    int64_t ring_minibatches) {
+  constexpr const char* kOp = "dispatch_expert_gemm_swiglu_from_peers";
+  TORCH_CHECK(own_tokens.is_cuda(), kOp, ": own_tokens must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(own_tokens.device());
+  const auto [num_experts, two_ffn] =
+      check_expert_gemm(kOp, "own_tokens", own_tokens, weight, expert_offsets, cluster_m, group_m);
+  check_swiglu_weight(kOp, two_ffn);
+  check_dispatch(kOp, "own_tokens", own_tokens, slot_to_route, topk, group_m, ring_minibatches);
+  PeerDispatchRingParams source{};  // (the inherited x stays null: the rows come from source.source)
+  const int num_ranks = bindings::fill_peer_table(source.source.bases, peer_token_ptrs, kOp, "peer_token_ptrs", 0, 16);
+  source.source.rows_per_base = own_tokens.size(0);
+  source.source.num_bases = num_ranks;
+  const int64_t x_rows = int64_t(num_ranks) * own_tokens.size(0);
+  // (The dispatch warps locate a row's rank in 32 bits, moe/dispatch_ring_sm90_ws.cuh.)
+  TORCH_CHECK(x_rows < (int64_t(1) << 31), kOp, ": the group's rows (ranks * T = ", std::to_string(x_rows),
+              ") must be below 2^31");
+  return launch_dispatching_gemm<PeerDispatchRingA>(source, own_tokens, x_rows, slot_to_route, topk, weight,
+                                                    expert_offsets, num_experts, two_ffn, cluster_m, group_m,
+                                                    ring_minibatches);
 }
 
 // The dgrad GEMMs: out = a @ weight[e] for the rows of segment e, weight (experts, K, N) as stored
@@ -487,6 +550,10 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "dispatch_expert_gemm_swiglu(Tensor x, Tensor slot_to_route, int topk, Tensor weight, Tensor expert_offsets, "
       "int cluster_m, int group_m, int ring_minibatches) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "dispatch_expert_gemm_swiglu_from_peers(Tensor own_tokens, int[] peer_token_ptrs, Tensor slot_to_route, int topk, "
+      "Tensor weight, Tensor expert_offsets, int cluster_m, int group_m, int ring_minibatches) -> (Tensor, Tensor, "
+      "Tensor)");
   m.def("expert_gemm_dgrad(Tensor a, Tensor weight, Tensor expert_offsets, int group_m) -> Tensor");
   m.def(
       "expert_gemm_dgrad_swiglu(Tensor grad_out, Tensor fc2, Tensor expert_offsets, Tensor gate_up, int group_m) -> "
@@ -501,6 +568,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("expert_gemm", &expert_gemm);
   m.impl("expert_gemm_swiglu", &expert_gemm_swiglu);
   m.impl("dispatch_expert_gemm_swiglu", &dispatch_expert_gemm_swiglu);
+  m.impl("dispatch_expert_gemm_swiglu_from_peers", &dispatch_expert_gemm_swiglu_from_peers);
   m.impl("expert_gemm_dgrad", &expert_gemm_dgrad);
   m.impl("expert_gemm_dgrad_swiglu", &expert_gemm_dgrad_swiglu);
   m.impl("expert_gemm_wgrad", &expert_gemm_wgrad);

@@ -10,7 +10,8 @@
 //     so the dispatchers may refill the slot: the workspace is bounded whatever the routing.
 // (Gathering the rows straight into the stages instead — cp.async, or one TMA box per row — was
 // measured 1.4-2.4x slower: every row is read once per n-tile through the load path,
-// docs/performance.md.) Where a row comes from: moe/row_source_sm90.cuh.
+// docs/performance.md.) Where a row comes from: one tensor x (DispatchRingA) or the ranks' symmetric
+// regions (PeerDispatchRingA, the lookups of moe/row_source_sm90.cuh), one instantiation each.
 #pragma once
 
 #include <cstdint>
@@ -92,6 +93,19 @@ __device__ __forceinline__ int64_t dispatched_token(const DispatchRingParams& d,
   return token < d.x_rows ? token : -1;
 }
 
+// Where the ring reads token `token`'s row of `units` 16-byte units: one overload per source form
+// (the gathers' scheme, moe/dispatch_sm90.cuh). The one-tensor form reads exactly as before (same
+// SASS); the peer form finds the rank's region with the compare-and-select lookups of
+// moe/row_source_sm90.cuh, so the table stays in the constant bank.
+__device__ __forceinline__ const uint4* dispatched_row(const DispatchRingParams& d, int64_t token, int units) {
+  return static_cast<const uint4*>(d.x) + token * units;
+}
+__device__ __forceinline__ const uint4* dispatched_row(const PeerDispatchRingParams& d, int64_t token, int units) {
+  // (In 32 bits: the op checks that the group's rows, num_bases * rows_per_base, are below 2^31.)
+  const BlockRow32 at = locate_block_row(int(token), int(d.source.rows_per_base), d.source.num_bases);
+  return static_cast<const uint4*>(pick_rank(d.source.bases, at.block)) + int64_t(at.row) * units;
+}
+
 // Copies one dispatched row (`units` 16-byte units; zeros when src is null) with the 64 dispatch
 // threads, unrolled four deep (at the producer's 40 registers ptxas keeps two loads in flight).
 __device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int units, int g) {
@@ -125,11 +139,20 @@ __device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int units
 // launch need not be co-resident at all; with it, the CTAs holding the tiles of an old minibatch
 // must get an SM eventually (a CTA waits at most for the GPU's other work, then the bounded wait
 // reports kWaitRingSlot).
-__device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmProblem& problem, const DispatchRingParams& d,
+//
+// From the peers (PeerDispatchRingParams), each read crosses NVLink at a microsecond or two. What
+// keeps the link busy is bytes in flight: the copy below holds 2 of its 4 unrolled 16-byte loads per
+// thread in flight (ptxas, at the producer's 40 registers), 1 KB per dispatch warp, 2 KB per CTA,
+// ~0.26 MB over 132 SMs: about a third of the ~0.7 MB that ~370 GB/s at ~2 us needs, so on its own
+// it would hold the pull to roughly a third of the link. The chunk's bulk L2 prefetch issued first
+// asks for all its rows at once (8 rows, 8 * 2K bytes: 112 KB per CTA at K = 7168); whether that
+// prefetch of a peer address brings the rows over the link ahead of the copy, or only warms the
+// owner's L2, is to be measured before the copy loop is restructured (docs/design.md §7.1).
+template <class RingParams>
+__device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmProblem& problem, const RingParams& d,
                                                     int32_t* claimed_chunk, int n_tiles, int g, sm90::WaitWatch* watch) {
   const int rows_end = dispatched_rows_end(problem);
   const int units = problem.k / 8;
-  const auto* x = static_cast<const uint4*>(d.x);
   auto* rows = static_cast<uint4*>(d.rows);
   volatile int32_t* claimed = claimed_chunk;
   for (int m = 0; m < d.num_minibatches; ++m) {
@@ -160,11 +183,12 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmProblem& pro
       // (64 threads with a few loads each in flight could not keep DRAM busy on their own).
       if (g < last - first) {
         const int64_t token = dispatched_token(d, first + g);
-        if (token >= 0) sm90::prefetch_l2_bulk(x + token * units, uint32_t(units) * 16);
+        if (token >= 0) sm90::prefetch_l2_bulk(dispatched_row(d, token, units), uint32_t(units) * 16);
       }
       for (int row = first; row < last; ++row) {
         const int64_t token = dispatched_token(d, row);
-        copy_row(token >= 0 ? x + token * units : nullptr, rows + int64_t(ring_position(d, row)) * units, units, g);
+        copy_row(token >= 0 ? dispatched_row(d, token, units) : nullptr, rows + int64_t(ring_position(d, row)) * units,
+                 units, g);
       }
       // The ring's first m-tile again past its end (a separate pass: the copy loop above has no
       // registers to spare for a second destination; these are 128 rows per turn of the ring).
@@ -172,7 +196,8 @@ __device__ __forceinline__ void dispatch_rows_ahead(const ExpertGemmProblem& pro
         const int position = ring_position(d, row);
         if (position >= ExpertGemmTile::kM) continue;
         const int64_t token = dispatched_token(d, row);
-        copy_row(token >= 0 ? x + token * units : nullptr, rows + int64_t(d.ring_rows + position) * units, units, g);
+        copy_row(token >= 0 ? dispatched_row(d, token, units) : nullptr, rows + int64_t(d.ring_rows + position) * units,
+                 units, g);
       }
       // Other SMs read these rows with TMA (async proxy) once the chunk is counted.
       sm90::fence_proxy_async_global();
@@ -207,9 +232,11 @@ __device__ __forceinline__ void wait_for_dispatched_rows(const ExpertGemmProblem
 }
 
 // The A source of the dispatching GEMM (gemm/mainloop_sm90_tma_wgmma_ws.cuh): A's rows are
-// p.a_source's ring, written by the side threads while the GEMM runs.
-struct DispatchRingA {
-  using Params = DispatchRingParams;
+// p.a_source's ring, written by the side threads while the GEMM runs. RingParams: where the rows
+// come from (DispatchRingA: one tensor; PeerDispatchRingA: the ranks' regions, below).
+template <class RingParams>
+struct DispatchRingSource {
+  using Params = RingParams;
   static constexpr int kSideThreads = kDispatchThreads;
   static constexpr int kSideRoles = 1;  // the watchdog stays up until the dispatchers are done too
   struct ProducerState {
@@ -236,5 +263,9 @@ struct DispatchRingA {
     if (consumer == 0 && thread == 0) count_consumed_rows(p.problem, p.a_source, c);
   }
 };
+
+// (Named classes, not aliases: the kernels' mangled names, and so ptxas's report, name the form.)
+struct DispatchRingA : DispatchRingSource<DispatchRingParams> {};
+struct PeerDispatchRingA : DispatchRingSource<PeerDispatchRingParams> {};
 
 }  // namespace mok

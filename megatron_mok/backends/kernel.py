@@ -77,9 +77,8 @@ def dispatch_gate_up(
     # ring_minibatches minibatches (0: every row). Rows at or past offsets[-1] stay unwritten; every
     # later stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
     if isinstance(source, PeerRows):
-        # The rows straight from the sources' `tokens` regions. For now two kernels (the pull, then the
-        # gate/up GEMM on its rows: bitwise the dispatching kernel's results, without its overlap or
-        # its ring bound), until the GEMM's dispatch warps read the regions themselves.
+        # The rows straight from the sources' `tokens` regions: the same kernel, its dispatch warps
+        # reading the peers' regions (bitwise the one-tensor kernel's results, the same ring bound).
         rows, gate_up, act = ops.dispatch_expert_gemm_swiglu_from_peers(
             source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk, fc1.contiguous(),
             schedule.expert_offsets, cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,

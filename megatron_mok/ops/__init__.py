@@ -6,7 +6,7 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          dispatch_rows_from_peers, pull_grad_rows_from_peers
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
-                         dispatch_expert_gemm_swiglu_from_peers (for now: two kernels),
+                         dispatch_expert_gemm_swiglu_from_peers (the same kernel, rows from the peers),
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad,
                          expert_gemm_wgrad_window (and wgrad_carry_numel, its carries' size)
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,

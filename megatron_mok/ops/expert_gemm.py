@@ -38,6 +38,15 @@ def _dispatch_expert_gemm_swiglu_fake(x, slot_to_route, topk, weight, expert_off
     )
 
 
+@register_fake("dispatch_expert_gemm_swiglu_from_peers")
+def _dispatch_expert_gemm_swiglu_from_peers_fake(
+    own_tokens, peer_token_ptrs, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m, ring_minibatches
+):
+    return _dispatch_expert_gemm_swiglu_fake(
+        own_tokens, slot_to_route, topk, weight, expert_offsets, cluster_m, group_m, ring_minibatches
+    )
+
+
 @register_fake("expert_gemm_dgrad")
 def _expert_gemm_dgrad_fake(a, weight, expert_offsets, group_m):
     return a.new_empty((a.shape[0], weight.shape[2]))
@@ -119,24 +128,40 @@ def dispatch_expert_gemm_swiglu_from_peers(
     group_m: int = EXPERT_GEMM_GROUP_M,
     ring_minibatches: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dispatch_expert_gemm_swiglu with the rows pulled straight from the ranks' `tokens` regions
-    (own_tokens and peer_token_ptrs as for dispatch_rows_from_peers).
+    """dispatch_expert_gemm_swiglu with the rows pulled straight from the ranks' `tokens` regions, in
+    the same one kernel: its dispatch warps read row g = slot_to_route[r] // topk from rank g // T's
+    region (T = own_tokens.shape[0]) over the peer mappings, minibatch by minibatch, while the GEMM
+    consumes the minibatches already written.
 
-    For now two kernels, not one: dispatch_rows_from_peers, then expert_gemm_swiglu on its rows. The
-    results are bitwise those of the dispatching kernel (the same GEMM tiles over the same bf16 rows:
-    tests/test_gpu_expert_gemm.py test_dispatching_gemm_equals_dispatch_then_gemm), but the dispatch
-    does not overlap the GEMM and the rows are not bounded by the ring: the first result is every
-    row, (capacity, H), whatever ring_minibatches (checked as the dispatching op checks it, so
-    callers need not change when the GEMM's dispatch warps read the peers themselves)."""
-    if ring_minibatches != 0 and not (limits.raster_group_minibatches(group_m) < ring_minibatches < (1 << 20)):
-        raise RuntimeError(
-            "dispatch_expert_gemm_swiglu_from_peers: ring_minibatches must be 0 (no bound) or more than the "
-            f"{limits.raster_group_minibatches(group_m)} minibatches a raster group of group_m = {group_m} m-tiles "
-            f"spans, got {ring_minibatches}"
-        )
-    rows = dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk, expert_offsets)
-    gate_up, act = expert_gemm_swiglu(rows, weight, expert_offsets, cluster_m, group_m)
-    return rows, gate_up, act
+    own_tokens: (T, K) bf16, this rank's copy of the region (its shape, dtype and device stand for
+    every rank's; it is not read). peer_token_ptrs: every rank's address of it, in rank order
+    (comm/symmetric.py peer_ptrs), at most limits.MAX_EP_RANKS. The other arguments and the results
+    are dispatch_expert_gemm_swiglu's, and so is the ring: ring_minibatches > 0 bounds the rows buffer
+    whatever the routing, and when the ring is shorter than the rows
+    (not limits.dispatch_ring_holds_every_row) the first result is the ring
+    (limits.dispatch_ring_buffer_rows rows), not the rows. The results are bitwise those of
+    dispatch_expert_gemm_swiglu(torch.cat(regions), ...): the same bf16 rows reach the same GEMM
+    tiles (tests/ops/test_gpu_exchange.py test_dispatching_gemm_from_peers_equals_the_one_tensor_kernel_bitwise)."""
+    row_bytes = own_tokens.shape[-1] * own_tokens.element_size()
+    if row_bytes % 16 != 0 or any(ptr % 16 != 0 for ptr in peer_token_ptrs):
+        # The kernel's dispatch warps copy 16-byte units (and bulk-prefetch whole rows), which a base
+        # or row off 16 bytes cannot give; the row gather has a one-element path. So: the two-kernel
+        # pull, bitwise the same results, without the overlap or the ring bound (the first result is
+        # every row, a superset of what a caller of the ring may read). Checked first as the kernel
+        # checks it, so that a bad ring is an error on either path.
+        if ring_minibatches != 0 and not (limits.raster_group_minibatches(group_m) < ring_minibatches < (1 << 20)):
+            raise RuntimeError(
+                "dispatch_expert_gemm_swiglu_from_peers: ring_minibatches must be 0 (no bound) or more than the "
+                f"{limits.raster_group_minibatches(group_m)} minibatches a raster group of group_m = {group_m} m-tiles "
+                f"spans, got {ring_minibatches}"
+            )
+        rows = dispatch_rows_from_peers(own_tokens, peer_token_ptrs, slot_to_route, topk, expert_offsets)
+        gate_up, act = expert_gemm_swiglu(rows, weight, expert_offsets, cluster_m, group_m)
+        return rows, gate_up, act
+    return torch.ops.megatron_mok.dispatch_expert_gemm_swiglu_from_peers(
+        own_tokens, list(peer_token_ptrs), slot_to_route, topk, weight, expert_offsets, cluster_m, group_m,
+        ring_minibatches,
+    )
 
 
 def expert_gemm_dgrad(

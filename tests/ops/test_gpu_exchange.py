@@ -126,26 +126,82 @@ def test_gathers_given_the_offsets_write_the_same_rows_up_to_the_schedules_end(c
         assert torch.equal(got[:end], pull(None)[:end]), name
 
 
-@pytest.mark.parametrize("ring", [0, 3])
-@pytest.mark.parametrize("routing", ROUTINGS)
-def test_dispatching_gemm_from_peers_equals_the_one_tensor_kernel_bitwise(routing, ring):
-    num_ranks, t, h, e, k = 4, 700, 256, 2, 8  # 22400 routes: several minibatches at rank 3
-    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(routing.encode()) + ring)
+# The dispatching GEMM from the peers: (num_ranks, num_tokens, hidden, local_experts, topk); every
+# case has several minibatches of limits.DISPATCH_MINIBATCH_ROWS rows at the last rank, and T is
+# not a multiple of the 128-row tile in r4 and r2_t1261 (one rank's rows end inside a tile).
+GEMM_CASES = {
+    "r4": (4, 700, 256, 2, 8),
+    "r8": (8, 384, 128, 2, 8),
+    "r2_t1261": (2, 1261, 192, 3, 6),
+}
+
+
+def dispatching_gemm_case(case, routing, ring, tokens_shape=None):
+    num_ranks, t, h, e, k = GEMM_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{case}/{routing}".encode()) + ring)
     ids = make_ids(num_ranks, t, e, k, routing, gen)
     schedule = build_schedule_from_gathered(ids, rank=num_ranks - 1, num_local_experts=e, segment_alignment=128)
-    tokens, ptrs = filled_regions(num_ranks, (t, h), torch.bfloat16, gen)
     fc1 = (torch.randn(e, 2 * 128, h, device="cuda", generator=gen) / h**0.5).bfloat16()
+    return gen, schedule, fc1
+
+
+@pytest.mark.parametrize("ring", [0, 3])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("case", list(GEMM_CASES))
+def test_dispatching_gemm_from_peers_equals_the_one_tensor_kernel_bitwise(case, routing, ring):
+    """The kernel's dispatch warps read each row from its rank's region (every base 16-byte
+    aligned: no fallback): gate_up and act bitwise the one-tensor kernel's on the concatenated
+    regions, and the ring (or the rows) holds the same rows."""
+    num_ranks, t, h, e, k = GEMM_CASES[case]
+    gen, schedule, fc1 = dispatching_gemm_case(case, routing, ring)
+    tokens, ptrs = filled_regions(num_ranks, (t, h), torch.bfloat16, gen)
+    assert all(ptr % 16 == 0 for ptr in ptrs)  # the kernel, not the wrapper's two-kernel fallback
+    x_all = torch.cat(tokens)
     end = int(schedule.expert_offsets[-1])
     want = ops.dispatch_expert_gemm_swiglu(
-        torch.cat(tokens), schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+        x_all, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+    )
+    poison_allocator(1 << 28)
+    got = ops.dispatch_expert_gemm_swiglu_from_peers(
+        tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+    )
+    assert got[0].shape == want[0].shape  # the ring's bound, as the one-tensor kernel's
+    assert torch.equal(got[1][:end], want[1][:end]) and torch.equal(got[2][:end], want[2][:end])
+    rows = ops.dispatch_rows(x_all, schedule.slot_to_route, k)
+    if limits.dispatch_ring_holds_every_row(schedule.slot_to_route.shape[0], ring):
+        assert torch.equal(got[0][:end], rows[:end])
+    else:  # the ring holds the last ring_rows rows below the end, each at position r % ring_rows
+        ring_rows = ring * limits.DISPATCH_MINIBATCH_ROWS
+        last = torch.arange(max(0, end - ring_rows), end, device="cuda")
+        assert torch.equal(got[0][last % ring_rows], rows[last])
+    assert ops.last_failure() is None
+
+
+@pytest.mark.parametrize("ring", [0, 3])
+def test_dispatching_gemm_from_peers_off_16_bytes_falls_back_to_the_separate_pull(ring):
+    """Bases 8 bytes off 16 (the kernel copies 16-byte units): the wrapper's two-kernel path, the
+    same gate_up and act bitwise, and every row."""
+    num_ranks, t, h, e, k = GEMM_CASES["r4"]
+    gen, schedule, fc1 = dispatching_gemm_case("r4", "uniform", ring)
+    flat, flat_ptrs = filled_regions(num_ranks, (t * h + 4,), torch.bfloat16, gen)
+    tokens = [copy[4:].view(t, h) for copy in flat]
+    for rank, copy in enumerate(tokens):
+        copy[:, 0] = rank
+    ptrs = [ptr + 8 for ptr in flat_ptrs]
+    x_all = torch.cat(tokens)
+    end = int(schedule.expert_offsets[-1])
+    want = ops.dispatch_expert_gemm_swiglu(
+        x_all, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
     )
     got = ops.dispatch_expert_gemm_swiglu_from_peers(
         tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
     )
     assert torch.equal(got[1][:end], want[1][:end]) and torch.equal(got[2][:end], want[2][:end])
-    rows = ops.dispatch_rows(torch.cat(tokens), schedule.slot_to_route, k)
-    assert torch.equal(got[0][:end], rows[:end])
-    assert ops.last_failure() is None
+    assert torch.equal(got[0][:end], ops.dispatch_rows(x_all, schedule.slot_to_route, k)[:end])
+    with pytest.raises(RuntimeError, match="16-byte aligned"):  # the op itself refuses them
+        torch.ops.megatron_mok.dispatch_expert_gemm_swiglu_from_peers(
+            tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, 16, 0
+        )
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
@@ -317,6 +373,7 @@ def _op_args(name):
     weights, weight_ptrs = regions(1, (t * k,), torch.float32)
     combine, combine_ptrs = regions(1, (t * k, h), torch.bfloat16)
     rows = torch.randn(schedule.capacity, h, device="cuda", generator=gen).bfloat16()
+    fc1 = (torch.randn(e, 32, h, device="cuda", generator=gen) / h**0.5).bfloat16()
     # Every region an op reads through the pointer tables only must outlive this call.
     _ALIVE[:] = [signals, tokens, weights, combine]
     return {
@@ -327,12 +384,15 @@ def _op_args(name):
         "gather_peer_regions": (tokens[0], ptrs),
         "dispatch_rows_from_peers": (tokens[0], ptrs, schedule.slot_to_route, k),
         "pull_grad_rows_from_peers": (tokens[0], ptrs, weight_ptrs, schedule.slot_to_route, k),
+        "dispatch_expert_gemm_swiglu_from_peers": (
+            tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 1, 16, 0,
+        ),
     }[name]
 
 
 EXCHANGE_OPS = (
     "exchange_begin", "exchange_signal", "exchange_wait_ready", "push_rows", "gather_peer_regions",
-    "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
+    "dispatch_rows_from_peers", "pull_grad_rows_from_peers", "dispatch_expert_gemm_swiglu_from_peers",
 )
 
 
@@ -344,7 +404,11 @@ def test_exchange_op_registration(name):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
     got, want = compiled(*args), op(*args)
-    if want is not None:
+    if isinstance(want, tuple):  # the dispatching GEMM: rows at or past expert_offsets[-1] stay unwritten
+        end = int(args[5][-1])
+        for part, (x, y) in enumerate(zip(got, want)):
+            assert x.shape == y.shape and torch.equal(x[:end], y[:end]), f"result {part}"
+    elif want is not None:
         assert torch.equal(got, want)
 
 
@@ -357,6 +421,12 @@ BAD_CALLS = [
     ("dispatch_rows_from_peers", lambda a: (a[0], a[1], a[2], 0), "topk must be in"),
     ("dispatch_rows_from_peers", lambda a: (a[0].half(), a[1], *a[2:]), "bfloat16 or float32"),
     ("pull_grad_rows_from_peers", lambda a: (a[0], a[1], a[2] + a[2], *a[3:]), "one address per rank"),
+    ("dispatch_expert_gemm_swiglu_from_peers", lambda a: (a[0], [], *a[2:]), "one address per rank, at most"),
+    ("dispatch_expert_gemm_swiglu_from_peers", lambda a: (a[0], [a[1][0] + 8], *a[2:]), "16-byte aligned"),
+    ("dispatch_expert_gemm_swiglu_from_peers", lambda a: (a[0], a[1], a[2], 0, *a[4:]), "topk must be positive"),
+    ("dispatch_expert_gemm_swiglu_from_peers", lambda a: (a[0].float(), *a[1:]), "must be bfloat16"),
+    ("dispatch_expert_gemm_swiglu_from_peers", lambda a: (*a[:4], a[4][:, :24].contiguous(), *a[5:]), "gate and up rows"),
+    ("dispatch_expert_gemm_swiglu_from_peers", lambda a: (*a[:8], 1), "ring_minibatches must be 0"),
     ("push_rows", lambda a: (a[0], a[1], a[2], a[3] + 1, *a[4:]), "own_combine must be"),
     ("exchange_begin", lambda a: (a[0], a[1], 1, a[3]), "rank must be in"),
     ("exchange_begin", lambda a: (a[0], a[1], 0, 9), "phase must be in"),
