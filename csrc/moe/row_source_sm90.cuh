@@ -21,34 +21,21 @@ __device__ __forceinline__ int64_t route_source_row(int64_t route, int64_t topk)
 
 // Row g of rows laid out in num_blocks blocks of rows_per_block rows each: the block and the row's
 // index in it. 7 compares and selects at 8 ranks.
-struct BlockRow {
+// Index: int64_t in general; int for rows that fit 32 bits (num_blocks * rows_per_block < 2^31), as
+// in the dispatching GEMM's dispatch warps, which live on the producer's 40 registers (the 64-bit
+// compares measured 20 bytes more spill stores there, 60 more loads).
+template <typename Index>
+struct BlockRowOf {
   int block;
-  int64_t row;
+  Index row;
 };
+using BlockRow = BlockRowOf<int64_t>;
+using BlockRow32 = BlockRowOf<int>;
 
-__device__ __forceinline__ BlockRow locate_block_row(int64_t g, int64_t rows_per_block, int num_blocks) {
+template <typename Index>
+__device__ __forceinline__ BlockRowOf<Index> locate_block_row(Index g, Index rows_per_block, int num_blocks) {
   int block = 0;
-  int64_t first = 0;
-#pragma unroll
-  for (int b = 1; b < kMaxEpRanks; ++b) {
-    if (b < num_blocks && g >= b * rows_per_block) {
-      block = b;
-      first = b * rows_per_block;
-    }
-  }
-  return {block, g - first};
-}
-
-// The same in 32 bits, for rows that fit them (num_blocks * rows_per_block < 2^31): the
-// dispatching GEMM's dispatch warps, which live on the producer's 40 registers (the 64-bit compares
-// measured 20 bytes more spill stores there, 60 more loads).
-struct BlockRow32 {
-  int block;
-  int row;
-};
-
-__device__ __forceinline__ BlockRow32 locate_block_row(int g, int rows_per_block, int num_blocks) {
-  int block = 0, first = 0;
+  Index first = 0;
 #pragma unroll
   for (int b = 1; b < kMaxEpRanks; ++b) {
     if (b < num_blocks && g >= b * rows_per_block) {

@@ -78,15 +78,23 @@ def case_inputs(case, routing, rank=None):
     return gen, ids, schedule
 
 
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("case", list(CASES))
-def test_pulls_from_peers_equal_the_one_tensor_gathers_bitwise(case, routing):
+def pull_sources(case, routing):
+    """A case's schedule and every rank's `tokens` (filled) and `grad_weights` (random) regions:
+    (schedule, token copies, token ptrs, weight copies, weight ptrs)."""
     num_ranks, t, h, e, k, dtype = CASES[case]
-    gen, ids, schedule = case_inputs(case, routing)
+    gen, _, schedule = case_inputs(case, routing)
     tokens, token_ptrs = filled_regions(num_ranks, (t, h), dtype, gen)
     weights, weight_ptrs = regions(num_ranks, (t * k,), torch.float32)
     for copy in weights:
         copy.copy_(torch.rand(t * k, device="cuda", generator=gen))
+    return schedule, tokens, token_ptrs, weights, weight_ptrs
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_pulls_from_peers_equal_the_one_tensor_gathers_bitwise(case, routing):
+    num_ranks, t, h, e, k, dtype = CASES[case]
+    schedule, tokens, token_ptrs, weights, weight_ptrs = pull_sources(case, routing)
     x_all, w_all = torch.cat(tokens), torch.cat(weights)
     for rank in range(num_ranks):  # any rank's own copy stands for the region
         poison_allocator(1 << 28)
@@ -104,11 +112,7 @@ def test_gathers_given_the_offsets_write_the_same_rows_up_to_the_schedules_end(c
     it are left unwritten (a receive window's unused tail costs no writes); their contents are not
     specified, so they are not compared (whatever the allocator handed out stays there)."""
     num_ranks, t, h, e, k, dtype = CASES[case]
-    gen, ids, schedule = case_inputs(case, routing)
-    tokens, token_ptrs = filled_regions(num_ranks, (t, h), dtype, gen)
-    weights, weight_ptrs = regions(num_ranks, (t * k,), torch.float32)
-    for copy in weights:
-        copy.copy_(torch.rand(t * k, device="cuda", generator=gen))
+    schedule, tokens, token_ptrs, weights, weight_ptrs = pull_sources(case, routing)
     x_all, w_all = torch.cat(tokens), torch.cat(weights)
     offsets = schedule.expert_offsets
     end = int(offsets[-1])
