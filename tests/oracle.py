@@ -62,3 +62,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if denom == 0:
         return float((got - want).norm())
     return float((got - want).norm() / denom)
+
+
+def sqnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 20*log10(||want|| / ||want - got||) in dB, float64 (inf when
+    equal). The FP8 paths' measure (docs/design.md §12): their error is set by E4M3's 3-bit mantissa,
+    so it is bounded relative to the signal's norm, not element by element."""
+    got, want = got.double(), want.double()
+    noise = (want - got).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(want.norm() / noise))
