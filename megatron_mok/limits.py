@@ -34,6 +34,16 @@ WAIT_TIMEOUT_NS = 10 * 1000 * 1000 * 1000
 # node): the kernels take the peers' addresses by value in their params.
 MAX_EP_RANKS = 8
 
+# FP8 blockwise (docs/design.md §12): the block of values that shares one fp32 scale, 128 along a
+# GEMM's reduction dimension (1x128 for activations and their gradients; 128x128 for weights). One
+# wgmma E4M3 instruction reduces 32 of K, so a block is four of them, promoted into fp32 together.
+FP8_BLOCK = 128
+# The E4M3 value a block's largest magnitude is scaled to (E4M3's largest finite value).
+FP8_E4M3_MAX = 448
+# The GEMM-A scale layout (C/128, R_pad) pads R to this many rows: a TMA global stride must be a
+# multiple of 16 bytes (4 fp32).
+FP8_SCALE_ROW_PAD = 4
+
 COMPILED = {
     "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,
     "EXPERT_GEMM_TILE_N": EXPERT_GEMM_TILE_N,
@@ -42,6 +52,9 @@ COMPILED = {
     "MAX_TOPK": MAX_TOPK,
     "WAIT_TIMEOUT_NS": WAIT_TIMEOUT_NS,
     "MAX_EP_RANKS": MAX_EP_RANKS,
+    "FP8_BLOCK": FP8_BLOCK,
+    "FP8_E4M3_MAX": FP8_E4M3_MAX,
+    "FP8_SCALE_ROW_PAD": FP8_SCALE_ROW_PAD,
 }
 
 
@@ -84,3 +97,8 @@ def wgrad_carry_numel(m: int, n: int) -> int:
     m_tiles = -(-m // EXPERT_GEMM_TILE_M)
     n_tiles = -(-n // EXPERT_GEMM_TILE_N)
     return m_tiles * EXPERT_GEMM_TILE_M * n_tiles * EXPERT_GEMM_TILE_N
+
+
+def fp8_scale_rows(rows: int) -> int:
+    """Rows of the GEMM-A scale layout (C/128, R_pad) for R = rows: R rounded up to FP8_SCALE_ROW_PAD."""
+    return -(-rows // FP8_SCALE_ROW_PAD) * FP8_SCALE_ROW_PAD

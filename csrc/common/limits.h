@@ -28,6 +28,15 @@
 #ifndef MOK_MAX_EP_RANKS
 #error "MOK_MAX_EP_RANKS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_FP8_BLOCK
+#error "MOK_FP8_BLOCK is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
+#ifndef MOK_FP8_E4M3_MAX
+#error "MOK_FP8_E4M3_MAX is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
+#ifndef MOK_FP8_SCALE_ROW_PAD
+#error "MOK_FP8_SCALE_ROW_PAD is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 
 namespace mok {
 
@@ -51,11 +60,20 @@ constexpr uint64_t kWaitTimeoutNs = MOK_WAIT_TIMEOUT_NS;
 // Most ranks of an expert-parallel group the in-kernel exchange addresses (one NVLink node): the
 // kernels take every rank's buffer address by value in their params (mok_params.h, RowSource).
 constexpr int kMaxEpRanks = MOK_MAX_EP_RANKS;
+// FP8 blockwise (docs/design.md §12): values per scale block along a GEMM's reduction dimension
+// (1x128 activations, 128x128 weights); four wgmma k32 E4M3 instructions per block.
+constexpr int kFp8Block = MOK_FP8_BLOCK;
+// E4M3's largest finite value: a block's amax is scaled to it.
+constexpr float kFp8E4m3Max = float(MOK_FP8_E4M3_MAX);
+// The GEMM-A scale layout pads its rows to this multiple (16-byte TMA strides).
+constexpr int kFp8ScaleRowPad = MOK_FP8_SCALE_ROW_PAD;
+static_assert(kFp8Block == 128, "the FP8 recipe's blocks are 128 wide (four k32 wgmma per block)");
 static_assert(kMaxEpRanks >= 1 && kMaxEpRanks <= 32, "the exchange's waits give each rank one lane of a warp");
 
 // The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
 #define MOK_COMPILED_LIMITS(X) \
-  X(EXPERT_GEMM_TILE_M) X(EXPERT_GEMM_TILE_N) X(EXPERT_WGRAD_K_ROWS) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS)
+  X(EXPERT_GEMM_TILE_M) X(EXPERT_GEMM_TILE_N) X(EXPERT_WGRAD_K_ROWS) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS) \
+  X(FP8_BLOCK) X(FP8_E4M3_MAX) X(FP8_SCALE_ROW_PAD)
 #define MOK_LIMIT_NAME(name) #name,
 #define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
 inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};

@@ -1,0 +1,147 @@
+"""The FP8 blockwise recipe's reference (megatron_mok/quantization.py) against its definition
+(docs/design.md §12.1): exact properties of q and the scales, and the GEMM against dequantized fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import quantization as fq
+from megatron_mok.limits import FP8_BLOCK, fp8_scale_rows
+from oracle import sqnr_db
+
+
+def _rows(r: int, c: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(r, c, generator=g) * torch.rand(r, 1, generator=g) * 10).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_rowwise_block_max_maps_to_e4m3_max_or_below(pow2):
+    x = _rows(5, 3 * FP8_BLOCK)
+    q, scale = fq.quantize_rowwise(x, pow2)
+    blocks = q.float().reshape(5, 3, FP8_BLOCK).abs().amax(-1)
+    if pow2:
+        # A power-of-two scale >= amax / 448: the block maximum lands in (224, 448], and E4M3 rounds
+        # values just above 224 down to 224 (its step there is 16).
+        assert torch.all((blocks >= 224) & (blocks <= 448))
+        mantissa, _ = torch.frexp(scale)
+        assert torch.all(mantissa == 0.5), "pow2 scales must be powers of two"
+    else:
+        # amax / (amax / 448) is 448 up to one fp32 rounding of the division, and E4M3 rounds it to 448.
+        assert torch.all(blocks == 448)
+
+
+def test_rowwise_reconstructs_within_e4m3_precision():
+    x = _rows(7, 2 * FP8_BLOCK, seed=1)
+    q, scale = fq.quantize_rowwise(x)
+    back = fq.dequantize_rowwise(q, scale)
+    # E4M3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normal values; values
+    # below E4M3's smallest normal (2^-6 * scale) are within half a subnormal step (2^-10 * scale).
+    err = (back - x.float()).abs()
+    bound = torch.maximum(x.float().abs() * 2**-4, scale.repeat_interleave(FP8_BLOCK, 1) * 2**-10)
+    assert torch.all(err <= bound)
+
+
+def test_all_zero_block_quantizes_to_zeros_scale_one():
+    x = torch.zeros(2, 2 * FP8_BLOCK, dtype=torch.bfloat16)
+    x[1, FP8_BLOCK:] = 1.0
+    q, scale = fq.quantize_rowwise(x)
+    assert torch.equal(q[0].float(), torch.zeros(2 * FP8_BLOCK)) and torch.equal(scale[0], torch.ones(2))
+    assert torch.equal(q[1, :FP8_BLOCK].float(), torch.zeros(FP8_BLOCK)) and scale[1, 0] == 1
+    assert not torch.isnan(q.float()).any()
+
+
+def test_non_finite_value_makes_its_block_scale_non_finite():
+    x = _rows(2, 2 * FP8_BLOCK)
+    x[0, 3] = float("nan")
+    x[1, FP8_BLOCK + 1] = float("inf")
+    _, scale = fq.quantize_rowwise(x)
+    assert torch.isnan(scale[0, 0]) and torch.isinf(scale[1, 1])
+    assert torch.isfinite(scale[0, 1]) and torch.isfinite(scale[1, 0])
+
+
+def test_weight_transpose_is_the_quantization_of_the_transposed_weight():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 2 * FP8_BLOCK, 3 * FP8_BLOCK, generator=g).to(torch.bfloat16)
+    q, s = fq.quantize_weight(w)
+    qt, st = fq.transpose_weight(q, s)
+    q2, s2 = fq.quantize_weight(w.transpose(1, 2).contiguous())
+    assert torch.equal(qt.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(st, s2)
+    # Each 128x128 tile's scale is its own max / 448.
+    tile = w[1, FP8_BLOCK:, 2 * FP8_BLOCK :].float()
+    assert s[1, 1, 2] == tile.abs().max() / 448
+
+
+def test_columnwise_is_rowwise_of_the_transpose():
+    x = _rows(2 * FP8_BLOCK, 3 * FP8_BLOCK, seed=3)
+    q, s = fq.quantize_columnwise(x)
+    qr, sr = fq.quantize_rowwise(x.t().contiguous())
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr.t())
+
+
+def test_gemm_a_scales_layout():
+    s = torch.rand(5, 3)
+    a = fq.gemm_a_scales(s)
+    assert a.shape == (3, fp8_scale_rows(5)) and torch.equal(a[:, :5], s.t())
+
+
+def test_segment_matmul_equals_dequantized_fp32():
+    g = torch.Generator().manual_seed(4)
+    rows, k, n, experts = 300, 2 * FP8_BLOCK, FP8_BLOCK, 3
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(experts, n, k, generator=g).to(torch.bfloat16)
+    offsets = torch.tensor([0, 100, 100, 290])
+    qa, sa = fq.quantize_rowwise(x)
+    qw, sw = fq.quantize_weight(w)
+    got = fq.fp8_segment_matmul(qa, fq.gemm_a_scales(sa), qw, sw, offsets)
+    deq_a, deq_w = fq.dequantize_rowwise(qa, sa), fq.dequantize_weight(qw, sw)
+    want = torch.zeros(rows, n)
+    for e in range(experts):
+        b, end = int(offsets[e]), int(offsets[e + 1])
+        want[b:end] = deq_a[b:end].double().matmul(deq_w[e].double().t()).float()
+    # The same products summed in another order in fp32: the difference is a few fp32 roundings of
+    # the sum of |products| (K = 256 terms).
+    bound = (deq_a.abs() @ deq_w.abs().amax(0).t()) * k * 2**-24
+    assert torch.all((got - want).abs() <= bound)
+    assert torch.all(got[290:] == 0)
+    # The recipe against the unquantized fp32 GEMM: one FP8 GEMM is ~26 dB on Gaussian data.
+    exact = torch.zeros(rows, n)
+    for e in range(experts):
+        b, end = int(offsets[e]), int(offsets[e + 1])
+        exact[b:end] = x[b:end].float() @ w[e].float().t()
+    assert sqnr_db(got[:290], exact[:290]) > 25
+
+
+def test_weight_grad_equals_dequantized_fp32():
+    g = torch.Generator().manual_seed(5)
+    rows, n, k = 3 * FP8_BLOCK, FP8_BLOCK, 2 * FP8_BLOCK
+    dy = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    offsets = torch.tensor([0, FP8_BLOCK, FP8_BLOCK, 3 * FP8_BLOCK - 10])
+    dy[3 * FP8_BLOCK - 10 :] = 0
+    x[3 * FP8_BLOCK - 10 :] = 0
+    qg, sg = fq.quantize_columnwise(dy)
+    qx, sx = fq.quantize_columnwise(x)
+    got = fq.fp8_segment_weight_grad(qg, sg, qx, sx, offsets)
+    deq_g = (qg.float().reshape(n, -1, FP8_BLOCK) * sg.t().unsqueeze(-1)).reshape(n, rows)
+    deq_x = (qx.float().reshape(k, -1, FP8_BLOCK) * sx.t().unsqueeze(-1)).reshape(k, rows)
+    assert torch.all(got[1] == 0)
+    for e, (b, end) in ((0, (0, FP8_BLOCK)), (2, (FP8_BLOCK, 3 * FP8_BLOCK))):
+        want = deq_g[:, b:end].double() @ deq_x[:, b:end].double().t()
+        bound = (deq_g[:, b:end].abs() @ deq_x[:, b:end].abs().t()) * (end - b) * 2**-24
+        assert torch.all((got[e].double() - want).abs() <= bound.double())
+
+
+@pytest.mark.parametrize("fn, shape, name", [
+    (fq.quantize_rowwise, (4, 100), "columns"),
+    (fq.quantize_columnwise, (100, 128), "rows"),
+])
+def test_not_a_multiple_of_128_is_a_value_error(fn, shape, name):
+    with pytest.raises(ValueError, match=f"{name}.*multiple of 128"):
+        fn(torch.zeros(shape))
+
+
+def test_weight_not_a_multiple_of_128_is_a_value_error():
+    with pytest.raises(ValueError, match=r"\(K\) must be a multiple of 128"):
+        fq.quantize_weight(torch.zeros(1, 128, 96))
