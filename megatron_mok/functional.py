@@ -137,7 +137,7 @@ def forward(
     exchange = exchange_for(ep_group, config.exchange)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
-    backend = resolve_backend(config, x, fc1)
+    backend = resolve_backend(config.backend, x, fc1)
     num_local_experts = fc1.shape[0]
     ep_group.agree_on_call_shape((x.shape[0], x.shape[1], topk_ids.shape[1], num_local_experts, str(x.dtype)))
     exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
