@@ -21,8 +21,8 @@ from megatron_mok.comm import Exchange, ProcessGroup, exchange_for, get_expert_p
 from megatron_mok.backends.weight_grads import accumulator_for
 from megatron_mok.config import MoKConfig
 from megatron_mok.receive import ReceivePlan, receive_plan, windows
-from megatron_mok.schedule import Schedule, build_schedule_from_gathered
-from megatron_mok.validation import check_expert_ids, validate_moe_inputs
+from megatron_mok.schedule import Schedule, build_schedule_from_gathered, check_expert_id_range
+from megatron_mok.validation import validate_moe_inputs
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ def forward(
             # (validate_moe_inputs checks CPU ids at EP = 1; elsewhere the schedule build does, and this
             # one skipped it. At EP > 1 a CPU rank then raises alone: the schedule's builder chose not
             # to check, which the group's own build would have done on every rank alike.)
-            check_expert_ids(topk_ids, num_local_experts * exchange.num_ranks)
+            check_expert_id_range(topk_ids, num_local_experts * exchange.num_ranks)
 
     stages = stages_for(backend, config.expert_gemm)
     # Window by window (receive.py): dispatch, gate/up, down, and the push of the down rows to their
