@@ -88,6 +88,13 @@ def build_schedule(
     """
     exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
     plan = plan_for(exchange, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config)
+    return _schedule_over(exchange, plan, topk_ids, num_local_experts, config)
+
+
+def _schedule_over(
+    exchange: Exchange, plan: ReceivePlan, topk_ids: torch.Tensor, num_local_experts: int, config: MoKConfig
+) -> Schedule:
+    """build_schedule over the exchange and receive plan a pass has resolved already."""
     return build_schedule_from_gathered(
         exchange.gather_routing(topk_ids),
         rank=exchange.rank,
@@ -133,6 +140,8 @@ def forward(
     Returns:
         y (num_tokens, hidden) in x.dtype, and the context for `backward`.
     """
+    # The pass's group, exchange and receive plan, resolved once here and passed down: to the
+    # schedule's build, the windows and the context backward reads.
     ep_group = get_expert_parallel_group(group, x.device)
     exchange = exchange_for(ep_group, config.exchange)
     if validate:
@@ -143,7 +152,7 @@ def forward(
     exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
     plan = plan_for(exchange, x.shape[0], topk_ids.shape[1], num_local_experts, config)
     if schedule is None:
-        schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
+        schedule = _schedule_over(exchange, plan, topk_ids, num_local_experts, config)
     else:
         _check_schedule(schedule, topk_ids, num_local_experts, exchange, plan)
         if config.check_expert_ids and not schedule.expert_ids_checked and (topk_ids.device.type != "cpu" or exchange.num_ranks > 1):
