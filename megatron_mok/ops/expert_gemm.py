@@ -2,7 +2,8 @@
 schedule's expert segments, forward (gate/up with SwiGLU and optionally the pull dispatch inside,
 down) and backward (dgrads reading the weights as stored, weight gradients, whole or one window of
 rows at a time with the accumulators carried). References: the functions of the same stage in
-backends/reference.py. Launch-shape defaults: backends/tuning.py.
+backends/reference.py. The launch shape (cluster_m: CTAs per cluster; group_m: m-tiles per raster
+group) is the caller's argument: the kernel backend passes its tuning table's (backends/tuning.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 
 from megatron_mok import limits
 from megatron_mok.limits import wgrad_carry_numel
-from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
 from megatron_mok.ops.dispatch_combine import dispatch_rows_from_peers
 from megatron_mok.ops.extension import register_fake
 
@@ -71,8 +71,8 @@ def expert_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
 ) -> torch.Tensor:
     """(rows, N): a[r] @ weight[e].T for the rows r of segment e; rows past the last segment are not
     written. bf16, K and N multiples of 8. expert_offsets must be non-decreasing within [0, rows]
@@ -84,8 +84,8 @@ def expert_gemm_swiglu(
     a: torch.Tensor,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up (rows, 2F), act (rows, F)) with weight (E, 2F, K) gate rows then up rows; rows past the
     last segment are not written. Ref: reference.expert_gate_up."""
@@ -98,8 +98,8 @@ def dispatch_expert_gemm_swiglu(
     topk: int,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
     ring_minibatches: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, gate_up, act) = (dispatch_rows(x, slot_to_route, topk), *expert_gemm_swiglu(rows, weight,
@@ -124,8 +124,8 @@ def dispatch_expert_gemm_swiglu_from_peers(
     topk: int,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
     ring_minibatches: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dispatch_expert_gemm_swiglu with the rows pulled straight from the ranks' `tokens` regions, in
@@ -165,7 +165,7 @@ def dispatch_expert_gemm_swiglu_from_peers(
 
 
 def expert_gemm_dgrad(
-    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int = EXPERT_GEMM_GROUP_M
+    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int
 ) -> torch.Tensor:
     """(rows, N): a[r] @ weight[e] for the rows r of segment e, weight (E, K, N) as stored (the dgrad
     GEMMs: d rows = d gate_up @ fc1[e]); rows past the last segment are not written.
@@ -178,7 +178,7 @@ def expert_gemm_dgrad_swiglu(
     fc2: torch.Tensor,
     expert_offsets: torch.Tensor,
     gate_up: torch.Tensor,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    group_m: int,
 ) -> torch.Tensor:
     """(rows, 2F) d gate_up = swiglu_backward(gate_up, grad_out[r] @ fc2[e]) for the rows r of segment
     e, grad_act rounded to bf16 first (as the unfused pipeline does) and never written; fc2 (E, H, F)
