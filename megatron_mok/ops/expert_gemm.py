@@ -149,7 +149,9 @@ def dispatch_expert_gemm_swiglu_from_peers(
         # pull, bitwise the same results, without the overlap or the ring bound (the first result is
         # every row, a superset of what a caller of the ring may read). Checked first as the kernel
         # checks it, so that a bad ring is an error on either path.
-        if ring_minibatches != 0 and not (limits.raster_group_minibatches(group_m) < ring_minibatches < (1 << 20)):
+        if ring_minibatches != 0 and not (
+            limits.raster_group_minibatches(group_m) < ring_minibatches <= limits.MAX_DISPATCH_RING_MINIBATCHES
+        ):
             raise RuntimeError(
                 "dispatch_expert_gemm_swiglu_from_peers: ring_minibatches must be 0 (no bound) or more than the "
                 f"{limits.raster_group_minibatches(group_m)} minibatches a raster group of group_m = {group_m} m-tiles "
@@ -191,10 +193,6 @@ def expert_gemm_wgrad(grad: torch.Tensor, inputs: torch.Tensor, expert_offsets: 
     in row order (bitwise reproducible), zeros for an expert with no rows; grad (rows, m) and inputs
     (rows, n) bf16. Ref: reference.segment_weight_grad."""
     return torch.ops.megatron_mok.expert_gemm_wgrad(grad, inputs, expert_offsets)
-
-
-# A window boundary must fall on a K block of every segment it splits (csrc/gemm/tile_sm90.cuh kK).
-WGRAD_WINDOW_ALIGNMENT = 64
 
 
 def expert_gemm_wgrad_window(
@@ -261,9 +259,10 @@ def _check_wgrad_window_args(grad, inputs, expert_offsets, window_begin, last_wi
              f"{expert_offsets.dtype}")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
         fail(f"window_begin must be an int, got {type(window_begin).__name__}")
-    if window_begin < 0 or window_begin % WGRAD_WINDOW_ALIGNMENT:
-        fail(f"window_begin must be a non-negative multiple of {WGRAD_WINDOW_ALIGNMENT} (the K blocks of a carried "
-             f"segment), got {window_begin}")
+    # A window boundary falls on a K block of every segment it splits (csrc/gemm/tile_sm90.cuh kK).
+    if window_begin < 0 or window_begin % limits.EXPERT_WGRAD_K_ROWS:
+        fail(f"window_begin must be a non-negative multiple of {limits.EXPERT_WGRAD_K_ROWS} (the K blocks of a "
+             f"carried segment), got {window_begin}")
     if window_begin + rows >= 1 << 31:
         fail(f"window_begin + W must be below 2^31, got {window_begin + rows}")
     if not isinstance(last_window, bool):
