@@ -47,7 +47,8 @@ void check_register_budget(Kernel kernel, const char* op) {
   if (checked.count(key)) return;
   cudaFuncAttributes attributes{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const int needed = 128 * Tile::kProducerRegisters + 256 * Tile::kConsumerRegisters;
+  const int needed =
+      kNumThreadsPerWarpGroup * Tile::kProducerRegisters + Tile::kConsumerThreads * Tile::kConsumerRegisters;
   TORCH_CHECK(attributes.numRegs * Tile::kThreads >= needed, op, ": the kernel was compiled with ",
               std::to_string(attributes.numRegs), " registers per thread, fewer than its setmaxnreg budgets need (",
               std::to_string(needed), " per CTA); rebuild without a register limit (-maxrregcount)");
