@@ -44,7 +44,7 @@ from megatron_mok import functional
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.comm.symmetric import SymmetricPool, emulated_allocator
 from megatron_mok.config import MoKConfig
-from megatron_mok.limits import MAX_EP_RANKS
+from megatron_mok.limits import MAX_EP_RANKS, NUM_EXCHANGE_PHASES
 from megatron_mok.validation import validate_moe_inputs
 
 
@@ -177,8 +177,7 @@ class EmulatedGroup:
 
         if ops.extension_error() is not None:
             raise RuntimeError(f"exchange='symmetric' needs the CUDA extension: {ops.extension_error()}")
-        num_phases = len(ops.exchange_phase_names())
-        return SymmetricPool(rank, self.num_ranks, num_phases, self._allocators(rank), self.device)
+        return SymmetricPool(rank, self.num_ranks, NUM_EXCHANGE_PHASES, self._allocators(rank), self.device)
 
     def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
         """Creates every rank's symmetric pool and the regions of one layer-call shape, before any

@@ -21,8 +21,8 @@ from megatron_mok.comm import Exchange, ProcessGroup, exchange_for, get_expert_p
 from megatron_mok.backends.weight_grads import accumulator_for
 from megatron_mok.config import MoKConfig
 from megatron_mok.receive import ReceivePlan, receive_plan, windows
-from megatron_mok.schedule import Schedule, build_schedule_from_gathered
-from megatron_mok.validation import check_expert_ids, validate_moe_inputs
+from megatron_mok.schedule import Schedule, build_schedule_from_gathered, check_expert_id_range
+from megatron_mok.validation import validate_moe_inputs
 
 
 @dataclasses.dataclass
@@ -88,6 +88,13 @@ def build_schedule(
     """
     exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
     plan = plan_for(exchange, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config)
+    return _schedule_over(exchange, plan, topk_ids, num_local_experts, config)
+
+
+def _schedule_over(
+    exchange: Exchange, plan: ReceivePlan, topk_ids: torch.Tensor, num_local_experts: int, config: MoKConfig
+) -> Schedule:
+    """build_schedule over the exchange and receive plan a pass has resolved already."""
     return build_schedule_from_gathered(
         exchange.gather_routing(topk_ids),
         rank=exchange.rank,
@@ -133,24 +140,26 @@ def forward(
     Returns:
         y (num_tokens, hidden) in x.dtype, and the context for `backward`.
     """
+    # The pass's group, exchange and receive plan, resolved once here and passed down: to the
+    # schedule's build, the windows and the context backward reads.
     ep_group = get_expert_parallel_group(group, x.device)
     exchange = exchange_for(ep_group, config.exchange)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
-    backend = resolve_backend(config, x, fc1)
+    backend = resolve_backend(config.backend, x, fc1)
     num_local_experts = fc1.shape[0]
     ep_group.agree_on_call_shape((x.shape[0], x.shape[1], topk_ids.shape[1], num_local_experts, str(x.dtype)))
     exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
     plan = plan_for(exchange, x.shape[0], topk_ids.shape[1], num_local_experts, config)
     if schedule is None:
-        schedule = build_schedule(topk_ids, num_local_experts=num_local_experts, group=group, config=config)
+        schedule = _schedule_over(exchange, plan, topk_ids, num_local_experts, config)
     else:
         _check_schedule(schedule, topk_ids, num_local_experts, exchange, plan)
         if config.check_expert_ids and not schedule.expert_ids_checked and (topk_ids.device.type != "cpu" or exchange.num_ranks > 1):
             # (validate_moe_inputs checks CPU ids at EP = 1; elsewhere the schedule build does, and this
             # one skipped it. At EP > 1 a CPU rank then raises alone: the schedule's builder chose not
             # to check, which the group's own build would have done on every rank alike.)
-            check_expert_ids(topk_ids, num_local_experts * exchange.num_ranks)
+            check_expert_id_range(topk_ids, num_local_experts * exchange.num_ranks)
 
     stages = stages_for(backend, config.expert_gemm)
     # Window by window (receive.py): dispatch, gate/up, down, and the push of the down rows to their

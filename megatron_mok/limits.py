@@ -23,6 +23,9 @@ EXPERT_WGRAD_K_ROWS = 64
 # Rows per minibatch of the dispatching GEMM: the unit in which the dispatch hands rows to the GEMM
 # (a ready counter per minibatch) and in which its ring buffer is reused.
 DISPATCH_MINIBATCH_ROWS = 1024
+# Most minibatches of the dispatching GEMM's ring (MoKConfig.dispatch_ring_minibatches): the ring's
+# rows, with the mirrored m-tile past its end, are 32-bit on the device (mok_params.h DispatchRingParams).
+MAX_DISPATCH_RING_MINIBATCHES = (1 << 20) - 1
 
 # Largest topk the row gather / combine kernels take (their per-token tables live in shared memory).
 MAX_TOPK = 4096
@@ -43,18 +46,23 @@ FP8_E4M3_MAX = 448
 # The GEMM-A scale layout (C/128, R_pad) pads R to this many rows: a TMA global stride must be a
 # multiple of 16 bytes (4 fp32).
 FP8_SCALE_ROW_PAD = 4
+# Phases of the in-kernel exchange's signal protocol (comm/symmetric.py), the first dimension of its
+# signal pad; csrc/common/failure_codes.h names them (ops.exchange_phase_names() reads the names).
+NUM_EXCHANGE_PHASES = 4
 
 COMPILED = {
     "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,
     "EXPERT_GEMM_TILE_N": EXPERT_GEMM_TILE_N,
     "EXPERT_WGRAD_K_ROWS": EXPERT_WGRAD_K_ROWS,
     "DISPATCH_MINIBATCH_ROWS": DISPATCH_MINIBATCH_ROWS,
+    "MAX_DISPATCH_RING_MINIBATCHES": MAX_DISPATCH_RING_MINIBATCHES,
     "MAX_TOPK": MAX_TOPK,
     "WAIT_TIMEOUT_NS": WAIT_TIMEOUT_NS,
     "MAX_EP_RANKS": MAX_EP_RANKS,
     "FP8_BLOCK": FP8_BLOCK,
     "FP8_E4M3_MAX": FP8_E4M3_MAX,
     "FP8_SCALE_ROW_PAD": FP8_SCALE_ROW_PAD,
+    "NUM_EXCHANGE_PHASES": NUM_EXCHANGE_PHASES,
 }
 
 

@@ -40,7 +40,7 @@ import torch
 
 from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES
 from megatron_mok.config import MoKConfig
-from megatron_mok.limits import dispatch_ring_buffer_rows, dispatch_ring_holds_every_row, wgrad_carry_numel
+from megatron_mok.limits import NUM_EXCHANGE_PHASES, dispatch_ring_buffer_rows, dispatch_ring_holds_every_row, wgrad_carry_numel
 from megatron_mok.receive import receive_plan
 
 
@@ -48,10 +48,6 @@ from megatron_mok.receive import receive_plan
 # every buffer may count up to that much more than its size; the bound allows it per buffer.
 ALLOCATOR_BLOCK_SLACK = 1 << 20
 HELD_BUFFERS, FORWARD_BUFFERS, BACKWARD_BUFFERS = 10, 8, 16
-
-# The signal pad's phases, at most (csrc/common/failure_codes.h ExchangePhase has 4): the bound
-# needs no extension, and the pad is 16 bytes per phase and rank.
-MAX_EXCHANGE_PHASES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,5 +131,5 @@ def layer_memory_bound(
         held + 2 * s * t * h + weight_grads + 4 * t * k + window_live + 8 * (2 * routes + m * w)
         + BACKWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK
     )
-    symmetric = symmetric_bytes_per_rank(t, h, k, dtype, r, MAX_EXCHANGE_PHASES) if r > 1 and windowed else 0
+    symmetric = symmetric_bytes_per_rank(t, h, k, dtype, r, NUM_EXCHANGE_PHASES) if r > 1 and windowed else 0
     return LayerMemoryBound(held, forward_peak, backward_peak, symmetric, w, m)

@@ -80,12 +80,14 @@ def mok_moe(
     Returns:
         (num_tokens, hidden) in x.dtype.
     """
-    num_ranks = get_expert_parallel_group(group, x.device).num_ranks if isinstance(x, torch.Tensor) else 1
+    # Resolved once: functional.forward takes the ExpertParallelGroup as it is.
+    ep_group = get_expert_parallel_group(group, x.device) if isinstance(x, torch.Tensor) else None
     validate_moe_inputs(
         x, topk_ids, topk_weights, fc1, fc2,
-        num_ranks=num_ranks, config=config, shared_fc1=shared_fc1, shared_fc2=shared_fc2,
+        num_ranks=ep_group.num_ranks if ep_group is not None else 1, config=config,
+        shared_fc1=shared_fc1, shared_fc2=shared_fc2,
     )
-    y = _RoutedExperts.apply(x, topk_ids, topk_weights, fc1, fc2, group, config)
+    y = _RoutedExperts.apply(x, topk_ids, topk_weights, fc1, fc2, ep_group, config)
     if shared_fc1 is not None:
         y = y + shared_expert(x, shared_fc1, shared_fc2)
     return y

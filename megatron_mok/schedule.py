@@ -51,6 +51,31 @@ class Schedule:
         return self.route_to_slot.shape[0]
 
 
+def check_expert_id_range(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Checks -1 <= topk_ids < num_experts without synchronizing a CUDA device.
+
+    On CPU the check raises ValueError. On CUDA (and under torch.compile) it is an assert inside
+    the computation: reading the ids on the host would stall the stream and break CUDA-graph
+    capture.
+    """
+    if topk_ids.numel() == 0:
+        return
+    in_range = (topk_ids >= -1) & (topk_ids < num_experts)
+    # Under torch.compile the host check would be a data-dependent branch: assert in the graph.
+    if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(in_range.all()):
+            where = (~in_range).nonzero()[0].tolist()
+            bad = topk_ids[tuple(where)].item()
+            # (The group's gathered ids are (num_ranks, num_tokens, topk): name the rank that passed it.)
+            source = f" on rank {where[0]}" if topk_ids.dim() == 3 else ""
+            raise ValueError(
+                f"topk_ids holds expert id {bad}{source}, outside [-1, {num_experts}) "
+                f"(num_experts = num_local_experts * expert-parallel size)"
+            )
+    else:
+        torch._assert_async(in_range.all(), "topk_ids holds an expert id outside [-1, num_experts)")
+
+
 def build_schedule_from_gathered(
     topk_ids_all: torch.Tensor,
     *,
@@ -70,7 +95,7 @@ def build_schedule_from_gathered(
             sees the whole group's ids, so all fail alike instead of one rank leaving the others
             in a collective). The kernel checks while it reads the ids and traps on a bad one
             (ops.last_failure() names it): no extra launches or host work before the layer's
-            first large kernel. Elsewhere `validation.check_expert_ids` (a ValueError on CPU, a
+            first large kernel. Elsewhere `check_expert_id_range` (a ValueError on CPU, a
             device-side assert on CUDA).
     """
     num_experts = topk_ids_all.shape[0] * num_local_experts
@@ -90,9 +115,7 @@ def build_schedule_from_gathered(
                 expert_counts=counts, expert_offsets=offsets, expert_ids_checked=check_expert_ids,
             )
     if check_expert_ids:
-        from megatron_mok.validation import check_expert_ids as check
-
-        check(topk_ids_all, num_experts)
+        check_expert_id_range(topk_ids_all, num_experts)
     schedule = build_schedule_torch(
         topk_ids_all, rank=rank, num_local_experts=num_local_experts, segment_alignment=segment_alignment
     )

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from megatron_mok.config import MoKConfig
+from megatron_mok.schedule import check_expert_id_range
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
@@ -32,31 +33,6 @@ def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
 def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
-
-
-def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Checks -1 <= topk_ids < num_experts without synchronizing a CUDA device.
-
-    On CPU the check raises ValueError. On CUDA (and under torch.compile) it is an assert inside
-    the computation: reading the ids on the host would stall the stream and break CUDA-graph
-    capture.
-    """
-    if topk_ids.numel() == 0:
-        return
-    in_range = (topk_ids >= -1) & (topk_ids < num_experts)
-    # Under torch.compile the host check would be a data-dependent branch: assert in the graph.
-    if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-        if not bool(in_range.all()):
-            where = (~in_range).nonzero()[0].tolist()
-            bad = topk_ids[tuple(where)].item()
-            # (The group's gathered ids are (num_ranks, num_tokens, topk): name the rank that passed it.)
-            source = f" on rank {where[0]}" if topk_ids.dim() == 3 else ""
-            raise ValueError(
-                f"topk_ids holds expert id {bad}{source}, outside [-1, {num_experts}) "
-                f"(num_experts = num_local_experts * expert-parallel size)"
-            )
-    else:
-        torch._assert_async(in_range.all(), "topk_ids holds an expert id outside [-1, num_experts)")
 
 
 def validate_moe_inputs(
@@ -158,4 +134,4 @@ def validate_moe_inputs(
     # waiting in it. On CUDA the check runs where the ids are read anyway: inside the schedule kernel,
     # so it adds no launches or host time before the layer's first large kernel.
     if config.check_expert_ids and topk_ids.device.type == "cpu" and num_ranks == 1:
-        check_expert_ids(topk_ids, num_local_experts * num_ranks)
+        check_expert_id_range(topk_ids, num_local_experts * num_ranks)

@@ -18,6 +18,7 @@ from bench_expert_gemm import SHAPES, make_inputs  # noqa: E402
 
 from megatron_mok import ops  # noqa: E402
 from megatron_mok.backends.kernel import segment_matmul  # noqa: E402
+from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M  # noqa: E402
 
 
 def main() -> None:
@@ -30,11 +31,13 @@ def main() -> None:
     for _ in range(3):  # the first two launches of each are skipped by --launch-skip 2
         segment_matmul(a, w, s["offsets"])
         if args.projection == "down":
-            ops.expert_gemm(a, w, s["offsets"])
+            ops.expert_gemm(a, w, s["offsets"], EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M)
         else:
-            ops.expert_gemm_swiglu(a, w, s["offsets"])
+            ops.expert_gemm_swiglu(a, w, s["offsets"], EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M)
             k = s["schedule"].topk
-            ops.dispatch_expert_gemm_swiglu(s["x"], s["schedule"].slot_to_route, k, w, s["offsets"])
+            ops.dispatch_expert_gemm_swiglu(
+                s["x"], s["schedule"].slot_to_route, k, w, s["offsets"], EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
+            )
     torch.cuda.synchronize()
 
 

@@ -47,7 +47,8 @@ void check_register_budget(Kernel kernel, const char* op) {
   if (checked.count(key)) return;
   cudaFuncAttributes attributes{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const int needed = 128 * Tile::kProducerRegisters + 256 * Tile::kConsumerRegisters;
+  const int needed =
+      kNumThreadsPerWarpGroup * Tile::kProducerRegisters + Tile::kConsumerThreads * Tile::kConsumerRegisters;
   TORCH_CHECK(attributes.numRegs * Tile::kThreads >= needed, op, ": the kernel was compiled with ",
               std::to_string(attributes.numRegs), " registers per thread, fewer than its setmaxnreg budgets need (",
               std::to_string(needed), " per CTA); rebuild without a register limit (-maxrregcount)");
@@ -272,7 +273,9 @@ void check_dispatch(const char* op, const char* x_name, const at::Tensor& x, con
   // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
   // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
   const int64_t group_minibatches = (group_m * kExpertGemmTileM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
-  TORCH_CHECK(ring_minibatches == 0 || (ring_minibatches > group_minibatches && ring_minibatches < (1 << 20)), op,
+  TORCH_CHECK(ring_minibatches == 0 ||
+                  (ring_minibatches > group_minibatches && ring_minibatches <= kMaxDispatchRingMinibatches),
+              op,
               ": ring_minibatches must be 0 (no bound) or more than the ", std::to_string(group_minibatches),
               " minibatches of ", std::to_string(kDispatchMinibatchRows), " rows that a raster group of group_m = ",
               std::to_string(group_m), " m-tiles spans, got ", std::to_string(ring_minibatches));

@@ -2,6 +2,8 @@
 // the one table of their names (the last_failure op's messages, common/failure_record.h).
 #pragma once
 
+#include "common/limits.h"
+
 namespace mok {
 
 enum FailingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2, kExchangeKernel = 3 };
@@ -37,7 +39,8 @@ struct FailureName {
 
 // The in-kernel exchange's signal protocol (comm/symmetric.py, moe/exchange_sm90.cuh): its phases,
 // in the order of the signal pad's first dimension (megatron_mok.ops.exchange_phase_names() reads
-// them from here, so Python derives the phase ids and the pad's size from this one table), and the
+// them from here, so Python derives the phase ids from this one table; their count, the pad's size,
+// is megatron_mok/limits.py NUM_EXCHANGE_PHASES, kNumExchangePhases of common/limits.h), and the
 // two signal kinds of a phase. Its waits are numbered exchange_wait(phase, kind); a timed-out one
 // records the peer rank it waited for and the phase's call count.
 enum ExchangePhase : int {
@@ -45,9 +48,9 @@ enum ExchangePhase : int {
   kPhaseTokens = 1,      // the rows the pull dispatch reads (region `tokens`)
   kPhaseGradTokens = 2,  // dY and the routing weights the reverse-combine pull reads
   kPhaseCombine = 3,     // the rows pushed back into the sources' `combine` regions
-  kNumExchangePhases = 4,
 };
 inline constexpr const char* kExchangePhaseNames[] = {"routing", "tokens", "grad_tokens", "combine"};
+static_assert(kPhaseCombine + 1 == kNumExchangePhases, "limits.py NUM_EXCHANGE_PHASES counts these phases");
 static_assert(sizeof(kExchangePhaseNames) / sizeof(kExchangePhaseNames[0]) == kNumExchangePhases,
               "one name per exchange phase");
 

@@ -19,6 +19,9 @@
 #ifndef MOK_DISPATCH_MINIBATCH_ROWS
 #error "MOK_DISPATCH_MINIBATCH_ROWS is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_MAX_DISPATCH_RING_MINIBATCHES
+#error "MOK_MAX_DISPATCH_RING_MINIBATCHES is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 #ifndef MOK_MAX_TOPK
 #error "MOK_MAX_TOPK is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
@@ -37,6 +40,9 @@
 #ifndef MOK_FP8_SCALE_ROW_PAD
 #error "MOK_FP8_SCALE_ROW_PAD is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
 #endif
+#ifndef MOK_NUM_EXCHANGE_PHASES
+#error "MOK_NUM_EXCHANGE_PHASES is not defined: build through setup.py, which passes megatron_mok/limits.py COMPILED as -DMOK_<NAME>=<value>"
+#endif
 
 namespace mok {
 
@@ -53,6 +59,10 @@ constexpr int kExpertWgradKRows = MOK_EXPERT_WGRAD_K_ROWS;
 // that the first tiles wait little (the first minibatch is ~14 MB at H = 7168), large enough that
 // a tile rarely spans two.
 constexpr int32_t kDispatchMinibatchRows = MOK_DISPATCH_MINIBATCH_ROWS;
+// Most minibatches of the dispatching GEMM's ring (the op checks ring_minibatches against it).
+constexpr int64_t kMaxDispatchRingMinibatches = MOK_MAX_DISPATCH_RING_MINIBATCHES;
+static_assert(kMaxDispatchRingMinibatches * kDispatchMinibatchRows + kExpertGemmTileM < (int64_t(1) << 31),
+              "the ring's rows and its mirrored m-tile are 32-bit on the device (mok_params.h DispatchRingParams)");
 // Largest topk of the row gather and combine kernels (their per-token tables live in shared memory).
 constexpr int64_t kMaxTopk = MOK_MAX_TOPK;
 // Every bounded wait of a kernel gives up after this long (common/watchdog_sm90.cuh).
@@ -69,11 +79,24 @@ constexpr float kFp8E4m3Max = float(MOK_FP8_E4M3_MAX);
 constexpr int kFp8ScaleRowPad = MOK_FP8_SCALE_ROW_PAD;
 static_assert(kFp8Block == 128, "the FP8 recipe's blocks are 128 wide (four k32 wgmma per block)");
 static_assert(kMaxEpRanks >= 1 && kMaxEpRanks <= 32, "the exchange's waits give each rank one lane of a warp");
+// Phases of the in-kernel exchange's signal protocol: the signal pad's first dimension (common/failure_codes.h
+// ExchangePhase names them).
+constexpr int kNumExchangePhases = MOK_NUM_EXCHANGE_PHASES;
 
 // The entries of COMPILED this build knows, in the order the compiled_limits ops report them.
 #define MOK_COMPILED_LIMITS(X) \
-  X(EXPERT_GEMM_TILE_M) X(EXPERT_GEMM_TILE_N) X(EXPERT_WGRAD_K_ROWS) X(DISPATCH_MINIBATCH_ROWS) X(MAX_TOPK) X(WAIT_TIMEOUT_NS) X(MAX_EP_RANKS) \
-  X(FP8_BLOCK) X(FP8_E4M3_MAX) X(FP8_SCALE_ROW_PAD)
+  X(EXPERT_GEMM_TILE_M)          \
+  X(EXPERT_GEMM_TILE_N)          \
+  X(EXPERT_WGRAD_K_ROWS)         \
+  X(DISPATCH_MINIBATCH_ROWS)     \
+  X(MAX_DISPATCH_RING_MINIBATCHES) \
+  X(MAX_TOPK)                    \
+  X(WAIT_TIMEOUT_NS)             \
+  X(MAX_EP_RANKS)                \
+  X(NUM_EXCHANGE_PHASES)         \
+  X(FP8_BLOCK)                   \
+  X(FP8_E4M3_MAX)                \
+  X(FP8_SCALE_ROW_PAD)
 #define MOK_LIMIT_NAME(name) #name,
 #define MOK_LIMIT_VALUE(name) int64_t(MOK_##name),
 inline constexpr const char* kCompiledLimitNames[] = {MOK_COMPILED_LIMITS(MOK_LIMIT_NAME)};

@@ -109,7 +109,7 @@ class StagingRing {
   __device__ uint8_t* acquire() {
     using Tile = ExpertGemmTile;
     if (thread_ == 0) sm90::bulk_wait_read<Tile::kStagingBuffers - 1>();
-    sm90::named_barrier_sync(kConsumerBarrier + consumer_, 128);
+    sm90::named_barrier_sync(kConsumerBarrier + consumer_, kNumThreadsPerWarpGroup);
     uint8_t* buffer = buffers_ + next_ * Tile::kStagingBytes;
     next_ = (next_ + 1) % Tile::kStagingBuffers;
     return buffer;
@@ -125,7 +125,7 @@ class StagingRing {
 __device__ __forceinline__ void store_staged(const CUtensorMap* map, const uint8_t* staging, int consumer, int thread,
                                              int col, int row) {
   sm90::fence_async_shared();
-  sm90::named_barrier_sync(kConsumerBarrier + consumer, 128);
+  sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);
   if (thread == 0) {
     sm90::tma_store_2d(map, staging, col, row);
     sm90::tma_store_2d(map, staging + ExpertGemmTile::kStoreBoxBytes, col + ExpertGemmTile::kStoreBox, row);
@@ -159,7 +159,7 @@ struct StagedOrDirectEpilogue {
 // The tile's accumulators rounded once to bf16 pairs: packed[2 * j + h] holds columns
 // 8 * j + 2 * (l % 4) + {0, 1} of row half h; half the registers of the fp32 accumulators for the
 // rest of the epilogue.
-__device__ __forceinline__ void pack_accumulators(const float (&acc)[128], uint32_t (&packed)[64]) {
+__device__ __forceinline__ void pack_accumulators(const ExpertGemmTile::Accumulators& acc, uint32_t (&packed)[64]) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
 #pragma unroll

@@ -50,11 +50,11 @@ __device__ __forceinline__ void swiglu_backward_epilogue(const uint32_t (&packed
   for (int half = 0; half < 2; ++half) {
     uint8_t* staging = ring.acquire();  // also: every thread is done with the previous half's block
     stage_columns(staging, thread, 4 * half, [&](int j, int h) { return packed[2 * j + h]; });
-    sm90::named_barrier_sync(kConsumerBarrier + consumer, 128);
+    sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);
     // Unrolled: all eight chunks' gate and up loads in flight at once.
 #pragma unroll
-    for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-      const int chunk = thread + 128 * i;
+    for (int i = 0; i < 64 * kChunksPerRow / kNumThreadsPerWarpGroup; ++i) {
+      const int chunk = thread + kNumThreadsPerWarpGroup * i;
       const int r = chunk / kChunksPerRow, cc = chunk % kChunksPerRow;
       const int64_t row = int64_t(c.row0) + 64 * consumer + r;
       const int col = c.n0 + 128 * half + 8 * cc;

@@ -100,15 +100,15 @@ struct GemmKernelSm90 {
     Scheduler scheduler(p.problem);
     const Mainloop mainloop(p);
     const int cta_rank = scheduler.cta_rank();
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
 
     if (warpgroup == 0) {
       sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
       if (threadIdx.x == 32) sm90::watch_waits(watch, Tile::kRoles + Mainloop::kSideRoles, p.failure_record, kKernel);
       if constexpr (Mainloop::kSideThreads > 0) {
-        if (threadIdx.x >= 128 - Mainloop::kSideThreads) {
+        if (threadIdx.x >= kNumThreadsPerWarpGroup - Mainloop::kSideThreads) {
           Mainloop::run_side_threads(p, shared.dispatch_claim, scheduler.n_tiles(),
-                                     threadIdx.x - (128 - Mainloop::kSideThreads), watch);
+                                     threadIdx.x - (kNumThreadsPerWarpGroup - Mainloop::kSideThreads), watch);
           return;
         }
       }
@@ -117,7 +117,7 @@ struct GemmKernelSm90 {
       return;
     }
     sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
-    consume(maps, p, mainloop, scheduler, shared, warpgroup - 1, threadIdx.x % 128);
+    consume(maps, p, mainloop, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
   }
 
  private:
@@ -156,7 +156,7 @@ struct GemmKernelSm90 {
                                                  int thread) {
     sm90::WaitWatch* watch = shared.watch;
     typename Scheduler::Coord c;
-    float acc[128];
+    float acc[Tile::kAccumulators];
     int stage = 0;
     uint32_t phase = 0;
     StagingRing staging(shared.staging + consumer * Tile::kStagingBuffers * Tile::kStagingBytes, consumer, thread);
@@ -167,7 +167,7 @@ struct GemmKernelSm90 {
       // Defined afresh per tile (the first wgmma ignores them anyway), so the compiler does not keep
       // the previous tile's accumulators alive through its epilogue.
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
       if constexpr (Mainloop::kCarriesAccumulators) mainloop.resume_accumulators(acc, mma_tile, consumer, thread);
       Epilogue::before_mainloop(p.epilogue, out_extent, scheduler.output_tile(c), consumer, thread);
       for (int kb = 0; kb < mma_tile.k_blocks; ++kb) {

@@ -140,7 +140,8 @@ class ExpertGemmMainloop {
   __device__ __forceinline__ void prepare_stage(const ConsumerTile&, int, uint8_t*, uint8_t*, int, int) const {}
 
   // The four wgmma of K block kb on stage (a: this warpgroup's rows, b), one wgmma group.
-  __device__ __forceinline__ void mma(float (&acc)[128], const ConsumerTile&, int kb, uint8_t* a, uint8_t* b) const {
+  __device__ __forceinline__ void mma(Tile::Accumulators& acc, const ConsumerTile&, int kb, uint8_t* a,
+                                      uint8_t* b) const {
     const uint64_t a_desc = sm90::smem_descriptor_sw128(a);
     const uint64_t b_desc =
         kTransB ? sm90::smem_descriptor_sw128_mn(b, Tile::kBoxBytes) : sm90::smem_descriptor_sw128(b);

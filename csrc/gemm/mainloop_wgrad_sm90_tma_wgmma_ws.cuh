@@ -32,7 +32,7 @@ namespace mok {
 // before its wgmma, which ptxas then serializes (C7518).
 __device__ __forceinline__ void zero_box_rows(uint8_t* box, int valid, int thread) {
 #pragma unroll
-  for (int i = thread; i < 64 * 8; i += 128) {
+  for (int i = thread; i < 64 * 8; i += kNumThreadsPerWarpGroup) {
     if (i >= valid * 8) *reinterpret_cast<uint4*>(box + i * 16) = make_uint4(0, 0, 0, 0);
   }
 }
@@ -114,12 +114,13 @@ class WgradMainloop {
       sm90::fence_async_shared();  // generic writes, read by wgmma through the async proxy
       // Both consumers take this branch at the same K block (same tile, same segment), so the
       // barrier always fills.
-      sm90::named_barrier_sync(kConsumersBarrier, 256);
+      sm90::named_barrier_sync(kConsumersBarrier, Tile::kConsumerThreads);
     }
   }
 
   // The tile's chain starts from zero: its first wgmma ignores acc.
-  __device__ __forceinline__ void mma(float (&acc)[128], const ConsumerTile&, int kb, uint8_t* a, uint8_t* b) const {
+  __device__ __forceinline__ void mma(Tile::Accumulators& acc, const ConsumerTile&, int kb, uint8_t* a,
+                                      uint8_t* b) const {
     mma_k_block(acc, a, b, kb != 0);
   }
 
@@ -128,7 +129,7 @@ class WgradMainloop {
 
  protected:
   // One K block's four wgmma; accumulate = false: the first ignores acc (scale-d 0).
-  static __device__ __forceinline__ void mma_k_block(float (&acc)[128], uint8_t* a, uint8_t* b, bool accumulate) {
+  static __device__ __forceinline__ void mma_k_block(Tile::Accumulators& acc, uint8_t* a, uint8_t* b, bool accumulate) {
     const uint64_t a_desc = sm90::smem_descriptor_sw128_mn(a, Tile::kBoxBytes);
     const uint64_t b_desc = sm90::smem_descriptor_sw128_mn(b, Tile::kBoxBytes);
     sm90::wgmma_fence();

@@ -29,7 +29,7 @@ class WgradWindowMainloop : public WgradMainloop {
  public:
   static constexpr bool kCarriesAccumulators = true;
   // A carry buffer's floats per tile: 256 consumer threads x 128 accumulators.
-  static constexpr int kCarryFloatsPerTile = 256 * 128;
+  static constexpr int kCarryFloatsPerTile = Tile::kConsumerThreads * Tile::kAccumulators;
   static_assert(kCarryFloatsPerTile == Tile::kM * Tile::kN, "a carried tile holds one fp32 per output element");
 
   struct ConsumerTile : WgradMainloop::ConsumerTile {
@@ -71,30 +71,35 @@ class WgradWindowMainloop : public WgradMainloop {
   }
 
   // A carried-in chain accumulates from its first wgmma on.
-  __device__ __forceinline__ void mma(float (&acc)[128], const ConsumerTile& t, int kb, uint8_t* a, uint8_t* b) const {
+  __device__ __forceinline__ void mma(Tile::Accumulators& acc, const ConsumerTile& t, int kb, uint8_t* a,
+                                      uint8_t* b) const {
     mma_k_block(acc, a, b, kb != 0 || t.carry_in);
   }
 
   // Before the tile's first K block (acc is zeros): a carried-in chain's accumulators, as the
   // previous window left them. (A null carry_in is never read: the producer has stopped at this
   // tile's check.)
-  __device__ __forceinline__ void resume_accumulators(float (&acc)[128], const ConsumerTile& t, int consumer,
+  __device__ __forceinline__ void resume_accumulators(Tile::Accumulators& acc, const ConsumerTile& t, int consumer,
                                                       int thread) const {
     const bool load = t.carry_in && carry_.in != nullptr;
     const float4* from = reinterpret_cast<const float4*>(carry_.in) + carry_chunk(t, consumer, thread);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) load_chunk_if(load, from + i * 256, acc, 4 * i);
+    for (int i = 0; i < Tile::kAccumulators / 4; ++i) {
+      load_chunk_if(load, from + i * Tile::kConsumerThreads, acc, 4 * i);
+    }
   }
 
   // After the tile's last K block: true when its chain goes on in the next window, with the
   // accumulators stored to carry_out in its place of out. (carry_out is not null here: the
   // producer checked it before loading this tile's first stage, which the consumers waited for.)
-  __device__ __forceinline__ bool suspend_accumulators(const float (&acc)[128], const ConsumerTile& t, int consumer,
-                                                       int thread) const {
+  __device__ __forceinline__ bool suspend_accumulators(const Tile::Accumulators& acc, const ConsumerTile& t,
+                                                       int consumer, int thread) const {
     if (!t.carry_out) return false;
     float4* to = reinterpret_cast<float4*>(carry_.out) + carry_chunk(t, consumer, thread);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) to[i * 256] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+    for (int i = 0; i < Tile::kAccumulators / 4; ++i) {
+      to[i * Tile::kConsumerThreads] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+    }
     return true;
   }
 
@@ -102,7 +107,8 @@ class WgradWindowMainloop : public WgradMainloop {
   // acc[first, first + 4) = *from where `load`, unchanged elsewhere: one predicated load. (Under a
   // branch, the loads defining accumulators on one path only made ptxas serialize every wgmma of
   // the kernel, C7515.) from: read-only during the kernel (carry_in is never carry_out).
-  static __device__ __forceinline__ void load_chunk_if(bool load, const float4* from, float (&acc)[128], int first) {
+  static __device__ __forceinline__ void load_chunk_if(bool load, const float4* from, Tile::Accumulators& acc,
+                                                       int first) {
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -116,7 +122,7 @@ class WgradWindowMainloop : public WgradMainloop {
   // This thread's first 16-byte chunk of the tile in a carry buffer, counted in chunks (layout:
   // mok_params.h WgradCarryParams); chunk i is 256 chunks further.
   static __device__ __forceinline__ int64_t carry_chunk(const ConsumerTile& t, int consumer, int thread) {
-    return int64_t(t.carry_tile) * (kCarryFloatsPerTile / 4) + (128 * consumer + thread);
+    return int64_t(t.carry_tile) * (kCarryFloatsPerTile / 4) + (kNumThreadsPerWarpGroup * consumer + thread);
   }
 
   WgradCarryParams carry_;

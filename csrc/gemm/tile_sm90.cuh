@@ -14,11 +14,21 @@
 
 namespace mok {
 
+// Threads of one warpgroup (four warps): what issues one wgmma, what setmaxnreg resizes, and the
+// unit of the kernels' roles (a producer warpgroup, two consumer warpgroups).
+constexpr int kNumThreadsPerWarpGroup = 128;
+
 struct ExpertGemmTile {
+  static constexpr int kConsumerWarpGroups = 2;
+  static constexpr int kConsumerThreads = kConsumerWarpGroups * kNumThreadsPerWarpGroup;
   static constexpr int kM = 128;  // rows: two consumer warpgroups x 64
+  static_assert(kM == kConsumerWarpGroups * 64, "each consumer warpgroup owns 64 rows of a tile (wgmma m64)");
   static_assert(kM == kExpertGemmTileM, "megatron_mok/limits.py EXPERT_GEMM_TILE_M is this tile's rows");
   static constexpr int kN = 256;  // B rows per tile (SwiGLU: 128 gate + 128 up)
   static_assert(kN == kExpertGemmTileN, "megatron_mok/limits.py EXPERT_GEMM_TILE_N is this tile's B rows");
+  // fp32 accumulators per consumer thread: its warpgroup's 64 x kN outputs (wgmma m64n256, layout above).
+  static constexpr int kAccumulators = 64 * kN / kNumThreadsPerWarpGroup;
+  using Accumulators = float[kAccumulators];
   static constexpr int kK = 64;   // one 128-byte swizzle row of bf16
   static_assert(kK == kExpertWgradKRows, "megatron_mok/limits.py EXPERT_WGRAD_K_ROWS is the weight gradient's K block");
   // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room
@@ -31,13 +41,14 @@ struct ExpertGemmTile {
   static constexpr int kStages = MOK_EXPERT_GEMM_STAGES;
   static_assert(kStages == 3 || kStages == 4, "MOK_EXPERT_GEMM_STAGES must be 3 or 4");
   static constexpr int kStagingBuffers = kStages == 3 ? 2 : 1;
-  static constexpr int kThreads = 384;
+  static constexpr int kThreads = kNumThreadsPerWarpGroup + kConsumerThreads;  // + the producer warpgroup
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
   // setmaxnreg moves registers inside the CTA's launch allocation (384 threads x 168, the most a
   // thread can have at one CTA per SM, in steps of 8): a consumer's increase waits until the
   // producer's decrease has freed enough, so asking for more than the allocation hangs.
-  static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= kThreads * ((65536 / kThreads) / 8 * 8),
+  static_assert(kNumThreadsPerWarpGroup * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
+                    kThreads * ((65536 / kThreads) / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's register allocation");
   static constexpr uint32_t kABytes = kM * kK * 2;
   static constexpr uint32_t kBHalfBytes = (kN / 2) * kK * 2;

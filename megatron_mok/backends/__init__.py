@@ -12,14 +12,11 @@ Any expert-parallel size: the stages are per rank, and what crosses ranks is the
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from megatron_mok.backends.stages import Stages
-
-if TYPE_CHECKING:  # config imports backends.tuning: no import of config at run time here
-    from megatron_mok.config import MoKConfig
 
 _warned: set[str] = set()
 
@@ -43,14 +40,16 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[st
     return None
 
 
-def resolve_backend(config: "MoKConfig", x: torch.Tensor, fc1: torch.Tensor) -> str:
-    """Returns "reference" or "kernel" for this call, or raises where "kernel" cannot run."""
-    if config.backend == "reference":
+def resolve_backend(backend: str, x: torch.Tensor, fc1: torch.Tensor) -> str:
+    """Returns "reference" or "kernel" for this call of MoKConfig.backend `backend` ("auto",
+    "reference" or "kernel"), or raises where "kernel" cannot run. (The backends read the config's
+    fields, never the config: config.py sits above them and imports their tuning table.)"""
+    if backend == "reference":
         return "reference"
     reason = kernel_unsupported_reason(x, fc1)
     if reason is None:
         return "kernel"
-    if config.backend == "kernel":
+    if backend == "kernel":
         raise ValueError(f"MoKConfig.backend='kernel' cannot run this call: {reason}")
     if x.is_cuda and reason not in _warned:
         _warned.add(reason)

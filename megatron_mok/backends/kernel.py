@@ -23,9 +23,14 @@ import torch.nn.functional as F
 
 from megatron_mok import ops
 from megatron_mok.backends.stages import Stages
-from megatron_mok.backends.tuning import DISPATCH_GEMM_CLUSTER_M, EXPERT_GEMM_CHOICES, ExpertGemmChoice
-from megatron_mok.comm.exchange import GatheredGradRows, GatheredRows, GradSource, RowSource
-from megatron_mok.comm.symmetric_exchange import PeerGradRows, PeerRows
+from megatron_mok.backends.tuning import (
+    DISPATCH_GEMM_CLUSTER_M,
+    EXPERT_GEMM_CHOICES,
+    EXPERT_GEMM_CLUSTER_M,
+    EXPERT_GEMM_GROUP_M,
+    ExpertGemmChoice,
+)
+from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.limits import dispatch_ring_holds_every_row
 from megatron_mok.schedule import Schedule
 
@@ -76,34 +81,34 @@ def dispatch_gate_up(
     # One kernel: the dispatch runs ahead of the GEMM minibatch by minibatch, into a ring buffer of
     # ring_minibatches minibatches (0: every row). Rows at or past offsets[-1] stay unwritten; every
     # later stage reads only rows below offsets[-1] (grouped_mm's offs, the schedule's route index).
-    if isinstance(source, PeerRows):
-        # The rows straight from the sources' `tokens` regions: the same kernel, its dispatch warps
-        # reading the peers' regions (bitwise the one-tensor kernel's results, the same ring bound).
-        rows, gate_up, act = ops.dispatch_expert_gemm_swiglu_from_peers(
-            source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk, fc1.contiguous(),
-            schedule.expert_offsets, cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,
+    launch = dict(cluster_m=DISPATCH_GEMM_CLUSTER_M, group_m=EXPERT_GEMM_GROUP_M, ring_minibatches=ring_minibatches)
+    if source.peer_ptrs is None:
+        rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
+            source.tensor, schedule.slot_to_route, schedule.topk, fc1.contiguous(), schedule.expert_offsets, **launch
         )
     else:
-        rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(
-            _expect(source, GatheredRows).rows, schedule.slot_to_route, schedule.topk, fc1.contiguous(),
-            schedule.expert_offsets, cluster_m=DISPATCH_GEMM_CLUSTER_M, ring_minibatches=ring_minibatches,
+        # The rows straight from the sources' regions: the same kernel, its dispatch warps reading the
+        # peers' regions (bitwise the one-tensor kernel's results, the same ring bound).
+        rows, gate_up, act = ops.dispatch_expert_gemm_swiglu_from_peers(
+            source.tensor, list(source.peer_ptrs), schedule.slot_to_route, schedule.topk, fc1.contiguous(),
+            schedule.expert_offsets, **launch,
         )
     # A ring shorter than the rows holds only the last minibatches: backward gathers them again.
     return (rows if dispatch_ring_holds_every_row(schedule.capacity, ring_minibatches) else None), gate_up, act
 
 
 def expert_down(act: torch.Tensor, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return ops.expert_gemm(act, fc2.contiguous(), offsets)
+    return ops.expert_gemm(act, fc2.contiguous(), offsets, EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M)
 
 
 def dgrad_swiglu(grad_out: torch.Tensor, fc2: torch.Tensor, gate_up: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     # The sm90 GEMM reads fc2 as stored (MN-major B) and applies the SwiGLU backward in its
     # epilogue; grad_act never reaches global memory. Rows at or past offsets[-1] stay unwritten.
-    return ops.expert_gemm_dgrad_swiglu(grad_out, fc2.contiguous(), offsets, gate_up)
+    return ops.expert_gemm_dgrad_swiglu(grad_out, fc2.contiguous(), offsets, gate_up, EXPERT_GEMM_GROUP_M)
 
 
 def dgrad_rows(grad_gate_up: torch.Tensor, fc1: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return ops.expert_gemm_dgrad(grad_gate_up, fc1.contiguous(), offsets)
+    return ops.expert_gemm_dgrad(grad_gate_up, fc1.contiguous(), offsets, EXPERT_GEMM_GROUP_M)
 
 
 def expert_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -117,17 +122,11 @@ def expert_weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor, offsets: to
 def dispatch_rows(source: RowSource, schedule: Schedule) -> torch.Tensor:
     # Rows past the schedule's end (a receive window's unused tail) are left unwritten, as the GEMMs
     # leave theirs: no stage reads them.
-    if isinstance(source, PeerRows):
-        return ops.dispatch_rows_from_peers(
-            source.tokens.own, list(source.tokens.peer_ptrs), schedule.slot_to_route, schedule.topk, schedule.expert_offsets
-        )
-    return ops.dispatch_rows(_expect(source, GatheredRows).rows, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
-
-
-def _expect(source, kind: type):
-    if not isinstance(source, kind):
-        raise TypeError(f"the kernel backend reads a {kind.__name__} or its peer form here, got {type(source).__name__}")
-    return source
+    if source.peer_ptrs is None:
+        return ops.dispatch_rows(source.tensor, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
+    return ops.dispatch_rows_from_peers(
+        source.tensor, list(source.peer_ptrs), schedule.slot_to_route, schedule.topk, schedule.expert_offsets
+    )
 
 
 def combine(
@@ -140,13 +139,13 @@ def combine(
 
 
 def pull_route_grads(source: GradSource, schedule: Schedule) -> torch.Tensor:
-    if isinstance(source, PeerGradRows):
-        return ops.pull_grad_rows_from_peers(
-            source.grad_tokens.own, list(source.grad_tokens.peer_ptrs), list(source.grad_weights.peer_ptrs),
-            schedule.slot_to_route, schedule.topk, schedule.expert_offsets,
-        )
-    gathered = _expect(source, GatheredGradRows)
-    return ops.pull_grad_rows(gathered.grad_y, gathered.weights, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
+    grad_y, weights = source.grad_y, source.weights
+    if grad_y.peer_ptrs is None:  # (then weights' too: a GradSource holds both in one form)
+        return ops.pull_grad_rows(grad_y.tensor, weights.tensor, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
+    return ops.pull_grad_rows_from_peers(
+        grad_y.tensor, list(grad_y.peer_ptrs), list(weights.peer_ptrs), schedule.slot_to_route, schedule.topk,
+        schedule.expert_offsets,
+    )
 
 
 def route_weight_grads(grad_y: torch.Tensor, table: torch.Tensor, index: torch.Tensor, topk: int) -> torch.Tensor:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
+from megatron_mok import ops
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.schedule import Schedule
 
@@ -33,32 +34,40 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class GatheredRows:
-    """The rows a dispatch pulls, gathered into one tensor: (num_ranks * num_tokens, hidden), rank
-    r's token t at row r * num_tokens + t (route // topk, schedule.py)."""
+class RowSource:
+    """Where a pull finds the group's rows: every rank's (T, *row) tensor stacked in rank order, so
+    row g of the group is rank g // T's row g % T (for the tokens g = route // topk, schedule.py; for
+    the routing weights g = route). The one description the stages read, whichever exchange made it.
 
-    rows: torch.Tensor
+    tensor: with peer_ptrs None, the stacked rows themselves, (R * T, *row), one tensor of this rank
+    (gathered by a collective). Otherwise this rank's (T, *row) copy of a symmetric region
+    (comm/symmetric.py), and peer_ptrs every rank's address of its copy in rank order (this rank's
+    among them): the kernels read the rows in place, over the peer mappings."""
+
+    tensor: torch.Tensor
+    peer_ptrs: Optional[tuple[int, ...]] = None
 
     def materialize(self) -> torch.Tensor:
-        return self.rows
+        """(R * T, *row): the stacked rows in one tensor, for stages that need one (the reference)."""
+        if self.peer_ptrs is None:
+            return self.tensor
+        return ops.gather_peer_regions(self.tensor, list(self.peer_ptrs)).flatten(0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class GatheredGradRows:
-    """The pull reverse-combine's source gathered: dY (num_ranks * num_tokens, hidden) and the routing
-    weights (num_ranks * num_tokens * topk,) float32, indexed like GatheredRows and by route."""
+class GradSource:
+    """The pull reverse-combine's source: dY (R * T, H) and the routing weights (R * T * K,) float32,
+    by route; both in one tensor each, or both in place at the peers."""
 
-    grad_y: torch.Tensor
-    weights: torch.Tensor
+    grad_y: RowSource
+    weights: RowSource
+
+    def __post_init__(self) -> None:
+        if (self.grad_y.peer_ptrs is None) != (self.weights.peer_ptrs is None):
+            raise ValueError("GradSource: dY and the routing weights must both be gathered or both lie at the peers")
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.grad_y, self.weights
-
-
-# What dispatch_source / grad_source give: gathered tensors here; through symmetric memory, the peer
-# tables of comm/symmetric.py (same `materialize()` for stages that need one tensor).
-RowSource = Union[GatheredRows, "object"]
-GradSource = Union[GatheredGradRows, "object"]
+        return self.grad_y.materialize(), self.weights.materialize()
 
 
 class Exchange(Protocol):
@@ -135,13 +144,13 @@ class CollectiveExchange:
     def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
         pass  # the collectives allocate their outputs per call
 
-    def dispatch_source(self, x: torch.Tensor) -> GatheredRows:
-        return GatheredRows(self.group.all_gather(x).reshape(-1, x.shape[1]))
+    def dispatch_source(self, x: torch.Tensor) -> RowSource:
+        return RowSource(self.group.all_gather(x).reshape(-1, x.shape[1]))
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GatheredGradRows:
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
         grad_y_all = self.group.all_gather(grad_y).reshape(-1, grad_y.shape[1])
         weights_all = self.group.all_gather(topk_weights).reshape(-1)
-        return GatheredGradRows(grad_y_all, weights_all)
+        return GradSource(RowSource(grad_y_all), RowSource(weights_all))
 
     def release(self, source) -> None:
         pass  # the gathered tensors are this rank's own

@@ -75,11 +75,11 @@ class ExpertParallelGroup:
         reason = self._symmetric_unsupported_reason()
         if reason is not None:
             return None, reason
-        from megatron_mok import ops
         from megatron_mok.comm.symmetric import SymmetricPool, torch_symmetric_allocator
+        from megatron_mok.limits import NUM_EXCHANGE_PHASES
 
         self._pool = SymmetricPool(
-            self.rank, self.num_ranks, len(ops.exchange_phase_names()), torch_symmetric_allocator(self.group), self.device
+            self.rank, self.num_ranks, NUM_EXCHANGE_PHASES, torch_symmetric_allocator(self.group), self.device
         )
         return self._pool, ""
 

@@ -15,40 +15,15 @@ elements whatever the group size and the routing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megatron_mok import ops
+from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.comm.symmetric import SymmetricPool, SymmetricRegion
 from megatron_mok.schedule import Schedule
 
 READY, FREE = 0, 1
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerRows:
-    """The group's rows in the ranks' `tokens` regions: rank r's token t at row r * T + t."""
-
-    tokens: SymmetricRegion  # own: (T, H)
-
-    def materialize(self) -> torch.Tensor:
-        """(R * T, H): every rank's rows in one tensor, for stages that need one (the reference)."""
-        return ops.gather_peer_regions(self.tokens.own, list(self.tokens.peer_ptrs)).flatten(0, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerGradRows:
-    """dY in the ranks' `grad_tokens` regions and their routing weights in `grad_weights`."""
-
-    grad_tokens: SymmetricRegion  # own: (T, H)
-    grad_weights: SymmetricRegion  # own: (T * K,) float32
-
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = ops.gather_peer_regions(self.grad_tokens.own, list(self.grad_tokens.peer_ptrs)).flatten(0, 1)
-        weights = ops.gather_peer_regions(self.grad_weights.own, list(self.grad_weights.peer_ptrs)).reshape(-1)
-        return grad, weights
 
 
 class SymmetricExchange:
@@ -98,21 +73,24 @@ class SymmetricExchange:
         self._signal("routing", FREE)
         return ids_all
 
-    def dispatch_source(self, x: torch.Tensor) -> PeerRows:
+    def dispatch_source(self, x: torch.Tensor) -> RowSource:
+        # The group's rows in the ranks' `tokens` regions: rank r's token t at row r * T + t.
         tokens = self.pool.region("tokens", x.shape[0], x.shape[1], 0, x.dtype)
         self._publish("tokens", [(tokens.own, x)])
-        return PeerRows(tokens)
+        return RowSource(tokens.own, tokens.peer_ptrs)
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> PeerGradRows:
+    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
+        # dY in the ranks' `grad_tokens` regions, (T, H) each; the routing weights in `grad_weights`,
+        # (T * K,) float32 each.
         num_tokens, topk = topk_weights.shape
         grad_tokens = self.pool.region("grad_tokens", num_tokens, grad_y.shape[1], 0, grad_y.dtype)
         grad_weights = self.pool.region("grad_weights", num_tokens, 0, topk, torch.float32)
         self._publish("grad_tokens", [(grad_tokens.own, grad_y), (grad_weights.own, topk_weights.reshape(-1))])
-        return PeerGradRows(grad_tokens, grad_weights)
+        return GradSource(RowSource(grad_tokens.own, grad_tokens.peer_ptrs), RowSource(grad_weights.own, grad_weights.peer_ptrs))
 
-    def release(self, source) -> None:
+    def release(self, source: RowSource | GradSource) -> None:
         # Every pull from the peers' regions is issued on this rank's stream: they may be reused.
-        self._signal("tokens" if isinstance(source, PeerRows) else "grad_tokens", FREE)
+        self._signal("tokens" if isinstance(source, RowSource) else "grad_tokens", FREE)
 
     def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
         # The owners push route t*K + k into slot t*K + k of this rank's combine region.

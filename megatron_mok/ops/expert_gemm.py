@@ -2,7 +2,8 @@
 schedule's expert segments, forward (gate/up with SwiGLU and optionally the pull dispatch inside,
 down) and backward (dgrads reading the weights as stored, weight gradients, whole or one window of
 rows at a time with the accumulators carried). References: the functions of the same stage in
-backends/reference.py. Launch-shape defaults: backends/tuning.py.
+backends/reference.py. The launch shape (cluster_m: CTAs per cluster; group_m: m-tiles per raster
+group) is the caller's argument: the kernel backend passes its tuning table's (backends/tuning.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 
 from megatron_mok import limits
 from megatron_mok.limits import wgrad_carry_numel
-from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
 from megatron_mok.ops.dispatch_combine import dispatch_rows_from_peers
 from megatron_mok.ops.extension import register_fake
 
@@ -71,8 +71,8 @@ def expert_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
 ) -> torch.Tensor:
     """(rows, N): a[r] @ weight[e].T for the rows r of segment e; rows past the last segment are not
     written. bf16, K and N multiples of 8. expert_offsets must be non-decreasing within [0, rows]
@@ -84,8 +84,8 @@ def expert_gemm_swiglu(
     a: torch.Tensor,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up (rows, 2F), act (rows, F)) with weight (E, 2F, K) gate rows then up rows; rows past the
     last segment are not written. Ref: reference.expert_gate_up."""
@@ -98,8 +98,8 @@ def dispatch_expert_gemm_swiglu(
     topk: int,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
     ring_minibatches: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, gate_up, act) = (dispatch_rows(x, slot_to_route, topk), *expert_gemm_swiglu(rows, weight,
@@ -124,8 +124,8 @@ def dispatch_expert_gemm_swiglu_from_peers(
     topk: int,
     weight: torch.Tensor,
     expert_offsets: torch.Tensor,
-    cluster_m: int = EXPERT_GEMM_CLUSTER_M,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    cluster_m: int,
+    group_m: int,
     ring_minibatches: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dispatch_expert_gemm_swiglu with the rows pulled straight from the ranks' `tokens` regions, in
@@ -149,7 +149,9 @@ def dispatch_expert_gemm_swiglu_from_peers(
         # pull, bitwise the same results, without the overlap or the ring bound (the first result is
         # every row, a superset of what a caller of the ring may read). Checked first as the kernel
         # checks it, so that a bad ring is an error on either path.
-        if ring_minibatches != 0 and not (limits.raster_group_minibatches(group_m) < ring_minibatches < (1 << 20)):
+        if ring_minibatches != 0 and not (
+            limits.raster_group_minibatches(group_m) < ring_minibatches <= limits.MAX_DISPATCH_RING_MINIBATCHES
+        ):
             raise RuntimeError(
                 "dispatch_expert_gemm_swiglu_from_peers: ring_minibatches must be 0 (no bound) or more than the "
                 f"{limits.raster_group_minibatches(group_m)} minibatches a raster group of group_m = {group_m} m-tiles "
@@ -165,7 +167,7 @@ def dispatch_expert_gemm_swiglu_from_peers(
 
 
 def expert_gemm_dgrad(
-    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int = EXPERT_GEMM_GROUP_M
+    a: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, group_m: int
 ) -> torch.Tensor:
     """(rows, N): a[r] @ weight[e] for the rows r of segment e, weight (E, K, N) as stored (the dgrad
     GEMMs: d rows = d gate_up @ fc1[e]); rows past the last segment are not written.
@@ -178,7 +180,7 @@ def expert_gemm_dgrad_swiglu(
     fc2: torch.Tensor,
     expert_offsets: torch.Tensor,
     gate_up: torch.Tensor,
-    group_m: int = EXPERT_GEMM_GROUP_M,
+    group_m: int,
 ) -> torch.Tensor:
     """(rows, 2F) d gate_up = swiglu_backward(gate_up, grad_out[r] @ fc2[e]) for the rows r of segment
     e, grad_act rounded to bf16 first (as the unfused pipeline does) and never written; fc2 (E, H, F)
@@ -191,10 +193,6 @@ def expert_gemm_wgrad(grad: torch.Tensor, inputs: torch.Tensor, expert_offsets: 
     in row order (bitwise reproducible), zeros for an expert with no rows; grad (rows, m) and inputs
     (rows, n) bf16. Ref: reference.segment_weight_grad."""
     return torch.ops.megatron_mok.expert_gemm_wgrad(grad, inputs, expert_offsets)
-
-
-# A window boundary must fall on a K block of every segment it splits (csrc/gemm/tile_sm90.cuh kK).
-WGRAD_WINDOW_ALIGNMENT = 64
 
 
 def expert_gemm_wgrad_window(
@@ -261,9 +259,10 @@ def _check_wgrad_window_args(grad, inputs, expert_offsets, window_begin, last_wi
              f"{expert_offsets.dtype}")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
         fail(f"window_begin must be an int, got {type(window_begin).__name__}")
-    if window_begin < 0 or window_begin % WGRAD_WINDOW_ALIGNMENT:
-        fail(f"window_begin must be a non-negative multiple of {WGRAD_WINDOW_ALIGNMENT} (the K blocks of a carried "
-             f"segment), got {window_begin}")
+    # A window boundary falls on a K block of every segment it splits (csrc/gemm/tile_sm90.cuh kK).
+    if window_begin < 0 or window_begin % limits.EXPERT_WGRAD_K_ROWS:
+        fail(f"window_begin must be a non-negative multiple of {limits.EXPERT_WGRAD_K_ROWS} (the K blocks of a "
+             f"carried segment), got {window_begin}")
     if window_begin + rows >= 1 << 31:
         fail(f"window_begin + W must be below 2^31, got {window_begin + rows}")
     if not isinstance(last_window, bool):

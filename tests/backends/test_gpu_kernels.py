@@ -18,7 +18,7 @@ import torch
 
 from megatron_mok import MoKConfig, mok_moe
 from megatron_mok.backends import reference
-from megatron_mok.comm.exchange import GatheredGradRows, GatheredRows
+from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.schedule import build_schedule_from_gathered
 from megatron_mok import ops
 from cuda_checks import (
@@ -138,7 +138,7 @@ def test_data_movement_ops_match_reference_exactly(routing):
     x, ids, w, grad, schedule = _schedule(s, routing, seed=3)
     poison_allocator()
     rows = ops.dispatch_rows(x, schedule.slot_to_route, s.topk)
-    assert torch.equal(rows, reference.dispatch_rows(GatheredRows(x), schedule))
+    assert torch.equal(rows, reference.dispatch_rows(RowSource(x), schedule))
 
     table = torch.randn(schedule.capacity, s.hidden, device="cuda").bfloat16()
     index = _single_rank_exchange().route_index(schedule, ids)
@@ -148,7 +148,7 @@ def test_data_movement_ops_match_reference_exactly(routing):
         assert torch.equal(got, want)
 
     pulled = ops.pull_grad_rows(grad, w.reshape(-1), schedule.slot_to_route, s.topk)
-    assert torch.equal(pulled, reference.pull_route_grads(GatheredGradRows(grad, w.reshape(-1)), schedule))
+    assert torch.equal(pulled, reference.pull_route_grads(GradSource(RowSource(grad), RowSource(w.reshape(-1))), schedule))
 
     d_w = ops.route_weight_grads(grad, table, index, s.topk)
     want = reference.route_weight_grads(grad, table, index, s.topk)

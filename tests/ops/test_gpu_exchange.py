@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_mok import limits, ops
+from megatron_mok.backends.tuning import EXPERT_GEMM_GROUP_M
 from megatron_mok.comm.symmetric import emulated_allocator
 from megatron_mok.schedule import build_schedule_from_gathered
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator, run_until_trap
@@ -163,11 +164,11 @@ def test_dispatching_gemm_from_peers_equals_the_one_tensor_kernel_bitwise(case, 
     x_all = torch.cat(tokens)
     end = int(schedule.expert_offsets[-1])
     want = ops.dispatch_expert_gemm_swiglu(
-        x_all, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+        x_all, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, EXPERT_GEMM_GROUP_M, ring_minibatches=ring
     )
     poison_allocator(1 << 28)
     got = ops.dispatch_expert_gemm_swiglu_from_peers(
-        tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+        tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, EXPERT_GEMM_GROUP_M, ring_minibatches=ring
     )
     assert got[0].shape == want[0].shape  # the ring's bound, as the one-tensor kernel's
     assert torch.equal(got[1][:end], want[1][:end]) and torch.equal(got[2][:end], want[2][:end])
@@ -195,10 +196,10 @@ def test_dispatching_gemm_from_peers_off_16_bytes_falls_back_to_the_separate_pul
     x_all = torch.cat(tokens)
     end = int(schedule.expert_offsets[-1])
     want = ops.dispatch_expert_gemm_swiglu(
-        x_all, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+        x_all, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, EXPERT_GEMM_GROUP_M, ring_minibatches=ring
     )
     got = ops.dispatch_expert_gemm_swiglu_from_peers(
-        tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, ring_minibatches=ring
+        tokens[0], ptrs, schedule.slot_to_route, k, fc1, schedule.expert_offsets, 2, EXPERT_GEMM_GROUP_M, ring_minibatches=ring
     )
     assert torch.equal(got[1][:end], want[1][:end]) and torch.equal(got[2][:end], want[2][:end])
     assert torch.equal(got[0][:end], ops.dispatch_rows(x_all, schedule.slot_to_route, k)[:end])

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from megatron_mok import limits, ops
+from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
+
+# The launch shape (cluster_m, group_m) the kernel backend runs, for the tests of other properties.
+LAUNCH = (EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M)
 
 pytestmark = NEEDS_HOPPER_KERNELS
 
@@ -71,7 +75,7 @@ def test_expert_gemm_store_matches_fp32(case, cluster_m):
     rows, k, n = CASES[case]
     a, w, offsets, offsets_host = make_case(rows, k, n, seed=zlib.crc32(case.encode()) % 1000)
     poison_allocator()
-    out = ops.expert_gemm(a, w, offsets, cluster_m)
+    out = ops.expert_gemm(a, w, offsets, cluster_m, EXPERT_GEMM_GROUP_M)
     assert out.shape == (a.shape[0], n) and out.dtype == torch.bfloat16
     ref, bound = fp32_reference_and_bound(a, w, offsets_host)
     assert_within(out[: offsets_host[-1]], ref, bound, "out")
@@ -85,7 +89,7 @@ def test_expert_gemm_swiglu_matches_fp32_and_the_swiglu_kernel(case, cluster_m):
         pytest.skip("SwiGLU needs gate and up halves that are multiples of 8")
     a, w, offsets, offsets_host = make_case(rows, k, two_ffn, seed=zlib.crc32(case.encode()) % 1000 + 1)
     poison_allocator()
-    gate_up, act = ops.expert_gemm_swiglu(a, w, offsets, cluster_m)
+    gate_up, act = ops.expert_gemm_swiglu(a, w, offsets, cluster_m, EXPERT_GEMM_GROUP_M)
     end = offsets_host[-1]
     ref, bound = fp32_reference_and_bound(a, w, offsets_host)
     assert_within(gate_up[:end], ref, bound, "gate_up")
@@ -96,11 +100,11 @@ def test_expert_gemm_swiglu_matches_fp32_and_the_swiglu_kernel(case, cluster_m):
 def test_expert_gemm_is_bitwise_deterministic():
     a, w, offsets, offsets_host = make_case([300, 0, 900, 77], 1024, 768, seed=3)
     end = offsets_host[-1]  # rows past it are never written
-    first = ops.expert_gemm(a, w, offsets)[:end]
-    first_gu, first_act = (t[:end] for t in ops.expert_gemm_swiglu(a, w, offsets))
+    first = ops.expert_gemm(a, w, offsets, *LAUNCH)[:end]
+    first_gu, first_act = (t[:end] for t in ops.expert_gemm_swiglu(a, w, offsets, *LAUNCH))
     for _ in range(2):
-        assert torch.equal(ops.expert_gemm(a, w, offsets)[:end], first)
-        gu, act = ops.expert_gemm_swiglu(a, w, offsets)
+        assert torch.equal(ops.expert_gemm(a, w, offsets, *LAUNCH)[:end], first)
+        gu, act = ops.expert_gemm_swiglu(a, w, offsets, *LAUNCH)
         assert torch.equal(gu[:end], first_gu) and torch.equal(act[:end], first_act)
 
 
@@ -117,7 +121,7 @@ def test_expert_gemm_on_schedule_offsets_with_padding():
     w = (torch.randn(6, 320, 256, device="cuda", generator=gen) / 16).bfloat16()
     offsets_host = schedule.expert_offsets.tolist()
     poison_allocator()
-    gate_up, act = ops.expert_gemm_swiglu(rows, w, schedule.expert_offsets)
+    gate_up, act = ops.expert_gemm_swiglu(rows, w, schedule.expert_offsets, *LAUNCH)
     ref, bound = fp32_reference_and_bound(rows, w, offsets_host)
     end = offsets_host[-1]
     assert_within(gate_up[:end], ref, bound, "gate_up")
@@ -127,10 +131,10 @@ def test_expert_gemm_on_schedule_offsets_with_padding():
 
 def test_expert_gemm_with_no_rows_anywhere():
     a, w, offsets, _ = make_case([0, 0, 0], 64, 128, seed=4, tail_rows=3)
-    out = ops.expert_gemm(a, w, offsets)  # nothing to compute: no tile, no hang
+    out = ops.expert_gemm(a, w, offsets, *LAUNCH)  # nothing to compute: no tile, no hang
     torch.cuda.synchronize()
     assert out.shape == (3, 128)
-    empty = ops.expert_gemm(a[:0], w, offsets)
+    empty = ops.expert_gemm(a[:0], w, offsets, *LAUNCH)
     assert empty.shape == (0, 128)
 
 
@@ -152,8 +156,9 @@ BAD = [
 @pytest.mark.parametrize("case,change,fragment", BAD, ids=[b[0] for b in BAD])
 def test_expert_gemm_bad_input_is_a_clear_error(case, change, fragment):
     a, w, offsets, _ = make_case([10, 20], 64, 64, seed=5)
+    args = change(a, w, offsets)
     with pytest.raises(RuntimeError, match=fragment):
-        ops.expert_gemm(*change(a, w, offsets))
+        ops.expert_gemm(*args, *LAUNCH[len(args) - 3:])  # (the launch shape a case leaves out: LAUNCH's)
 
 
 def test_expert_gemm_ops_registration():
@@ -287,7 +292,7 @@ def test_dispatching_gemm_beside_a_kernel_that_holds_sms(case, seed, ring):
     schedule, x, w = dispatch_case(*case, seed=seed)
     end = int(schedule.expert_offsets[-1])
     want_rows = ops.dispatch_rows(x, schedule.slot_to_route, schedule.topk)
-    want = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets)
+    want = ops.expert_gemm_swiglu(want_rows, w, schedule.expert_offsets, *LAUNCH)
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     other = torch.cuda.Stream()
     torch.cuda.synchronize()
@@ -295,7 +300,7 @@ def test_dispatching_gemm_beside_a_kernel_that_holds_sms(case, seed, ring):
         for _ in range(4):
             big @ big
     got = ops.dispatch_expert_gemm_swiglu(
-        x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets, ring_minibatches=ring
+        x, schedule.slot_to_route, schedule.topk, w, schedule.expert_offsets, *LAUNCH, ring_minibatches=ring
     )
     torch.cuda.synchronize()
     if ring == 0:  # (with a ring the first result is the ring, not the rows)
@@ -347,14 +352,16 @@ DISPATCH_BAD = [
 def test_dispatching_gemm_bad_input_is_a_clear_error(case, change, fragment):
     schedule, x, w = dispatch_case(*DISPATCH_CASES["uniform"], seed=12)
     with pytest.raises(RuntimeError, match=fragment):
-        ops.dispatch_expert_gemm_swiglu(*change(x, schedule.slot_to_route, w, schedule.expert_offsets))
+        ops.dispatch_expert_gemm_swiglu(*change(x, schedule.slot_to_route, w, schedule.expert_offsets), *LAUNCH)
 
 
 _FIRST_CALL_IN_CAPTURE = r"""
 import torch
 from megatron_mok import ops
+from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M
 from megatron_mok.schedule import build_schedule_from_gathered
 
+LAUNCH = (EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M)
 torch.manual_seed(0)
 ids = torch.rand(300, 6, device="cuda").topk(4, dim=1).indices
 schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=6, segment_alignment=8)
@@ -364,15 +371,15 @@ w2 = (torch.randn(6, 256, 160, device="cuda") / 16).bfloat16()
 torch.cuda.synchronize()
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):  # the extension's first launches happen while capturing
-    rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, 4, w1, schedule.expert_offsets)
-    out = ops.expert_gemm(act, w2, schedule.expert_offsets)
+    rows, gate_up, act = ops.dispatch_expert_gemm_swiglu(x, schedule.slot_to_route, 4, w1, schedule.expert_offsets, *LAUNCH)
+    out = ops.expert_gemm(act, w2, schedule.expert_offsets, *LAUNCH)
 graph.replay()
 torch.cuda.synchronize()
 end = int(schedule.expert_offsets[-1])
 want_rows = ops.dispatch_rows(x, schedule.slot_to_route, 4)
-want_gate_up, want_act = ops.expert_gemm_swiglu(want_rows, w1, schedule.expert_offsets)
+want_gate_up, want_act = ops.expert_gemm_swiglu(want_rows, w1, schedule.expert_offsets, *LAUNCH)
 assert torch.equal(rows[:end], want_rows[:end]) and torch.equal(act[:end], want_act[:end])
-assert torch.equal(out[:end], ops.expert_gemm(want_act, w2, schedule.expert_offsets)[:end])
+assert torch.equal(out[:end], ops.expert_gemm(want_act, w2, schedule.expert_offsets, *LAUNCH)[:end])
 print("ok")
 """
 
@@ -397,7 +404,7 @@ def test_expert_gemm_dgrad_matches_fp32(case):
     a, w, offsets, offsets_host = make_case(rows, k, n, seed=zlib.crc32(case.encode()) % 1000 + 2)
     w_kn = w.transpose(1, 2).contiguous()  # (E, K, N): what fc1 and fc2 are for the dgrad products
     poison_allocator()
-    out = ops.expert_gemm_dgrad(a, w_kn, offsets)
+    out = ops.expert_gemm_dgrad(a, w_kn, offsets, EXPERT_GEMM_GROUP_M)
     assert out.shape == (a.shape[0], n) and out.dtype == torch.bfloat16
     ref, bound = fp32_reference_and_bound(a, w, offsets_host)
     assert_within(out[: offsets_host[-1]], ref, bound, "out")
@@ -413,10 +420,10 @@ def test_expert_gemm_dgrad_swiglu_equals_dgrad_then_swiglu_backward(case):
     gen = torch.Generator(device="cuda").manual_seed(7)
     gate_up = torch.randn(grad_out.shape[0], 2 * ffn, device="cuda", generator=gen).bfloat16()
     end = offsets_host[-1]
-    grad_act = ops.expert_gemm_dgrad(grad_out, fc2, offsets)
+    grad_act = ops.expert_gemm_dgrad(grad_out, fc2, offsets, EXPERT_GEMM_GROUP_M)
     want = ops.swiglu_backward(gate_up, grad_act, offsets)
     poison_allocator()
-    got = ops.expert_gemm_dgrad_swiglu(grad_out, fc2, offsets, gate_up)
+    got = ops.expert_gemm_dgrad_swiglu(grad_out, fc2, offsets, gate_up, EXPERT_GEMM_GROUP_M)
     assert got.shape == want.shape
     assert torch.isfinite(got[:end]).all(), "unwritten elements"
     assert torch.equal(got[:end], want[:end])
@@ -433,9 +440,9 @@ def test_expert_gemm_dgrad_ops_registration_and_bad_input():
     for op, args in calls:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match=r"weight \(experts, K, N\)"):
-        ops.expert_gemm_dgrad(a, w_kn[:, :32].contiguous(), offsets)
+        ops.expert_gemm_dgrad(a, w_kn[:, :32].contiguous(), offsets, EXPERT_GEMM_GROUP_M)
     with pytest.raises(RuntimeError, match="gate_up must be"):
-        ops.expert_gemm_dgrad_swiglu(a, w_kn, offsets, gate_up[:, :64].contiguous())
+        ops.expert_gemm_dgrad_swiglu(a, w_kn, offsets, gate_up[:, :64].contiguous(), EXPERT_GEMM_GROUP_M)
     assert ops.last_failure() is None
 
 
