@@ -51,10 +51,10 @@ class MoKConfig:
             torch.distributed all-gathers and all-to-alls (any device, any EP size; EP times the
             rows of a balanced routing on every rank); "symmetric", the in-kernel exchange through
             symmetric memory (pull dispatch, push combine, device-side signals; CUDA ranks of one
-            node with peer access and the extension; an error elsewhere); "auto" (the default):
-            "symmetric" where the group offers it by default (megatron_mok.emulation's ranks; not
-            yet a process group, whose symmetric path has not run on a multi-GPU node), else
-            "collective".
+            node with peer access, or processes sharing one GPU, and the extension on every rank;
+            an error elsewhere); "auto" (the default): "symmetric" wherever the group offers it
+            (megatron_mok.emulation's ranks; a process group whose ranks can share symmetric
+            memory, comm/placement.py), else "collective", with a one-time line saying which and why.
         receive_capacity_factor: the receive capacity of a rank over the in-kernel exchange, in
             units of its own T*K routes: a pass runs over its schedule in windows of about this
             many times T*K rows (plus the segments' padding; megatron_mok/receive.py), each a

@@ -101,7 +101,6 @@ class EmulatedRankGroup(ExpertParallelGroup):
         self.rendezvous = rendezvous
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._make_pool = make_pool  # None: the collective exchange
-        self.symmetric_by_default = make_pool is not None
 
     def symmetric_pool(self):
         if self._make_pool is None:

@@ -20,8 +20,7 @@ exactly one slot, so nothing is ever summed across ranks.
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import torch
 
@@ -205,32 +204,37 @@ class CollectiveReturn:
 
 def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
     """The exchange a call runs over `group` (kind: MoKConfig.exchange): through symmetric memory
-    (comm/symmetric_exchange.py) when asked for, or by default where the group offers it (emulated
-    ranks; a process group does not yet: its symmetric path has not run on a multi-GPU node), else
-    the collective one. The choice depends only on the group and the config, so every rank of a group decides alike."""
+    (comm/symmetric_exchange.py) when asked for, or with "auto" wherever the group offers it
+    (emulated ranks; a process group whose ranks can share symmetric memory, comm/placement.py),
+    else the collective one. The choice depends only on the group (what every rank reported) and
+    the config, so every rank of a group decides alike; a process group of CUDA ranks says once
+    which it took and why (`exchange_notes`)."""
     if kind == "collective" or group.num_ranks == 1 and kind == "auto":
-        return CollectiveExchange(group)
-    if kind == "auto" and not group.symmetric_by_default:
-        _warn_once(group, "the in-kernel exchange is not yet the default over process groups (it has not run on "
-                   "a multi-GPU node; MoKConfig(exchange='symmetric') / --mok-exchange symmetric asks for it)")
         return CollectiveExchange(group)
     pool, reason = group.symmetric_pool()
     if pool is None:
         if kind == "symmetric":
             raise ValueError(f"MoKConfig.exchange='symmetric' cannot run over this group: {reason}")
-        _warn_once(group, f"the in-kernel exchange cannot run over this group: {reason}")
+        _note_once(group, f"the collective exchange (MoKConfig.exchange='auto'): the in-kernel exchange cannot run over this group: {reason}")
         return CollectiveExchange(group)
     from megatron_mok.comm.symmetric_exchange import SymmetricExchange
 
+    if group.group is not None:
+        _note_once(group, f"the in-kernel exchange (MoKConfig.exchange={kind!r}) over {group.symmetric_memory().why}")
     return SymmetricExchange(group, pool)
 
 
-_warned: set = set()
+# The one-time lines of exchange_for, as printed (process groups of CUDA ranks only).
+exchange_notes: set[str] = set()
 
 
-def _warn_once(group: ExpertParallelGroup, why: str) -> None:
-    """One warning per reason when a process group of CUDA ranks runs the collective exchange at
-    EP > 1 (correct, but its buffers grow with EP); emulated and CPU groups choose it knowingly."""
-    if group.group is not None and group.device.type == "cuda" and why not in _warned:
-        _warned.add(why)
-        warnings.warn(f"megatron_mok: EP = {group.num_ranks} runs the collective exchange because {why}", stacklevel=3)
+def _note_once(group: ExpertParallelGroup, choice: str) -> None:
+    """One line per choice, on the group's rank 0, when a process group of CUDA ranks runs EP > 1:
+    which exchange and why (emulated and CPU groups choose knowingly)."""
+    if group.group is None or group.device.type != "cuda":
+        return
+    line = f"megatron_mok: EP = {group.num_ranks} runs {choice}"
+    if line not in exchange_notes:
+        exchange_notes.add(line)
+        if group.rank == 0:
+            print(line, flush=True)

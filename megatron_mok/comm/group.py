@@ -2,8 +2,9 @@
 
 One `ExpertParallelGroup` per (process group, device), created on first use and cached. The
 collectives here are fixed-size (all-gather, equal-split all-to-all), so no receive count ever has
-to reach the host. The symmetric buffers and signals of the in-kernel exchange will be kept here
-too, allocated once per group (allocation and rendezvous cannot be captured in a CUDA graph).
+to reach the host. The group's symmetric memory (comm/placement.py) and the buffers and signals of
+the in-kernel exchange are kept here too, chosen and allocated once per group (allocation and
+rendezvous cannot be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ class ExpertParallelGroup:
     device: torch.device
 
     _pool: object = dataclasses.field(default=None, repr=False, compare=False)
-    # MoKConfig.exchange="auto" takes the symmetric exchange only where this is set (emulated ranks):
-    # over a process group it is not yet the default, since it has not run on a multi-GPU node.
-    symmetric_by_default: bool = dataclasses.field(default=False, repr=False, compare=False)
+    # The group's symmetric memory (comm/placement.py), chosen at the first call that asks.
+    _memory: object = dataclasses.field(default=None, repr=False, compare=False)
     # The call shapes every rank of the group has agreed on (agree_on_call_shape).
     _agreed_shapes: set = dataclasses.field(default_factory=set, repr=False, compare=False)
 
@@ -46,18 +46,28 @@ class ExpertParallelGroup:
     def _agree(self, shape: tuple) -> None:
         if shape in self._agreed_shapes:
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "megatron_mok: the ranks agree on a layer shape at its first call, which cannot run inside "
-                "CUDA-graph capture: run one eager step of every layer shape before capturing"
-            )
-        shapes = self._gather_objects(shape)
+        _refuse_in_capture("the ranks agree on a layer shape at its first call")
+        shapes = self.gather_objects(shape, "the shape agreement")
         if len(set(shapes)) != 1:
             raise ValueError(
                 f"the ranks of the expert-parallel group called with different shapes (num_tokens, hidden, "
                 f"topk, num_local_experts, dtype), in rank order: {shapes}"
             )
         self._agreed_shapes.add(shape)
+
+    def gather_objects(self, value: object, what: str) -> list[object]:
+        """Every rank's `value` (picklable), in rank order: a host all-gather over the group. A
+        process group whose all-gather fails (a rank left or failed before reaching it) raises a
+        RuntimeError naming this rank and `what` was being gathered."""
+        try:
+            return self._gather_objects(value)
+        except RuntimeError as error:
+            if self.group is None:
+                raise
+            raise RuntimeError(
+                f"megatron_mok: rank {self.rank} of the expert-parallel group ({self.num_ranks} ranks): {what}: "
+                f"the host all-gather over the group failed (a rank left or failed before reaching it): {error}"
+            ) from error
 
     def _gather_objects(self, value: object) -> list[object]:
         values: list[object] = [None] * self.num_ranks
@@ -66,46 +76,54 @@ class ExpertParallelGroup:
 
     def symmetric_pool(self) -> tuple[Optional[object], str]:
         """(the group's SymmetricPool (comm/symmetric.py), "") or (None, why not). A process group
-        gets one from torch symmetric memory when its ranks are CUDA devices of one node with peer
-        access and the extension is loaded. Decided from this process's view of the group only (no
-        collective), and alike on every rank: torchrun gives each node LOCAL_WORLD_SIZE contiguous
-        global ranks."""
+        gets one where its ranks' CUDA devices can share symmetric memory and the extension is
+        loaded on every rank (comm/placement.py: torch symmetric memory for one GPU per rank, CUDA
+        IPC for ranks sharing a GPU). Decided once, from what every rank reports, so alike on every
+        rank."""
         if self._pool is not None:
             return self._pool, ""
         reason = self._symmetric_unsupported_reason()
         if reason is not None:
             return None, reason
+        memory = self.symmetric_memory()
+        if memory.kind is None:
+            return None, memory.why
         from megatron_mok.comm.symmetric import SymmetricPool, torch_symmetric_allocator
         from megatron_mok.limits import NUM_EXCHANGE_PHASES
 
-        self._pool = SymmetricPool(
-            self.rank, self.num_ranks, NUM_EXCHANGE_PHASES, torch_symmetric_allocator(self.group), self.device
-        )
+        if memory.kind == "cuda_ipc":
+            from megatron_mok.comm.cuda_ipc import cuda_ipc_allocator
+
+            allocate = cuda_ipc_allocator(self)
+        else:
+            allocate = torch_symmetric_allocator(self.group)
+        self._pool = SymmetricPool(self.rank, self.num_ranks, NUM_EXCHANGE_PHASES, allocate, self.device)
         return self._pool, ""
 
-    def _symmetric_unsupported_reason(self) -> Optional[str]:
-        import os
+    def symmetric_memory(self):
+        """The group's comm/placement.py SymmetricMemory: chosen at the first call, by one host
+        all-gather of what every rank sees, and cached."""
+        if self._memory is None:
+            self._memory = self._choose_memory()
+        return self._memory
 
+    @torch.compiler.disable  # a host collective at the group's first call, outside any traced graph
+    def _choose_memory(self):
+        from megatron_mok.comm import placement
+
+        _refuse_in_capture("the ranks choose their symmetric memory at the group's first call")
+        return placement.choose(self.gather_objects(placement.this_rank(self.device), "the choice of symmetric memory"))
+
+    def _symmetric_unsupported_reason(self) -> Optional[str]:
+        """Why not, where this process alone can tell (and every rank alike)."""
         from megatron_mok.limits import MAX_EP_RANKS
-        from megatron_mok.ops import extension_error
 
         if self.device.type != "cuda":
             return f"the group's tensors are on {self.device}"
-        if extension_error() is not None:
-            return f"the CUDA extension is not available ({extension_error()})"
         if self.num_ranks > MAX_EP_RANKS:
             return f"{self.num_ranks} ranks, more than the {MAX_EP_RANKS} of one node"
         if self.group is None:
             return "one rank has nothing to exchange"
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        ranks = dist.get_process_group_ranks(self.group)
-        if local < 1 or len({r // local for r in ranks}) != 1:
-            return "the group spans several nodes (or LOCAL_WORLD_SIZE is unset)"
-        # torchrun's convention: global rank g drives local GPU g % LOCAL_WORLD_SIZE.
-        here = torch.cuda.current_device()
-        for peer in sorted({r % local for r in ranks} - {here}):
-            if peer >= torch.cuda.device_count() or not torch.cuda.can_device_access_peer(here, peer):
-                return f"GPU {here} has no peer access to GPU {peer}"
         return None
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -135,6 +153,14 @@ class ExpertParallelGroup:
 
 # Keyed by the group object itself (None for one rank): id() would not trace under torch.compile.
 _GROUPS: dict[tuple[Optional[ProcessGroup], str], ExpertParallelGroup] = {}
+
+
+def _refuse_in_capture(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"megatron_mok: {what}, which cannot run inside CUDA-graph capture: run one eager step of "
+            "every layer shape before capturing"
+        )
 
 
 def get_expert_parallel_group(

@@ -1,0 +1,91 @@
+"""The bodies of tests/megatron/test_gpu_process_group_module.py, one process per rank (kept apart from
+the test module: a spawned rank imports this, which must not start CUDA before the rank's environment
+is set). The test module's docstring says what is compared and why the bounds hold."""
+
+from __future__ import annotations
+
+import torch
+
+# Per rank: T tokens, H hidden, F expert FFN, E local experts, K top-k.
+NUM_TOKENS, HIDDEN, FFN, LOCAL_EXPERTS, TOPK = 32, 256, 128, 2, 4
+BF16_ROUNDING = 2.0**-8
+ROUTER_GRAD_TOL = 1e-4
+
+
+def _module(ep: int, num_experts: int):
+    import megatron_harness as mh
+    from megatron_mok import MoKConfig
+
+    config = mh.transformer_config(
+        "mok", ep=ep, num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN, num_attention_heads=4,
+        num_moe_experts=num_experts, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+        params_dtype=torch.bfloat16, bf16=True,
+    )
+    config.mok_config = MoKConfig(backend="kernel", exchange="symmetric" if ep > 1 else "auto")
+    return mh.moe_layer(config, "mok").cuda()
+
+
+def _step(layer, x: torch.Tensor, grad: torch.Tensor) -> dict:
+    x = x.clone().requires_grad_()
+    y, bias = layer(x)
+    assert bias is None
+    y.backward(grad)
+    return dict(
+        y=y.detach(), dx=x.grad, ids=layer.token_dispatcher.topk_ids.clone(), router=layer.router.weight.grad.float(),
+        dfc1=layer.experts.weight1.grad, dfc2=layer.experts.weight2.grad,
+    )
+
+
+def one_rank_module(rank, world_size, num_ranks, path):
+    import megatron_harness as mh
+
+    torch.cuda.set_device(0)
+    mh.init_megatron(ep=1)
+    layer = _module(1, num_ranks * LOCAL_EXPERTS)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    # (R*T, 1, H): the ranks' tokens in rank order, sequence-major as Megatron passes them.
+    x = torch.randn(num_ranks * NUM_TOKENS, 1, HIDDEN, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn(num_ranks * NUM_TOKENS, 1, HIDDEN, device="cuda", generator=gen).bfloat16()
+    results = _step(layer, x, grad)
+    state = dict(router=layer.router.weight.detach(), weight1=layer.experts.weight1.detach(), weight2=layer.experts.weight2.detach())
+    torch.save({"x": x.cpu(), "grad": grad.cpu(), **{k: v.cpu() for k, v in {**state, **results}.items()}}, path)
+
+
+def ranks_module(rank, world_size, path):
+    import megatron_harness as mh
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from oracle import relative_error
+
+    torch.cuda.set_device(0)
+    mh.init_megatron(ep=world_size)
+    ref = {k: v.cuda() for k, v in torch.load(path).items()}
+    layer = _module(world_size, world_size * LOCAL_EXPERTS)
+    own = slice(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+    mine = slice(rank * NUM_TOKENS, (rank + 1) * NUM_TOKENS)
+    with torch.no_grad():
+        layer.router.weight.copy_(ref["router"])
+        layer.experts.weight1.copy_(ref["weight1"][own])
+        layer.experts.weight2.copy_(ref["weight2"][own])
+    got = _step(layer, ref["x"][mine], ref["grad"][mine])
+    torch.cuda.synchronize()
+
+    assert torch.equal(got["ids"], ref["ids"][mine]), f"rank {rank}: the routing differs from the one-rank module's"
+    want = dict(y=ref["y"][mine], dx=ref["dx"][mine], dfc1=ref["dfc1"][own], dfc2=ref["dfc2"][own])
+    bitwise = {name: bool(torch.equal(got[name], value)) for name, value in want.items()}
+    for name, value in want.items():
+        error = relative_error(got[name], value)
+        assert error <= BF16_ROUNDING, f"rank {rank}: {name} relative difference {error} from the one-rank module"
+    # Replicated router weights: their gradient is the sum of the ranks' (Megatron's data-parallel reduction).
+    router = got["router"].cpu()
+    dist.all_reduce(router, group=parallel_state.get_data_parallel_group())
+    error = relative_error(router, ref["router"].cpu())
+    assert error <= ROUTER_GRAD_TOL, f"rank {rank}: router weight gradient relative difference {error}"
+    ep_group = layer.mok_group
+    from megatron_mok.comm import get_expert_parallel_group
+
+    memory = get_expert_parallel_group(ep_group, torch.device("cuda", 0)).symmetric_memory().kind
+    parallel_state.destroy_model_parallel()
+    return dict(bitwise=bitwise, memory=memory)
