@@ -19,6 +19,8 @@ receives throughput.json, throughput.md (the tables), throughput.png (throughput
 dispatcher's loss curve and its relative difference from the first's) and each run's logs
 (runs/DISPATCHER/rankN.log).
 
+`--summarize A.json B.json ...` prints one table of mok's speed-ups from finished runs' JSON.
+
 `--profile` trains one more iteration under torch.profiler and splits its GPU time (kernels summed;
 CPU time on a CPU) into the MoE layers' forward and backward and the rest of the step; that
 iteration is left out of the medians.
@@ -56,8 +58,9 @@ GROUPED_SUFFIX = "_grouped"  # NAME_grouped: Megatron's NAME dispatcher with Gro
 # rounding separates them (2e-6 to 2e-5 seen in bf16 on the H200 proxies); a wrong route, expert,
 # weight half or routing weight moves iteration 1 by far more than 1e-4. Later, bf16 rounding
 # differences compound through Adam into per-iteration differences of up to ~2e-2 while the
-# curves track; averaged over ten iterations they stay well inside 1%, which a wrong gradient
-# (the loss falling slower or not at all) soon leaves.
+# curves track; their mean over ten iterations stays under 1% even were they all of one sign
+# (0.8% on proxy_1gpu, 2026-12-01), while a wrong gradient (the loss falling slower or not at
+# all) moves it further with every iteration.
 EARLY_ITERATIONS, EARLY_RTOL = 4, 1e-4
 TAIL_ITERATIONS, TAIL_RTOL = 10, 1e-2
 SAME_CURVE = (
@@ -599,6 +602,29 @@ def format_tables(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_summary(reports: list[dict]) -> str:
+    """mok against every baseline, one row per report (config): `--summarize`."""
+    baselines = list(dict.fromkeys(b for report in reports for b in report["baselines"] if b != "mok"))
+    lines = [
+        "mok end to end: speed-up over each baseline (median ms/iteration), and whether its lm-loss curve is "
+        f"the reference's ({SAME_CURVE})",
+        "",
+        _row("config", "mok ms/iteration", *(f"x {b} (its ms)" for b in baselines), "mok: same curve as"),
+        _row("---", "---:", *("---:" for _ in baselines), "---"),
+    ]
+    for report in reports:
+        runs = {run["dispatcher"]: run for run in report["runs"]}
+        mok = runs.get("mok", {})
+        cells = []
+        for baseline in baselines:
+            ratio = mok.get("speedup", {}).get(baseline)
+            ms = runs.get(baseline, {}).get("median_ms")
+            cells.append("-" if ratio is None else f"{ratio:.2f}x ({ms:.1f})")
+        verdict = _loss_cells(mok, report["loss_reference"])[2] if "median_ms" in mok else "-"
+        lines.append(_row(report["config"], _fmt(mok.get("median_ms"), ".1f"), *cells, f"{report['loss_reference']}: {verdict}"))
+    return "\n".join(lines)
+
+
 def write_plot(report: dict, path: Path) -> Optional[str]:
     """Throughput bars with the speed-ups, every dispatcher's loss curve, and each curve's relative
     difference from the reference's with the SAME_CURVE bounds; returns why not when it could not."""
@@ -654,7 +680,7 @@ def write_plot(report: dict, path: Path) -> Optional[str]:
     diffs.xaxis.get_major_locator().set_params(integer=True)
     diffs.set_xlabel("iteration")
     diffs.set_ylabel(f"|loss - {reference}'s| / {reference}'s")
-    diffs.set_title("relative difference from the reference", fontsize=10)
+    diffs.set_title("relative difference from the reference (equal: drawn at 1e-9)", fontsize=10)
     diffs.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -682,6 +708,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--worker" in argv[: argv.index("--") if "--" in argv else len(argv)]:
         worker_main(argv)
         return 0
+    if argv[:1] == ["--summarize"]:  # throughput.json files -> one table of mok's speed-ups
+        reports = [json.loads(Path(p).read_text()) for p in argv[1:] if Path(p).is_file()]
+        missing = [p for p in argv[1:] if not Path(p).is_file()]
+        print(format_summary(reports) if reports else "no throughput.json to summarize")
+        for p in missing:
+            print(f"{p}: missing (that config did not finish)")
+        return 0 if reports and not missing else 1
     megatron_args: list[str] = []
     if "--" in argv:
         argv, megatron_args = argv[: argv.index("--")], argv[argv.index("--") + 1:]

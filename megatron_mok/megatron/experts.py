@@ -61,18 +61,34 @@ def _initialize(fc1: torch.Tensor, fc2: torch.Tensor, config: TransformerConfig)
 
 class GroupedExpertWeights(MegatronModule, abc.ABC):
     """Local experts kept in two grouped tensors (SwiGLU, no bias, expert-TP 1), checkpointed in
-    SequentialMLP's sharded layout. Subclasses register the tensors `_new_weights` makes where their
-    layout wants them and name them in `_grouped_weights`."""
+    SequentialMLP's sharded layout. Subclasses check the config they run (`_check`), register the
+    two tensors where their layout keeps them (`_hold`) and name them in `_grouped_weights`."""
 
+    # Megatron's experts-builder signature, so that a MoE spec can name a subclass itself.
     def __init__(
-        self, num_local_experts: int, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection]
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        /,
+        *,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        name: Optional[str] = None,
     ) -> None:
+        self._check(config)
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.num_local_experts = num_local_experts
         self.ep_group = pg_collection.ep
         self.expt_dp_group = pg_collection.expt_dp
+        self._hold(*self._new_weights(config))
+
+    def _check(self, config: TransformerConfig) -> None:
+        """Raises ValueError naming the flags of a config the subclass does not run."""
+
+    @abc.abstractmethod
+    def _hold(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
+        """Registers fc1 (E_local, 2F, H) and fc2 (E_local, H, F) where the layout keeps them."""
 
     @abc.abstractmethod
     def _grouped_weights(self) -> tuple[tuple[str, torch.Tensor, str, bool], ...]:
@@ -206,19 +222,10 @@ class GroupedExpertWeights(MegatronModule, abc.ABC):
 
 class MoKGroupedExperts(GroupedExpertWeights):
     """The routed experts of one MoK layer: `weight1` (E_local, 2F, H) and `weight2` (E_local, H, F),
-    which the MoK layer passes to `mok_moe`."""
+    which the MoK layer passes to `mok_moe` (the MoK layer checks the config: checks.py)."""
 
-    def __init__(
-        self,
-        num_local_experts: int,
-        config: TransformerConfig,
-        /,
-        *,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-        name: Optional[str] = None,
-    ) -> None:
-        super().__init__(num_local_experts, config, pg_collection)
-        self.weight1, self.weight2 = self._new_weights(config)
+    def _hold(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
+        self.weight1, self.weight2 = fc1, fc2
 
     def _grouped_weights(self) -> tuple[tuple[str, torch.Tensor, str, bool], ...]:
         return (("weight1", self.weight1, "linear_fc1.weight", True), ("weight2", self.weight2, "linear_fc2.weight", False))

@@ -27,12 +27,9 @@ H hidden, F expert FFN (moe_ffn_hidden_size).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mok.megatron.experts import GroupedExpertWeights
@@ -136,20 +133,12 @@ def group_ends(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.T
 class GroupedMMExperts(GroupedExpertWeights):
     """The routed experts of one Megatron MoE layer on torch's grouped GEMM (module docstring)."""
 
-    def __init__(
-        self,
-        num_local_experts: int,
-        config: TransformerConfig,
-        /,
-        *,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-        name: Optional[str] = None,
-    ) -> None:
+    def _check(self, config: TransformerConfig) -> None:
         problems = unsupported(config)
         if problems:
             raise ValueError("GroupedMMExperts (--mok-grouped-mm-experts): " + "; ".join(problems))
-        super().__init__(num_local_experts, config, pg_collection)
-        fc1, fc2 = self._new_weights(config)
+
+    def _hold(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
         self.linear_fc1 = GroupedLinearWeight(fc1)
         self.linear_fc2 = GroupedLinearWeight(fc2)
 

@@ -115,6 +115,8 @@ def test_table_gives_a_speed_up_per_baseline_and_marks_a_failed_run(tmp_path):
     assert "| alltoall_grouped | SequentialMLP | 1000.0 | 16,384 | 102.5 | 1.0 | 1.00x | - | - | - | (reference) |" in table
     assert "| mok | SequentialMLP | 500.0 | 32,768 | 102.5 | 1.0 | 2.00x | - | 0.0e+00 | 0.0e+00 | yes |" in table
     assert "| alltoall | - | failed (exit code 1" in table
+    summary = throughput.format_summary([report])
+    assert "| x | 500.0 | 2.00x (1000.0) | - | alltoall_grouped: yes |" in summary
 
 
 def _event(name, kernels=(), children=(), cpu_us=0.0):
