@@ -63,9 +63,15 @@ GROUPED_SUFFIX = "_grouped"  # NAME_grouped: Megatron's NAME dispatcher with Gro
 # all) moves it further with every iteration.
 EARLY_ITERATIONS, EARLY_RTOL = 4, 1e-4
 TAIL_ITERATIONS, TAIL_RTOL = 10, 1e-2
+
+
+def _power_of_ten(value: float) -> str:
+    return f"{value:.0e}".replace("e-0", "e-")  # 1e-4, not 1e-04
+
+
 SAME_CURVE = (
-    f"same curve: iterations 1-{EARLY_ITERATIONS} within {EARLY_RTOL:.0e} relative and the mean of the last "
-    f"min({TAIL_ITERATIONS}, n) iterations within {TAIL_RTOL:.0%} relative"
+    f"same curve: iterations 1-{EARLY_ITERATIONS} within {_power_of_ten(EARLY_RTOL)} relative and the mean of "
+    f"the last min({TAIL_ITERATIONS}, n) iterations within {TAIL_RTOL:.0%} relative"
 )
 
 
@@ -674,7 +680,7 @@ def write_plot(report: dict, path: Path) -> Optional[str]:
     curves.legend(fontsize=8)
     diffs.set_yscale("log")
     diffs.plot([1, EARLY_ITERATIONS], [EARLY_RTOL] * 2, color="black", linewidth=1,
-               label=f"it. 1-{EARLY_ITERATIONS} bound {EARLY_RTOL:.0e}")
+               label=f"it. 1-{EARLY_ITERATIONS} bound {_power_of_ten(EARLY_RTOL)}")
     diffs.axhline(TAIL_RTOL, color="gray", linewidth=1, linestyle="--",
                   label=f"last-{TAIL_ITERATIONS} mean bound {TAIL_RTOL:.0%}")
     diffs.xaxis.get_major_locator().set_params(integer=True)
