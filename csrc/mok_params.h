@@ -189,6 +189,31 @@ struct ExpertGemmParams {
   FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 
+// The FP8 blockwise grouped GEMM over the schedule's expert segments (gemm/fp8_gemm_sm90.cuh,
+// docs/design.md §12.3): for each row r of expert e's segment, with b the K blocks of 128 ascending,
+//   out[r, n] = sum_b a_scales[b, r] * b_scales[e, n / 128, b] * P_b[r, n],
+//   P_b[r, n] = sum over the 128 k of block b of A[r, k] * B_e[n, k]   (E4M3 operands, fp32 partial)
+// rounded once to bf16. A (num_rows, k) and B (num_experts * n_weight_rows, k) are E4M3, K-major
+// (the dgrad GEMMs pass the transposed weight copy as B). Rows outside every segment are not written.
+struct Fp8BlockScales {
+  const float* a;  // (k / 128, a_rows) fp32: the GEMM-A layout, one K block's scales contiguous over rows
+  const float* b;  // (num_experts, n_weight_rows / 128, k / 128) fp32: the weight's 128 x 128 blocks
+  int32_t a_rows;  // row stride of `a`: num_rows rounded up to kFp8ScaleRowPad
+};
+
+struct Fp8ExpertGemmMaps {
+  const CUtensorMap* a;        // A in boxes of 128 rows x 128 bytes (one K block of a tile's rows)
+  const CUtensorMap* b;        // B in boxes of 128 (clusters of 2: 64) rows x 128 bytes
+  StoreEpilogueMaps epilogue;  // out (num_rows, n_out) bf16 in boxes of 64 x 64
+};
+
+struct Fp8ExpertGemmParams {
+  ExpertGemmProblem problem;  // n_out == n_weight_rows: B's rows are output columns
+  Fp8BlockScales scales;
+  StoreEpilogueParams epilogue;
+  FailureRecord* failure_record;  // host-mapped; null: trap without a record
+};
+
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e]; every element of out is written (zeros
 // for an expert with no rows).
