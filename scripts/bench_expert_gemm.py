@@ -23,7 +23,8 @@ Prints ms and TFLOP/s (2 * routed rows * N * K) beside a dense cuBLAS bf16 GEMM 
 prints the FP8 blockwise grouped GEMM (ops.fp8_expert_gemm) instead, per projection out = a . w_e^T
 with segments padded to 128 rows (the FP8 recipe's schedule): fc1 (N 2F, K H), fc2 (N H, K F), and
 the dgrads dgrad_fc2 (d act: N F, K H) and dgrad_fc1 (d rows: N H, K 2F) through the transposed
-weight copies. Columns, one interleaved run on the same inputs: torch's bf16 grouped_mm, our bf16
+weight copies; fc1+swiglu is fc1 with SwiGLU (ours: ops.fp8_expert_gemm_swiglu, act quantized 1x128
+in the epilogue). Columns, one interleaved run on the same inputs: torch's bf16 grouped_mm, our bf16
 sm90 kernel (K-major weights), torch._scaled_grouped_mm with FP8 rowwise scales (one scale per row
 of a and per output column of w_e, no promotion: torch has no grouped blockwise FP8 on sm90), and
 ours per cluster size. Quantization is done before timing for every FP8 column (GEMMs only).
@@ -86,6 +87,10 @@ FP8_PROJECTIONS = {
     "fc2": ("act", "fc2", lambda h, f: 2 * h * f),
     "dgrad_fc2": ("grad_out", "fc2_t", lambda h, f: 2 * f * h),
     "dgrad_fc1": ("gate_up", "fc1_t", lambda h, f: 2 * h * 2 * f),
+    # fc1 with SwiGLU after it: ours in the epilogue, act quantized 1x128 (ops.fp8_expert_gemm_swiglu);
+    # the bf16 columns with SwiGLU (torch: its grouped_mm + the SwiGLU kernel; ours: in the epilogue);
+    # torch's FP8 rowwise + the SwiGLU kernel, act left in bf16.
+    "fc1+swiglu": ("rows", "fc1", lambda h, f: 2 * 2 * f * h),
 }
 
 
@@ -151,8 +156,17 @@ def main_fp8(args) -> None:
             except (RuntimeError, NotImplementedError) as error:  # no grouped FP8 rowwise in this build
                 print(f"torch._scaled_grouped_mm unavailable: {str(error).splitlines()[0]}")
                 del fns["torch fp8 rw"]
+            fp8_op = ops.fp8_expert_gemm
+            if label == "fc1+swiglu":
+                fp8_op = ops.fp8_expert_gemm_swiglu
+                fns["torch bf16"] = lambda s: grouped_mm_gate_up(s["rows"], s["fc1"], s["offsets"])
+                fns["ours bf16"] = lambda s: ops.expert_gemm_swiglu(
+                    s["rows"], s["fc1"], s["offsets"], tuning.EXPERT_GEMM_CLUSTER_M, tuning.EXPERT_GEMM_GROUP_M
+                )
+                if "torch fp8 rw" in fns:
+                    fns["torch fp8 rw"] = lambda s: ops.swiglu_forward(torch_fp8_rowwise(s, "rows", "fc1"), s["offsets"])
             for c in clusters:
-                fns[f"fp8 c{c}"] = lambda s, c=c: ops.fp8_expert_gemm(
+                fns[f"fp8 c{c}"] = lambda s, c=c, op=fp8_op: op(
                     *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, group_m
                 )
             ms_by = median_ms_interleaved(fns, sets)

@@ -1,7 +1,9 @@
-// Torch binding of the FP8 blockwise grouped GEMM (gemm/fp8_gemm_sm90.cuh): op fp8_expert_gemm of the
-// `megatron_mok` library (its validated wrapper, fake implementation and reference in
-// megatron_mok/ops/fp8_gemm.py, which raises ValueError before this runs; these checks are the
-// same, for callers of torch.ops directly). Fills Fp8ExpertGemmParams (mok_params.h) once and launches.
+// Torch bindings of the FP8 blockwise grouped GEMM (gemm/fp8_gemm_sm90.cuh): ops fp8_expert_gemm
+// (bf16 out) and fp8_expert_gemm_swiglu (gate_up bf16, act E4M3 with its 1x128 scales) of the
+// `megatron_mok` library (validated wrappers, fake implementations and references in
+// megatron_mok/ops/fp8_gemm.py, which raise ValueError before these run; the checks here are the
+// same, for callers of torch.ops directly). Each fills Fp8ExpertGemmParams (mok_params.h) once and
+// launches.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -74,14 +76,14 @@ int fp8_resident_clusters(Kernel kernel, cudaLaunchConfig_t config, int cluster_
   return clusters;
 }
 
-template <int kClusterM>
-void launch_fp8_expert_gemm(Fp8ExpertGemmParams params, const CUtensorMap& a_map, const CUtensorMap& b_map,
-                            const CUtensorMap& out_map) {
-  using Kernel = Fp8ExpertGemmKernel<kClusterM>;
+// maps: A, B, then the epilogue's (Fp8ExpertGemmMaps<Epilogue::Maps> in order).
+template <class Epilogue, int kClusterM, class... EpilogueMaps>
+void launch_fp8_expert_gemm(Fp8ExpertGemmParams<typename Epilogue::Params> params, const EpilogueMaps&... maps) {
+  using Kernel = Fp8ExpertGemmKernel<kClusterM, Epilogue>;
   const ExpertGemmProblem& g = params.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   params.failure_record = failure_record(stream);
-  auto kernel = gemm_kernel_sm90<Kernel, Fp8ExpertGemmMaps, Fp8ExpertGemmParams, CUtensorMap, CUtensorMap, CUtensorMap>;
+  auto kernel = gemm_kernel_sm90<Kernel, typename Kernel::Maps, typename Kernel::Params, EpilogueMaps...>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -101,18 +103,27 @@ void launch_fp8_expert_gemm(Fp8ExpertGemmParams params, const CUtensorMap& a_map
       ((int64_t(g.num_rows) + kClusterRows - 1) / kClusterRows + g.num_experts) * (g.n_out / Tile::kN);
   const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, fp8_resident_clusters(kernel, config, kClusterM))));
   config.gridDim = dim3(clusters * kClusterM);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, out_map, params));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, maps..., params));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// out (rows, N) bf16 = per expert segment e, a[r] (E4M3, K) times weight[e]^T (E4M3 (N, K)) with
-// blockwise scales (mok_params.h Fp8ExpertGemmParams); rows past the last segment not written.
-at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
-                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
-                           int64_t group_m) {
-  constexpr const char* kOp = "fp8_expert_gemm: ";
-  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
-  const c10::cuda::CUDAGuard guard(a.device());
+template <class Epilogue, class... Maps>
+void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
+                         const Maps&... maps) {
+  if (cluster_m == 1) {
+    launch_fp8_expert_gemm<Epilogue, 1>(params, maps...);
+  } else {
+    launch_fp8_expert_gemm<Epilogue, 2>(params, maps...);
+  }
+}
+
+// The checks both ops share (the FP8 operands, the offsets and the launch shape); returns (experts,
+// weight rows per expert N, K, fp8_scale_rows(rows)).
+std::tuple<int64_t, int64_t, int64_t, int64_t> check_fp8_operands(const char* kOp, const at::Tensor& a,
+                                                                  const at::Tensor& a_scales, const at::Tensor& weight,
+                                                                  const at::Tensor& weight_scales,
+                                                                  const at::Tensor& expert_offsets, int64_t cluster_m,
+                                                                  int64_t group_m) {
   const std::pair<const at::Tensor*, const char*> tensors[] = {
       {&a, "a"}, {&a_scales, "a_scales"}, {&weight, "weight"}, {&weight_scales, "weight_scales"},
       {&expert_offsets, "expert_offsets"}};
@@ -148,22 +159,75 @@ at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, cons
   TORCH_CHECK(scale_rows < (int64_t(1) << 31) && experts * n < (int64_t(1) << 31), kOp, "more than 2^31 rows");
   TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
               "this GPU has less shared memory per block than the kernel's ", std::to_string(kSmemBytes), " bytes");
+  return {experts, n, k, scale_rows};
+}
+
+template <class EpilogueParams>
+Fp8ExpertGemmParams<EpilogueParams> fp8_params(const at::Tensor& a, const at::Tensor& a_scales,
+                                               const at::Tensor& weight_scales, const at::Tensor& expert_offsets,
+                                               int64_t experts, int64_t n_out, int64_t n_weight_rows, int64_t k,
+                                               int64_t scale_rows, int64_t group_m) {
+  Fp8ExpertGemmParams<EpilogueParams> p{};
+  p.problem = ExpertGemmProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts),       int32_t(a.size(0)),
+                                int32_t(n_out),                     int32_t(n_weight_rows), int32_t(k),
+                                int32_t(group_m)};
+  p.scales = Fp8BlockScales{a_scales.data_ptr<float>(), weight_scales.data_ptr<float>(), int32_t(scale_rows)};
+  return p;
+}
+
+// out (rows, N) bf16 = per expert segment e, a[r] (E4M3, K) times weight[e]^T (E4M3 (N, K)) with
+// blockwise scales (mok_params.h Fp8ExpertGemmParams); rows past the last segment not written.
+at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
+                           int64_t group_m) {
+  constexpr const char* kOp = "fp8_expert_gemm: ";
+  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [experts, n, k, scale_rows] =
+      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+  const int64_t rows = a.size(0);
   auto out = at::empty({rows, n}, a.options().dtype(at::kBFloat16));
   if (rows == 0) return out;
-  Fp8ExpertGemmParams p{};
-  p.problem = ExpertGemmProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts), int32_t(rows), int32_t(n),
-                                int32_t(n), int32_t(k), int32_t(group_m)};
-  p.scales = Fp8BlockScales{a_scales.data_ptr<float>(), weight_scales.data_ptr<float>(), int32_t(scale_rows)};
+  auto p = fp8_params<StoreEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, n, n, k, scale_rows,
+                                           group_m);
   p.epilogue = StoreEpilogueParams{out.data_ptr()};
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
-  const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, uint32_t(Tile::kN / cluster_m), "weight");
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
-  if (cluster_m == 1) {
-    launch_fp8_expert_gemm<1>(p, a_map, b_map, out_map);
-  } else {
-    launch_fp8_expert_gemm<2>(p, a_map, b_map, out_map);
-  }
+  launch_with_cluster<Fp8StoreEpilogue>(cluster_m, p, a_map, b_map, out_map);
   return out;
+}
+
+// The gate/up projection with SwiGLU, act quantized 1x128 along F: weight (E, 2F, K) gate rows then
+// up rows, F a multiple of 128. Returns (gate_up (rows, 2F) bf16, act (rows, F) e4m3, act_scales
+// (F/128, fp8_scale_rows(rows)) fp32, the GEMM-A layout; its padding columns hold 1 as
+// quantization.gemm_a_scales makes them). Rows past the last segment are not written.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::Tensor& a, const at::Tensor& a_scales,
+                                                                      const at::Tensor& weight,
+                                                                      const at::Tensor& weight_scales,
+                                                                      const at::Tensor& expert_offsets,
+                                                                      int64_t cluster_m, int64_t group_m) {
+  constexpr const char* kOp = "fp8_expert_gemm_swiglu: ";
+  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [experts, two_ffn, k, scale_rows] =
+      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+  TORCH_CHECK(two_ffn % (2 * kFp8Block) == 0, kOp, "weight must hold gate and up rows of a multiple of ",
+              std::to_string(kFp8Block), " each (F), got ", std::to_string(two_ffn), " rows");
+  const int64_t rows = a.size(0), ffn = two_ffn / 2;
+  auto gate_up = at::empty({rows, two_ffn}, a.options().dtype(at::kBFloat16));
+  auto act = at::empty({rows, ffn}, a.options());
+  auto act_scales = at::empty({ffn / kFp8Block, scale_rows}, a_scales.options());
+  act_scales.narrow(1, rows, scale_rows - rows).fill_(1.f);
+  if (rows == 0) return {gate_up, act, act_scales};
+  auto p = fp8_params<Fp8SwigluEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, ffn, two_ffn, k,
+                                               scale_rows, group_m);
+  p.epilogue = Fp8SwigluEpilogueParams{gate_up.data_ptr(), act.data_ptr(), act_scales.data_ptr<float>(),
+                                       int32_t(scale_rows)};
+  const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * two_ffn, k, Tile::kN / 2, "weight");
+  launch_with_cluster<Fp8SwigluEpilogue>(cluster_m, p, a_map, b_map);
+  return {gate_up, act, act_scales};
 }
 
 }  // namespace
@@ -172,8 +236,14 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_expert_gemm(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m) -> Tensor");
+  m.def(
+      "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
+      "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) { m.impl("fp8_expert_gemm", &fp8_expert_gemm); }
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("fp8_expert_gemm", &fp8_expert_gemm);
+  m.impl("fp8_expert_gemm_swiglu", &fp8_expert_gemm_swiglu);
+}
 
 }  // namespace mok

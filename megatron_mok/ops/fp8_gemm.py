@@ -9,7 +9,7 @@ are (data, scales) pairs in the layouts of megatron_mok/quantization.py:
     weight_scales  (E, N/128, K/128) float32                quantization.transpose_weight of it (dgrad)
     expert_offsets (E + 1,) int32, non-decreasing within [0, R] (as the schedule makes them; not
                    checked on the device: the offsets never leave it)
-The reference is `fp8_expert_gemm_reference` below (quantization.fp8_segment_matmul).
+The references are the `*_reference` functions beside the ops (quantization.fp8_segment_matmul).
 """
 
 from __future__ import annotations
@@ -26,6 +26,16 @@ E4M3 = torch.float8_e4m3fn
 @register_fake("fp8_expert_gemm")
 def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
     return a.new_empty((a.shape[0], weight.shape[1]), dtype=torch.bfloat16)
+
+
+@register_fake("fp8_expert_gemm_swiglu")
+def _fp8_expert_gemm_swiglu_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    rows, ffn = a.shape[0], weight.shape[1] // 2
+    return (
+        a.new_empty((rows, 2 * ffn), dtype=torch.bfloat16),
+        a.new_empty((rows, ffn), dtype=E4M3),
+        a.new_empty((ffn // FP8_BLOCK, fp8_scale_rows(rows)), dtype=torch.float32),
+    )
 
 
 def fp8_expert_gemm(
@@ -61,12 +71,64 @@ def fp8_expert_gemm_reference(
     return quantization.fp8_segment_matmul(a, a_scales, weight, weight_scales, expert_offsets)
 
 
-def check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m) -> None:
+def fp8_expert_gemm_swiglu(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int,
+    group_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate/up projection with SwiGLU in the epilogue, act quantized 1x128 along F for the down
+    projection: weight (E, 2F, K) gate rows then up rows (F a multiple of 128), quantized 128 x 128.
+    Returns (gate_up (R, 2F) bf16: fp8_expert_gemm's product; act (R, F) float8_e4m3fn and act_scales
+    (F/128, fp8_scale_rows(R)) float32 in the GEMM-A layout, padding columns 1): act is
+    silu(gate) * up of the bf16 gate_up rounded to bf16 (ops.swiglu_forward's arithmetic), then
+    quantization.quantize_rowwise of it exactly (the same q and scales bit for bit). Rows at or past
+    expert_offsets[-1] are not written. Ref: fp8_expert_gemm_swiglu_reference."""
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
+                               op="fp8_expert_gemm_swiglu", gated=True)
+    return torch.ops.megatron_mok.fp8_expert_gemm_swiglu(
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m
+    )
+
+
+def fp8_expert_gemm_swiglu_reference(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate_up (R, 2F) float32 exact, act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R))): the
+    recipe's product, and act from its bf16 rounding through SwiGLU (rounded to bf16) and
+    quantization.quantize_rowwise. The kernel's act equals this act of the kernel's own gate_up."""
+    gate_up = fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets)
+    act, act_scales = quantize_swiglu(gate_up.bfloat16())
+    return gate_up, act, act_scales
+
+
+def quantize_swiglu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up (R, 2F) bf16 -> (act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R)) fp32):
+    silu(gate) * up in fp32 rounded to bf16, quantized 1x128 along F (the FP8 SwiGLU epilogue's
+    result for the same gate_up)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).bfloat16()
+    q, scales = quantization.quantize_rowwise(act)
+    return q, quantization.gemm_a_scales(scales)
+
+
+def check_fp8_expert_gemm_args(
+    a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op: str = "fp8_expert_gemm",
+    gated: bool = False,
+) -> None:
     """ValueErrors naming the argument: types, dtypes, shapes and multiples first, contiguity, then
-    devices (so everything but the device is checkable with CPU tensors)."""
+    devices (so everything but the device is checkable with CPU tensors). gated: weight holds F gate
+    then F up rows, F a multiple of 128."""
 
     def fail(message: str) -> None:
-        raise ValueError(f"fp8_expert_gemm: {message}")
+        raise ValueError(f"{op}: {message}")
 
     tensors = {
         "a": a, "a_scales": a_scales, "weight": weight, "weight_scales": weight_scales, "expert_offsets": expert_offsets
@@ -92,6 +154,8 @@ def check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offset
         fail(f"K (a's columns) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {k}")
     if n <= 0 or n % FP8_BLOCK:
         fail(f"N (weight's rows per expert) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {n}")
+    if gated and n % (2 * FP8_BLOCK):
+        fail(f"weight (E, 2F, K) must hold F gate and F up rows with F a multiple of {FP8_BLOCK}, got {n} rows")
     want = (k // FP8_BLOCK, fp8_scale_rows(rows))
     if tuple(a_scales.shape) != want:
         fail(f"a_scales must be (K/128, fp8_scale_rows(R)) = {want} (quantization.gemm_a_scales), "

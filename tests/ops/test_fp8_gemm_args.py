@@ -96,3 +96,15 @@ def test_reference_is_the_promoted_block_formula():
             want[lo:hi] += scale * partial
     assert got.dtype == torch.float32 and got.shape == (R, N)
     assert torch.equal(got.double(), want)
+
+
+def test_swiglu_checks_name_their_op_and_f():
+    """fp8_expert_gemm_swiglu checks as fp8_expert_gemm does, under its own name, and F (half the
+    weight's rows) must itself be a multiple of 128: a 1x128 act block never straddles gate and up."""
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: a must be torch.float8_e4m3fn"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args(a=torch.zeros(R, K, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: weight .* F a multiple of 128, got 384 rows"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args())  # 2F = 384: F = 192
+    weight = torch.zeros(E, 256, K, dtype=E4M3)
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: a must be a CUDA tensor"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args(weight=weight, weight_scales=torch.ones(E, 2, K // 128)))

@@ -18,6 +18,11 @@ Tolerances (SQNR = 20 log10(||ref|| / ||ref - got||)):
   No row or column may break it (catches an outlier the norm would average away).
 - Against fp32 of the unquantized inputs, >= 25 dB: the recipe itself costs accuracy (both operands
   rounded to E4M3, ~2^-4 relative each); on Gaussian data it gives ~28.7 dB (the issue's bar).
+- The SwiGLU epilogue: gate_up as above; act and its scales exactly quantization.quantize_rowwise of
+  ops.swiglu_forward(gate_up) (the same bf16 act, amax, IEEE division and round-to-nearest E4M3);
+  the dequantized act against SwiGLU of the fp32 unquantized product >= 20 dB (gate and up each
+  ~28.7 dB, their product ~25.5 dB, act's own E4M3 rounding on top: ~24.7 dB on Gaussian data in
+  the PyTorch emulation of the recipe).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import pytest
 import torch
 
 from megatron_mok import ops, quantization
+from megatron_mok.limits import fp8_scale_rows
 from megatron_mok.backends.tuning import FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
 
@@ -37,6 +43,7 @@ E4M3 = torch.float8_e4m3fn
 LAUNCH = (FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M)
 MIN_SQNR_VS_RECIPE_DB = 45.0
 MIN_SQNR_VS_FP32_DB = 25.0
+MIN_SQNR_ACT_VS_FP32_DB = 20.0
 
 # name: (rows per expert, K, N, segments padded to 128 rows with zero rows, weight transposed for dgrad)
 # The model shapes are one rank's experts' GEMMs (docs/design.md §12.4): DeepSeek-V3 H 7168, F 2048
@@ -100,15 +107,10 @@ def case_args(name):
     return make_case(rows, k, n, padded, transposed, seed=zlib.crc32(name.encode()) % 1000)
 
 
-@pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("case", list(CASES))
-def test_fp8_expert_gemm_matches_the_recipe_and_fp32(case, cluster_m):
-    args, fp32, end = case_args(case)
+def assert_matches_recipe_and_fp32(got, args, fp32, end):
+    """got (>= end rows, N) bf16 against the exact recipe and fp32 (module doc)."""
     qa, sa, qw, sw, offsets = args
-    poison_allocator()
-    out = ops.fp8_expert_gemm(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)
-    assert out.shape == (qa.shape[0], qw.shape[1]) and out.dtype == torch.bfloat16
-    got = out[:end].float()
+    got = got[:end].float()
     assert torch.isfinite(got).all(), "non-finite (unwritten) elements inside the segments"
     ref = ops.fp8_expert_gemm_reference(*args)[:end]
     magnitude = ops.fp8_expert_gemm_reference(qa.float().abs().to(E4M3), sa, qw.float().abs().to(E4M3), sw, offsets)
@@ -118,6 +120,69 @@ def test_fp8_expert_gemm_matches_the_recipe_and_fp32(case, cluster_m):
     if ref.norm() > 0:
         assert sqnr_db(ref, got) >= MIN_SQNR_VS_RECIPE_DB
         assert sqnr_db(fp32, got) >= MIN_SQNR_VS_FP32_DB
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_expert_gemm_matches_the_recipe_and_fp32(case, cluster_m):
+    args, fp32, end = case_args(case)
+    qa, _, qw, _, _ = args
+    poison_allocator()
+    out = ops.fp8_expert_gemm(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)
+    assert out.shape == (qa.shape[0], qw.shape[1]) and out.dtype == torch.bfloat16
+    assert_matches_recipe_and_fp32(out, args, fp32, end)
+
+
+# name: (rows per expert, K = H, 2F): gate/up projections (F a multiple of 128).
+SWIGLU_CASES = {
+    "minimum": ([1], 128, 256),
+    "deepseek_v3_fc1": ([700, 300, 0, 1100], 7168, 4096),
+    "qwen3_30b_fc1": ([40, 0, 300, 7] * 8, 2048, 1536),
+    "odd_segments_padded": ([1, 129, 77, 255, 3], 384, 768),
+    "odd_segments_unpadded": ([37, 0, 129, 5, 200], 256, 512),
+}
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
+    rows_per_expert, k, two_ffn = SWIGLU_CASES[case]
+    padded = case != "odd_segments_unpadded"
+    args, fp32, end = make_case(rows_per_expert, k, two_ffn, padded, False, seed=zlib.crc32(case.encode()) % 1000 + 1)
+    qa, _, _, _, offsets = args
+    rows, ffn = qa.shape[0], two_ffn // 2
+    poison_allocator()
+    gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)
+    assert gate_up.shape == (rows, two_ffn) and gate_up.dtype == torch.bfloat16
+    assert act.shape == (rows, ffn) and act.dtype == E4M3
+    assert act_scales.shape == (ffn // 128, fp8_scale_rows(rows)) and act_scales.dtype == torch.float32
+    assert_matches_recipe_and_fp32(gate_up, args, fp32, end)
+    act_bf16 = ops.swiglu_forward(gate_up, offsets)[:end]
+    want_q, want_scales = quantization.quantize_rowwise(act_bf16)
+    assert torch.equal(act[:end].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(act_scales[:, :end], want_scales.t())
+    assert torch.equal(act_scales[:, rows:], torch.ones_like(act_scales[:, rows:]))  # the layout's padding
+    gate, up = fp32.chunk(2, dim=-1)
+    act_fp32 = torch.nn.functional.silu(gate) * up
+    assert sqnr_db(act_fp32, quantization.dequantize_rowwise(act[:end], act_scales[:, :end].t())) >= MIN_SQNR_ACT_VS_FP32_DB
+
+
+def test_fp8_expert_gemm_swiglu_deterministic_graph_and_registration():
+    args, _, end = make_case([40, 0, 300, 7] * 4, 512, 512, True, False, seed=11)
+    first = [t.clone() for t in ops.fp8_expert_gemm_swiglu(*args, *LAUNCH)]
+    again = ops.fp8_expert_gemm_swiglu(*args, *LAUNCH)
+    assert torch.equal(again[0][:end], first[0][:end])
+    assert torch.equal(again[1][:end].view(torch.uint8), first[1][:end].view(torch.uint8))
+    assert torch.equal(again[2][:, :end], first[2][:, :end])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.fp8_expert_gemm_swiglu(*args, *LAUNCH)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0][:end], first[0][:end])
+    assert torch.equal(captured[1][:end].view(torch.uint8), first[1][:end].view(torch.uint8))
+    op = torch.ops.megatron_mok.fp8_expert_gemm_swiglu.default
+    torch.library.opcheck(op, (*args, *LAUNCH), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fp8_expert_gemm_promotes_per_k_block():
