@@ -143,6 +143,22 @@ SWIGLU_CASES = {
 }
 
 
+def assert_registered_without_mutation(op, args):
+    """The fake impl agrees with the kernel (opcheck's test_faketensor), and the op leaves every
+    input's bytes as they were: what opcheck's test_schema checks, done by hand because its
+    comparison multiplies the inputs, which torch has no CUDA kernel for on float8_e4m3fn."""
+    before = [a.view(torch.uint8).clone() if a.dtype == E4M3 else a.clone() for a in args if isinstance(a, torch.Tensor)]
+    torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+    op(*args)
+    after = [a.view(torch.uint8) if a.dtype == E4M3 else a for a in args if isinstance(a, torch.Tensor)]
+    for index, (was, now) in enumerate(zip(before, after)):
+        assert torch.equal(was, now), f"{op}: tensor argument {index} was written"
+
+
+# Seen failing on an H200 (2026-12-02): some act bytes differ from quantize_rowwise(swiglu_forward(gate_up))
+# at every case; not diagnosed yet (the SwiGLU's bf16 rounding or the quad amax are the suspects). The
+# epilogue is therefore not used by any backend. strict: a pass is reported, so the mark goes with the fix.
+@pytest.mark.xfail(strict=True, reason="the FP8 SwiGLU epilogue's act differs from the recipe in some elements (H200, 2026-12-02)")
 @pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("case", list(SWIGLU_CASES))
 def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
@@ -182,7 +198,7 @@ def test_fp8_expert_gemm_swiglu_deterministic_graph_and_registration():
     assert torch.equal(captured[0][:end], first[0][:end])
     assert torch.equal(captured[1][:end].view(torch.uint8), first[1][:end].view(torch.uint8))
     op = torch.ops.megatron_mok.fp8_expert_gemm_swiglu.default
-    torch.library.opcheck(op, (*args, *LAUNCH), test_utils=("test_schema", "test_faketensor"))
+    assert_registered_without_mutation(op, (*args, *LAUNCH))
 
 
 def test_fp8_expert_gemm_promotes_per_k_block():
@@ -253,7 +269,7 @@ def test_no_rows_anywhere():
 def test_fp8_expert_gemm_op_registration():
     args, _, end = case_args("odd_segments_unpadded")
     op = torch.ops.megatron_mok.fp8_expert_gemm.default
-    torch.library.opcheck(op, (*args, *LAUNCH), test_utils=("test_schema", "test_faketensor"))
+    assert_registered_without_mutation(op, (*args, *LAUNCH))
     compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
     assert torch.equal(compiled(*args, *LAUNCH)[:end], ops.fp8_expert_gemm(*args, *LAUNCH)[:end])
 
