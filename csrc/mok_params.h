@@ -331,8 +331,8 @@ struct RowSource {
 // The row gather of moe/dispatch_sm90.cuh reading the group's rows through a RowSource: the pull
 // dispatch from the ranks' `tokens` regions and the reverse-combine pull from `grad_tokens` and
 // `grad_weights`. The inherited src and weights are unused (null): rows and weights come from
-// `source`; num_routes is the group's, num_bases * rows_per_base * topk. A kernel instantiated for
-// GatherRowsParams reads exactly as before (same SASS): the peer form is a second instantiation.
+// `source`; num_routes is the group's, num_bases * rows_per_base * topk. GatherRowsParams has no
+// RowSource, so its instantiation never pays for the region lookup: the peer form is a second one.
 struct PeerGatherRowsParams : GatherRowsParams {
   RowSource source;
 };
@@ -342,8 +342,8 @@ struct PeerGatherRowsParams : GatherRowsParams {
 // g % T (T = source.rows_per_base). The inherited x is unused (null); x_rows is the group's rows,
 // num_bases * rows_per_base, below 2^31 (the dispatch warps locate rows in 32 bits);
 // source.weight_bases stay null. Every base and the row size (2K bytes) 16-byte aligned (the copy
-// reads 16-byte units; the bulk prefetch needs it). As for the gathers,
-// the one-tensor ring (DispatchRingParams) reads exactly as before: this is a second instantiation.
+// reads 16-byte units; the bulk prefetch needs it). As for the gathers, the one-tensor ring
+// (DispatchRingParams) has no RowSource and no lookup: this is a second instantiation.
 struct PeerDispatchRingParams : DispatchRingParams {
   RowSource source;
 };
