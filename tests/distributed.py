@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 
 # The environment of GPU ranks, as a launch sets it: CUDA's default lazy module loading (the test
-# session sets EAGER for the in-process emulation, tests/conftest.py), NVLink multicast off.
+# run sets EAGER for the in-process emulation, tests/conftest.py), NVLink multicast off.
 GPU_RANK_ENV = {"CUDA_MODULE_LOADING": "LAZY", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}
 
 

@@ -271,7 +271,7 @@ void check_dispatch(const char* op, const char* x_name, const at::Tensor& x, con
   // A dispatcher waits for the slot of minibatch m - ring only once every minibatch below m is
   // written; that cannot wait on itself when every tile a CTA runs before the last of minibatch
   // m - ring lies below m, i.e. when the ring outlasts the minibatches one raster group spans
-  // (group_m m-tiles of 128 rows) by one (gemm/expert_gemm_sm90.cuh, dispatch_rows_ahead).
+  // (group_m m-tiles of 128 rows) by one (moe/dispatch_ring_sm90_ws.cuh, dispatch_rows_ahead).
   const int64_t group_minibatches = (group_m * kExpertGemmTileM + kDispatchMinibatchRows - 1) / kDispatchMinibatchRows;
   TORCH_CHECK(ring_minibatches == 0 ||
                   (ring_minibatches > group_minibatches && ring_minibatches <= kMaxDispatchRingMinibatches),

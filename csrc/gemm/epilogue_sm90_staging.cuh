@@ -1,8 +1,8 @@
 // The epilogue building blocks of the sm90 GEMMs: the accumulators (rounded once to bf16 pairs)
 // go either through a consumer warpgroup's staging buffer in shared memory and TMA stores, or, for a
 // warpgroup whose rows are not all inside its segment, straight to global memory with a row mask.
-// (When every SM writes its tile at once the epilogue costs 10-15% of the GEMM; docs/performance.md
-// has what the variants measured.)
+// (When every SM writes its tile at once the epilogue costs 10-15% of the GEMM;
+// docs/log/performance_2026-11.md has what the variants measured.)
 #pragma once
 
 #include <cuda.h>

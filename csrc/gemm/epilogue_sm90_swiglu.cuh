@@ -3,7 +3,7 @@
 // n_out further), so gate column n sits in acc[4 * j + ...] and its up partner in
 // acc[4 * (j + 16) + ...] of the same thread. Writes gate_up (the pre-activation, kept for backward)
 // and act = silu(gate) * up from the bf16-rounded gate and up: exactly swiglu_forward_kernel over
-// the written gate_up. Reference: swiglu_reference over segment_matmul_reference.
+// the written gate_up. Reference: swiglu over segment_matmul in megatron_mok/backends/reference.py.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,7 +1,7 @@
 // The SwiGLU-backward epilogue of the down projection's dgrad (sm90): the product is grad_act, which
 // is rounded to bf16 (as the unfused pipeline does) and never written; the epilogue reads gate_up
 // and writes grad_gate_up = swiglu_backward(gate_up, grad_act): exactly swiglu_backward_kernel.
-// Reference: swiglu_backward_reference over segment_matmul_reference.
+// Reference: swiglu_backward over segment_matmul in megatron_mok/backends/reference.py.
 #pragma once
 
 #include <cuda_bf16.h>

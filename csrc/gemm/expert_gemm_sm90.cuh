@@ -7,9 +7,8 @@
 //   SwigluEpilogue, DispatchRingA      dispatch_expert_gemm_swiglu:       the rows dispatched in-kernel
 //   StoreEpilogue, MN-major B          expert_gemm_dgrad:                 out = a . w_e (w as stored)
 //   SwigluBackwardEpilogue, MN-major B expert_gemm_dgrad_swiglu:          grad_gate_up
-// References: segment_matmul_reference (store), swiglu_reference over it (SwiGLU),
-// dispatch_gate_up_reference (dispatching), dgrad_swiglu_reference (SwiGLU backward) in
-// megatron_mok/reference.py.
+// References: segment_matmul (store), swiglu over it (SwiGLU), dispatch_gate_up (dispatching),
+// dgrad_swiglu (SwiGLU backward) in megatron_mok/backends/reference.py.
 //
 // Before exiting, each producer waits until every CTA of the cluster released every stage, so no
 // CTA leaves while a peer may still arrive on its barriers.

@@ -44,7 +44,8 @@ namespace mok {
 //   empty           S * 8                            every consumer released a stage (mbarriers)
 //   watch           8                                the bounded waits' watch (WaitWatch)
 //   dispatch_claim  4                                the in-kernel dispatchers' claimed chunk, broadcast
-// (Pointers carved in this order, rather than a struct, so the addresses compile as they always did.)
+// (Pointers carved in this order, not declared as a struct: the addresses are the table's, the
+// layout the kernels' SASS was measured with.)
 struct ExpertGemmSharedStorage {
   using Tile = ExpertGemmTile;
   static constexpr size_t kBytes = size_t(Tile::kStages) * Tile::kStageBytes +

@@ -114,8 +114,8 @@ class ExpertTileScheduler {
   // False once `tile` is past the last expert's tiles.
   __device__ bool at(int64_t tile, TileCoord& c) { return walker_.at(tile, c); }
 
-  // Where the epilogue writes the tile: the same rows of the output. (By value: handing the
-  // epilogue a reference to the walker's coordinate through here changed how the tile loop compiled.)
+  // Where the epilogue writes the tile: the same rows of the output. (By value: handed a reference
+  // to the walker's coordinate, nvcc compiles the tile loop into other SASS than the measured one.)
   __device__ TileCoord output_tile(const TileCoord& c) const { return c; }
   // The output: the schedule's rows, n_out columns.
   __device__ OutputExtent output_extent() const { return out_extent_; }

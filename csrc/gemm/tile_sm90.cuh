@@ -34,7 +34,7 @@ struct ExpertGemmTile {
   // Pipeline stages and staging buffers per consumer share the shared memory: 4 stages leave room
   // for one 16 KB staging buffer per consumer (each store of an epilogue waits until the TMA
   // store before it has read the buffer); 3 stages for two (an epilogue's stores alternate, so
-  // they rarely wait). MOK_EXPERT_GEMM_STAGES picks at build time (docs/performance.md compares).
+  // they rarely wait). MOK_EXPERT_GEMM_STAGES picks at build time (docs/log/performance_2026-11.md compares).
 #ifndef MOK_EXPERT_GEMM_STAGES
 #define MOK_EXPERT_GEMM_STAGES 4
 #endif

@@ -1,6 +1,6 @@
 // Fixed-order combine and its backward counterpart, the routing-weight gradients, for one rank's
-// schedule. Reference: combine_reference / route_weight_grads_reference in
-// megatron_mok/reference.py. Every output element is written by exactly one thread and every sum
+// schedule. Reference: combine / route_weight_grads in megatron_mok/backends/reference.py.
+// Every output element is written by exactly one thread and every sum
 // runs in a fixed order in fp32, so results are bitwise reproducible; there are no atomics.
 #pragma once
 
@@ -21,7 +21,7 @@ __global__ void combine_kernel(const CombineParams p) {
   float* route_weights = reinterpret_cast<float*>(route_rows + p.topk);  // [topk] weights
   const int64_t num_packs = p.hidden / kVec;
   for (int64_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
-    __syncthreads();  // the previous token's routes are no longer read
+    __syncthreads();  // every thread is done reading the previous token's routes
     for (int64_t k = threadIdx.x; k < p.topk; k += blockDim.x) {
       const int64_t row = p.index[token * p.topk + k];
       if (row >= p.num_table_rows) __trap();  // an index past the table is a schedule bug

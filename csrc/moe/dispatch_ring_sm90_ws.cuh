@@ -10,7 +10,7 @@
 //     so the dispatchers may refill the slot: the workspace is bounded whatever the routing.
 // (Gathering the rows straight into the stages instead — cp.async, or one TMA box per row — was
 // measured 1.4-2.4x slower: every row is read once per n-tile through the load path,
-// docs/performance.md.) Where a row comes from: one tensor x (DispatchRingA) or the ranks' symmetric
+// docs/log/performance_2026-11.md.) Where a row comes from: one tensor x (DispatchRingA) or the ranks' symmetric
 // regions (PeerDispatchRingA, the lookups of moe/row_source_sm90.cuh), one instantiation each.
 #pragma once
 
@@ -94,8 +94,8 @@ __device__ __forceinline__ int64_t dispatched_token(const DispatchRingParams& d,
 }
 
 // Where the ring reads token `token`'s row of `units` 16-byte units: one overload per source form
-// (the gathers' scheme, moe/dispatch_sm90.cuh). The one-tensor form reads exactly as before (same
-// SASS); the peer form finds the rank's region with the compare-and-select lookups of
+// (the gathers' scheme, moe/dispatch_sm90.cuh). The one-tensor form is a plain indexed load (no
+// lookup); the peer form finds the rank's region with the compare-and-select lookups of
 // moe/row_source_sm90.cuh, so the table stays in the constant bank.
 __device__ __forceinline__ const uint4* dispatched_row(const DispatchRingParams& d, int64_t token, int units) {
   return static_cast<const uint4*>(d.x) + token * units;

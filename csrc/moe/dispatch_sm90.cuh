@@ -1,12 +1,12 @@
 // Row dispatch (token-major) for one rank's schedule: the rows of the schedule pulled from the
 // gathered tokens, and the reverse-combine pull of dY (the same gather, scaled by the routing
-// weights). Reference: dispatch_rows_reference / pull_route_grads_reference in
-// megatron_mok/reference.py. Every output row is written by exactly one thread; no atomics.
+// weights). Reference: dispatch_rows / pull_route_grads in megatron_mok/backends/reference.py.
+// Every output row is written by exactly one thread; no atomics.
 //
 // The group's rows come from one tensor (GatherRowsParams: src, weights) or straight from the
 // ranks' symmetric regions (PeerGatherRowsParams: a RowSource, moe/row_source_sm90.cuh): each
-// kernel is one template with an instantiation per form, and the one-tensor form reads exactly as
-// before. Peer reads take a microsecond or more over NVLink, so what keeps the link busy is bytes
+// kernel is one template with an instantiation per form, and the one-tensor form reads its tensor
+// directly (no region lookup). Peer reads take a microsecond or more over NVLink, so what keeps the link busy is bytes
 // in flight: a launch of these kernels fills the GPU (16 blocks of 128 threads per SM, one 16-byte
 // load each in flight per pass), ~32 KB per SM, ~4 MB over 132 SMs, against the ~0.7 MB that
 // ~370 GB/s at ~2 us needs.
@@ -129,7 +129,7 @@ __global__ void scatter_rows_kernel(const Params p) {
   const int64_t num_packs = p.hidden / kVec;
   const int64_t num_tokens = p.num_routes / p.topk;
   for (int64_t token = blockIdx.x; token < num_tokens; token += gridDim.x) {
-    __syncthreads();  // the previous token's slots are no longer read
+    __syncthreads();  // every thread is done reading the previous token's slots
     for (int64_t k = threadIdx.x; k < p.topk; k += blockDim.x) token_slots[k] = p.route_slot[token * p.topk + k];
     __syncthreads();
     bool routed = false;

@@ -1,5 +1,5 @@
 // SwiGLU over the schedule's rows, forward and backward, fp32 math rounded once.
-// Reference: swiglu_reference / swiglu_backward_reference in megatron_mok/reference.py.
+// Reference: swiglu / swiglu_backward in megatron_mok/backends/reference.py.
 #pragma once
 
 #include "common/swiglu_math.cuh"

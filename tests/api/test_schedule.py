@@ -7,6 +7,7 @@ import torch
 
 from megatron_mok import MoKConfig, build_schedule, forward, backward, recompute_forward_context
 from megatron_mok.schedule import build_schedule_from_gathered, schedule_capacity
+from oracle import assert_norm_relative, oracle_bound
 
 
 def expected_schedule(ids_all: torch.Tensor, rank: int, num_local: int, align: int):
@@ -108,7 +109,8 @@ def test_aligned_schedule_gives_the_same_result():
     y1, _ = forward(x, ids, w, fc1, fc2)
     y8, ctx = forward(x, ids, w, fc1, fc2, config=MoKConfig(segment_alignment=8))
     assert (ctx.schedule.expert_offsets % 8 == 0).all()
-    torch.testing.assert_close(y1, y8, rtol=1e-6, atol=1e-6, msg="padding rows must not change y")
+    # The same per-row arithmetic in GEMMs of other row counts: two fp32 evaluations (scheme 3, paths=2).
+    assert_norm_relative(y8, y1, oracle_bound(torch.float32, paths=2), msg="padding rows must not change y")
 
 
 def test_schedule_for_other_routing_is_rejected():

@@ -8,8 +8,10 @@ import torch
 
 # Per rank: T tokens, H hidden, F expert FFN, E local experts, K top-k.
 NUM_TOKENS, HIDDEN, FFN, LOCAL_EXPERTS, TOPK = 32, 256, 128, 2, 4
-BF16_ROUNDING = 2.0**-8
-ROUTER_GRAD_TOL = 1e-4
+# The router's weight gradient, R partial fp32 sums added against one sum over R*T tokens, in the
+# norm (the test module's docstring): the one bound here not in terms of tests/oracle.py's schemes,
+# which would need the router's logit gradients for the terms' absolute sums.
+ROUTER_GRAD_BOUND = 1e-4
 
 
 def _module(ep: int, num_experts: int):
@@ -57,7 +59,7 @@ def ranks_module(rank, world_size, path):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from oracle import relative_error
+    from oracle import assert_norm_relative, roundings_bound
 
     torch.cuda.set_device(0)
     mh.init_megatron(ep=world_size)
@@ -75,14 +77,14 @@ def ranks_module(rank, world_size, path):
     assert torch.equal(got["ids"], ref["ids"][mine]), f"rank {rank}: the routing differs from the one-rank module's"
     want = dict(y=ref["y"][mine], dx=ref["dx"][mine], dfc1=ref["dfc1"][own], dfc2=ref["dfc2"][own])
     bitwise = {name: bool(torch.equal(got[name], value)) for name, value in want.items()}
-    for name, value in want.items():
-        error = relative_error(got[name], value)
-        assert error <= BF16_ROUNDING, f"rank {rank}: {name} relative difference {error} from the one-rank module"
+    for name, value in want.items():  # one bf16 rounding apart (scheme 3)
+        assert_norm_relative(
+            got[name], value, roundings_bound(torch.bfloat16, 1), msg=f"rank {rank}: {name} against the one-rank module"
+        )
     # Replicated router weights: their gradient is the sum of the ranks' (Megatron's data-parallel reduction).
     router = got["router"].cpu()
     dist.all_reduce(router, group=parallel_state.get_data_parallel_group())
-    error = relative_error(router, ref["router"].cpu())
-    assert error <= ROUTER_GRAD_TOL, f"rank {rank}: router weight gradient relative difference {error}"
+    assert_norm_relative(router, ref["router"].cpu(), ROUTER_GRAD_BOUND, msg=f"rank {rank}: router weight gradient")
     ep_group = layer.mok_group
     from megatron_mok.comm import get_expert_parallel_group
 

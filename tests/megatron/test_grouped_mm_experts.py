@@ -3,13 +3,14 @@ and routing weights: output and the gradients of rows, routing weights and both 
 layouts (TEGroupedMLP's plain state dicts load), its refusals, and `--mok-grouped-mm-experts`
 choosing it inside Megatron's own MoE spec.
 
-Tolerance (the style of tests that bound a kernel by a same-precision implementation): both
-modules are measured against a float64 evaluation of the same formula on the same (rounded) inputs;
-GroupedMMExperts' norm-relative error must stay within 2x SequentialMLP's plus 2^-24 (one fp32
-unit, for when SequentialMLP's error is nearly zero). Both run the same operations in the same
-precision, fp32 accumulation, and differ at most in the order of the sums inside each GEMM, so
-their errors are alike in size; a row on the wrong expert, a wrong weight half or a missing
-routing weight makes the error O(1). Experts without rows get exactly zero weight gradients.
+Tolerance: tests/oracle.py's scheme 5 (a multiple of a same-precision reference's error): both
+modules are measured against a float64 evaluation of the same formula on the same (rounded) inputs,
+and GroupedMMExperts' norm-relative error must stay within 2x SequentialMLP's (plus 1e-6). Both run
+the same operations in the same precision with fp32 accumulation (fp32 on the CPU, bf16 on the GPU)
+and differ at most in the order of the sums inside each GEMM, so their errors are alike in size; a
+row on the wrong expert, a swapped gate/up half or a lost routing weight makes the error O(1) (a
+routing weight's square root in place of it, tried: 0.26-0.83 against 1.2e-7). Experts without
+rows get exactly zero weight gradients.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ CASES = {
     "all_rows_on_one_expert": [0, 0, 12, 0],
     "many_rows": [40, 24, 33, 31],
 }
-FP32_UNIT = 2.0**-24
 RESULTS = ("output", "rows grad", "probs grad", "fc1 grad", "fc2 grad")
 
 
@@ -150,15 +150,11 @@ def cpu_results(tmp_path_factory):
 
 
 def _assert_within_sequential(case: dict, where: str) -> None:
-    from oracle import relative_error
+    from oracle import assert_within_same_precision
 
     for result in RESULTS:
-        want = case["float64"][result]
-        grouped = relative_error(case["grouped"][result], want)
-        sequential = relative_error(case["sequential"][result], want)
-        assert grouped <= 2 * sequential + FP32_UNIT, (
-            f"{where}: {result}: GroupedMMExperts' error {grouped:.3g} vs float64, SequentialMLP's {sequential:.3g}"
-        )
+        assert_within_same_precision(case["grouped"][result], case["sequential"][result], case["float64"][result],
+                                     msg=f"{where}: {result}: GroupedMMExperts against SequentialMLP")
 
 
 @pytest.mark.distributed
