@@ -2,7 +2,9 @@
 
 A MoELayer subclass (TransformerLayer checks isinstance): the router, aux losses, shared experts,
 recompute and everything outside the routed path stay Megatron's. With any other dispatcher type
-it is exactly Megatron's MoELayer, so `register()` can put it into Megatron's own specs.
+it is exactly Megatron's MoELayer, so `register()` can put it into Megatron's own specs; there, with
+`--mok-grouped-mm-experts` (or `config.mok_grouped_mm_experts = True`), its experts are
+GroupedMMExperts whatever experts the spec names.
 """
 
 from __future__ import annotations
@@ -20,7 +22,26 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.megatron.checks import check_mok_config
 from megatron_mok.megatron.dispatcher import MoKTokenDispatcher
 from megatron_mok.megatron.experts import MoKGroupedExperts
+from megatron_mok.megatron.grouped_mm_experts import GroupedMMExperts
 from megatron_mok.moe import mok_moe
+
+
+def _megatron_args():
+    """Megatron's parsed arguments, None when Megatron's training loop did not parse any."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+def grouped_mm_experts_requested(config: TransformerConfig) -> bool:
+    """`config.mok_grouped_mm_experts` if set, else `--mok-grouped-mm-experts`."""
+    explicit = getattr(config, "mok_grouped_mm_experts", None)
+    if explicit is not None:
+        return bool(explicit)
+    return bool(getattr(_megatron_args(), "mok_grouped_mm_experts", False))
 
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
@@ -31,12 +52,7 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
         if not isinstance(explicit, MoKConfig):
             raise TypeError(f"TransformerConfig.mok_config must be a MoKConfig, got {type(explicit).__name__}")
         return explicit
-    try:
-        from megatron.training.global_vars import get_args
-
-        args = get_args()
-    except (ImportError, AssertionError):
-        args = None
+    args = _megatron_args()
     fields = {}
     for flag, field in (
         ("mok_backend", "backend"),
@@ -61,10 +77,17 @@ class MoKMoELayer(MoELayer):
         name: Optional[str] = None,
     ) -> None:
         if config.moe_token_dispatcher_type != "mok":
+            if submodules is not None and grouped_mm_experts_requested(config):
+                submodules = dataclasses.replace(submodules, experts=GroupedMMExperts)
             super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
             self.uses_mok = False
             return
         check_mok_config(config)
+        if grouped_mm_experts_requested(config):
+            raise ValueError(
+                "--mok-grouped-mm-experts chooses the experts of Megatron's dispatchers (alltoall, "
+                "allgather, flex); mok computes its own: drop the flag or pick another dispatcher"
+            )
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         if submodules is None:

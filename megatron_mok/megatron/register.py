@@ -3,9 +3,10 @@
 - widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
   parser takes the choices of --moe-token-dispatcher-type;
 - adds MoK's own flags (--mok-backend, --mok-expert-gemm, --mok-dispatch-ring-minibatches,
-  --mok-exchange) to every Megatron argument parser;
+  --mok-exchange, --mok-grouped-mm-experts) to every Megatron argument parser;
 - checks mok's unsupported combinations when a TransformerConfig is built;
-- makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok.
+- makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok (with
+  --mok-grouped-mm-experts, MoELayer with GroupedMMExperts).
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "symmetric memory: GPUs of one node with peer access), collective (torch.distributed "
         "all-gather / all-to-all, anywhere), or auto (collective over process groups for now: the symmetric "
         "path has not run on a multi-GPU node yet).",
+    )
+    group.add_argument(
+        "--mok-grouped-mm-experts",
+        action="store_true",
+        help="With Megatron's own dispatchers (alltoall, allgather, flex): compute the routed experts "
+        "with torch's grouped GEMM (GroupedMMExperts: TEGroupedMLP's parameters and checkpoint layout, "
+        "no Transformer Engine) instead of the experts the layer spec names (SequentialMLP without TE).",
     )
     return parser
 
