@@ -61,6 +61,12 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Counts the calling warps toward barrier `id`'s `threads` without waiting for the others (whoever
+// waits on it with named_barrier_sync and the same count goes on once all have arrived).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- clusters ------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t cluster_cta_rank() {

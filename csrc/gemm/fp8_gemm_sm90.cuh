@@ -20,9 +20,10 @@
 //     them, hand the stage back, and promote: acc += (scale_a[row] * scale_b) * partial, in fp32
 //     registers, ascending K blocks (bitwise reproducible). The scales are plain loads from global
 //     memory issued one K block ahead (two A scales per thread, its two rows; one B scale per B half
-//     and K block), so their latency hides behind a K block's MMAs. The two consumer warpgroups
-//     alternate on the tensor cores: one promotes while the other's MMAs run. After each pass the
-//     epilogue takes the accumulators.
+//     and K block), so their latency hides behind a K block's MMAs. After each pass the epilogue
+//     takes the accumulators. That is Fp8Mainloop::kDefault, where the tensor cores run one
+//     warpgroup's MMAs while the other promotes only if the hardware's issue order happens to
+//     stagger them; the other Fp8Mainloop variants (below) arrange it, with the same arithmetic.
 #pragma once
 
 #include <cuda.h>
@@ -276,11 +277,32 @@ struct Fp8SwigluEpilogue {
   }
 };
 
+// The consumers' mainloops, chosen per launch (the op's `variant`, megatron_mok/ops/fp8_gemm.py
+// FP8_GEMM_VARIANTS names them in this order). Every one computes bitwise the same output: the same
+// four wgmmas per K block into a fresh fp32 partial, the same acc = fma(sa * sb, partial, acc) in
+// ascending K blocks; they differ only in what the tensor cores can do while a warpgroup promotes.
+enum class Fp8Mainloop : int {
+  // Per K block: wait for the stage, issue, wait for the block's wgmmas, release, promote. The two
+  // consumer warpgroups issue whenever they are ready.
+  kDefault = 0,
+  // kDefault with the two warpgroups issuing in strict turns (named barriers, warpgroup 0 first).
+  // If the tensor cores interleave two warpgroups' wgmmas issued together, both finish together
+  // and both promote while the tensor cores idle; in turns, warpgroup 0's block runs first and it
+  // promotes while warpgroup 1's runs.
+  kPingpong = 1,
+};
+constexpr int kFp8MainloopCount = 2;  // the op checks 0 <= variant < this
+
+// kPingpong's turns: barrier kFp8TurnBarrier + w completes when warpgroup 1 - w has handed
+// warpgroup w the turn (both consumer warpgroups count: 256 threads). After the ids of
+// gemm/tile_sm90.cuh NamedBarrier.
+constexpr int kFp8TurnBarrier = kConsumersBarrier + 1;
+
 // kClusterM: 1, or 2 CTAs (vertically adjacent m-tiles of one expert) sharing each B slice through
 // TMA multicast (each loads one half). Launched through gemm_kernel_sm90<Fp8ExpertGemmKernel<...>,
 // Fp8ExpertGemmMaps<Epilogue::Maps>, Fp8ExpertGemmParams<Epilogue::Params>, CUtensorMap...> with a
 // cluster dimension (even of 1).
-template <int kClusterM, class Epilogue>
+template <int kClusterM, class Epilogue, Fp8Mainloop kMainloop = Fp8Mainloop::kDefault>
 struct Fp8ExpertGemmKernel {
   using Tile = Fp8GemmTile;
   using SharedStorage = Fp8GemmSharedStorage;
@@ -364,8 +386,13 @@ struct Fp8ExpertGemmKernel {
     sm90::mark_finished(watch);
   }
 
+  // kDefault and kPingpong.
   static __device__ __forceinline__ void consume(const Maps& maps, const Params& p, Scheduler& scheduler,
                                                  const SharedStorage& shared, int consumer, int thread) {
+    constexpr bool kTurns = kMainloop == Fp8Mainloop::kPingpong;
+    if constexpr (kTurns) {
+      if (consumer == 1) sm90::named_barrier_arrive(kFp8TurnBarrier, Tile::kConsumerThreads);  // 0 goes first
+    }
     sm90::WaitWatch* watch = shared.watch;
     const int k_blocks = p.problem.k / Tile::kK;
     const int64_t a_rows = p.scales.a_rows;
@@ -418,6 +445,7 @@ struct Fp8ExpertGemmKernel {
             }
           }
           sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
+          if constexpr (kTurns) sm90::named_barrier_sync(kFp8TurnBarrier + consumer, Tile::kConsumerThreads);
           const uint64_t a_desc =
               sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
           const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
@@ -430,6 +458,8 @@ struct Fp8ExpertGemmKernel {
             sm90::wgmma_m64n128k32_e4m3(partial, a_desc + 2 * kk, b_desc + 2 * kk, kk != 0);
           }
           sm90::wgmma_commit_group();
+          // The block's wgmmas are issued: the other warpgroup's turn.
+          if constexpr (kTurns) sm90::named_barrier_arrive(kFp8TurnBarrier + (consumer ^ 1), Tile::kConsumerThreads);
           sm90::wgmma_wait_group<0>();
           sm90::fence_accumulators(partial);
           // The MMAs have read the stage: hand it back before promoting.
@@ -443,6 +473,10 @@ struct Fp8ExpertGemmKernel {
         }
         Epilogue::after_pass(maps.epilogue, p.epilogue, out_extent, acc, c, pass, state, staging, consumer, thread);
       }
+    }
+    if constexpr (kTurns) {
+      // Warpgroup 1's last hand-over (both took as many turns): no arrival left pending at exit.
+      if (consumer == 0) sm90::named_barrier_sync(kFp8TurnBarrier, Tile::kConsumerThreads);
     }
     if (thread == 0) {
       sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
