@@ -125,6 +125,9 @@ void launch_with_variant(int64_t variant, int64_t cluster_m, const Fp8ExpertGemm
     case Fp8Mainloop::kPingpong:
       launch_with_cluster<Epilogue, Fp8Mainloop::kPingpong>(cluster_m, params, maps...);
       break;
+    case Fp8Mainloop::kOverlap:
+      launch_with_cluster<Epilogue, Fp8Mainloop::kOverlap>(cluster_m, params, maps...);
+      break;
     default:
       launch_with_cluster<Epilogue>(cluster_m, params, maps...);
   }

@@ -48,11 +48,17 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity)
   return done != 0;
 }
 
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity, int wait_id, WaitWatch* watch) {
-  const uint32_t addr = smem_u32(bar);
-  if (mbarrier_try_wait(addr, parity)) return;
+// bar: the barrier's shared-memory address (smem_u32), for loops that keep it in a register.
+// kTrapOutOfLine: fail_if_timed_out's.
+template <bool kTrapOutOfLine = false>
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity, int wait_id, WaitWatch* watch) {
+  if (mbarrier_try_wait(bar, parity)) return;
   const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait(addr, parity)) fail_if_timed_out(wait_id, watch, start);
+  while (!mbarrier_try_wait(bar, parity)) fail_if_timed_out<kTrapOutOfLine>(wait_id, watch, start);
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity, int wait_id, WaitWatch* watch) {
+  mbarrier_wait(smem_u32(bar), parity, wait_id, watch);
 }
 
 
