@@ -29,7 +29,8 @@ in the epilogue). Columns, one interleaved run on the same inputs: torch's bf16 
 sm90 kernel (K-major weights), torch._scaled_grouped_mm with FP8 rowwise scales (one scale per row
 of a and per output column of w_e, no promotion: torch has no grouped blockwise FP8 on sm90), and
 ours per mainloop variant (ops.fp8_gemm.FP8_GEMM_VARIANTS; fc1+swiglu has the default only), cluster
-size and raster group (g<group_m> in the column name when several are given). Quantization is done before timing for every FP8 column (GEMMs only).
+size and raster group (g<group_m> in the column name when several are given). Quantization is done
+before timing for every FP8 column (GEMMs only).
 """
 
 from __future__ import annotations

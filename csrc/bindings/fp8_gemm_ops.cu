@@ -119,8 +119,8 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
 
 // variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller.
 template <class Epilogue, class... Maps>
-void launch_with_variant(int64_t variant, int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
-                         const Maps&... maps) {
+void launch_with_variant(int64_t variant, int64_t cluster_m,
+                         const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const Maps&... maps) {
   switch (Fp8Mainloop(variant)) {
     case Fp8Mainloop::kPingpong:
       launch_with_cluster<Epilogue, Fp8Mainloop::kPingpong>(cluster_m, params, maps...);

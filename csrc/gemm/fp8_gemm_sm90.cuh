@@ -575,7 +575,8 @@ struct Fp8ExpertGemmKernel {
           sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
           const uint32_t a_units = stage * (Tile::kABytes >> 4), b_units = stage * (Tile::kBBytes >> 4);
           sm90::wgmma_fence();  // the promotion's reads of `partial` come before the wgmmas' writes
-          sm90::wgmma_m64n128k32_e4m3_fresh(partial, descriptor_plus(a_desc0, a_units), descriptor_plus(b_desc0, b_units));
+          sm90::wgmma_m64n128k32_e4m3_fresh(partial, descriptor_plus(a_desc0, a_units),
+                                            descriptor_plus(b_desc0, b_units));
 #pragma unroll
           for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
             sm90::wgmma_m64n128k32_e4m3(partial, descriptor_plus(a_desc0, a_units + 2 * kk),
