@@ -40,7 +40,8 @@ void check_register_budget(Kernel kernel) {
   if (checked.count(key) != 0) return;
   cudaFuncAttributes attributes{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const int needed = kNumThreadsPerWarpGroup * Tile::kProducerRegisters + Tile::kConsumerThreads * Tile::kConsumerRegisters;
+  const int needed =
+      kNumThreadsPerWarpGroup * Tile::kProducerRegisters + Tile::kConsumerThreads * Tile::kConsumerRegisters;
   TORCH_CHECK(attributes.numRegs * Tile::kThreads >= needed, kOp, "the kernel was compiled with ",
               std::to_string(attributes.numRegs), " registers per thread, fewer than its setmaxnreg budgets need (",
               std::to_string(needed), " per CTA); rebuild without a register limit (-maxrregcount)");
@@ -110,8 +111,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   TORCH_CHECK(out.dim() == 3 && out.size(0) == experts && out.size(1) == m && out.size(2) == n, kOp,
               "out must be (E, m, n) = (", std::to_string(experts), ", ", std::to_string(m), ", ", std::to_string(n),
               "), got ", sizes_str(out));
-  TORCH_CHECK(window_begin >= 0 && window_begin % kFp8Block == 0, kOp, "window_begin must be a non-negative multiple of ",
-              std::to_string(kFp8Block), ", got ", std::to_string(window_begin));
+  TORCH_CHECK(window_begin >= 0 && window_begin % kFp8Block == 0, kOp,
+              "window_begin must be a non-negative multiple of ", std::to_string(kFp8Block), ", got ",
+              std::to_string(window_begin));
   TORCH_CHECK(window_begin + rows < (int64_t(1) << 31) && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) &&
                   experts < (int64_t(1) << 31),
               kOp, "sizes past 2^31 (window_begin + R, m, n, E)");

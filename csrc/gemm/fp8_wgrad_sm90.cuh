@@ -279,7 +279,9 @@ struct Fp8ExpertWgradKernel {
         const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
         float2 sb[Tile::kAccumulators / 4];
 #pragma unroll
-        for (int j = 0; j < Tile::kAccumulators / 4; ++j) sb[j] = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
+        for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
+          sb[j] = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
+        }
         sm90::wgmma_wait_group<0>();
         sm90::fence_accumulators(partial);
         // The warp's shared-memory reads of the stage (the MMAs' and the scales') are done: hand it
