@@ -23,7 +23,8 @@
 //     memory while the MMAs run; each warp releases the stage once the MMAs and its reads are
 //     done, before promoting. The two consumer warpgroups alternate on the tensor cores: one
 //     promotes while the other's MMAs run.
-//   With accumulate, acc starts as the tile's out (loaded before its first block) instead of zero:
+//   With accumulate, acc starts as the tile's out (loaded before its first block, prefetched into L2
+//   by the producer when it starts the tile) instead of zero:
 //   a sequence of windows continues each expert's chain exactly where the previous window stored it,
 //   so windows give out bitwise equal to one pass over all their rows. A tile whose expert has no
 //   block in the window stores zeros, or (accumulate) is skipped. out is written from registers with
@@ -211,6 +212,12 @@ struct Fp8ExpertWgradKernel {
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
       // A block that straddled two segments would mix two experts' tokens: stop, name it, trap.
       if (!c.aligned) sm90::fail_check(kCheckFp8WgradSegmentAlignment, watch);
+      if (p.problem.accumulate != 0 && c.k_blocks > 0) {
+        // The consumers start this tile's chain from its out: bring its 128 rows of 512 bytes into
+        // L2 while they finish the previous tile (the producer runs up to kStages blocks ahead).
+        const float* out = p.out + (int64_t(c.expert) * m + c.m0) * n + c.n0;
+        for (int r = 0; r < Tile::kM; ++r) sm90::prefetch_l2_bulk(out + r * n, Tile::kN * sizeof(float));
+      }
       const int first_block = c.row_begin / Tile::kK;
       for (int kb = 0; kb < c.k_blocks; ++kb) {
         sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
