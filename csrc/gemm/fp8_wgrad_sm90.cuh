@@ -43,41 +43,27 @@
 #include "common/watchdog_sm90.cuh"
 #include "common/wgmma_fp8_sm90.cuh"
 #include "common/wgmma_sm90.cuh"
+#include "gemm/fp8_gemm_sm90.cuh"
 #include "gemm/kernel_sm90_tma_wgmma_ws.cuh"
 #include "gemm/tile_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
 
-struct Fp8WgradTile {
-  static constexpr int kConsumerWarpGroups = 2;
-  static constexpr int kConsumerThreads = kConsumerWarpGroups * kNumThreadsPerWarpGroup;
-  static constexpr int kThreads = kNumThreadsPerWarpGroup + kConsumerThreads;
-  static_assert(kThreads == ExpertGemmTile::kThreads, "gemm_kernel_sm90's launch bounds are ExpertGemmTile's");
-  static constexpr int kM = 128;  // output rows (grad's columns): two consumer warpgroups x 64 (wgmma m64)
-  static constexpr int kN = 128;  // output columns (inputs' columns): one wgmma n128
-  static constexpr int kK = kFp8Block;  // tokens per stage: one scale block, the promotion unit
-  static constexpr int kMmaK = 32;      // K of one wgmma E4M3
-  static constexpr int kMmasPerStage = kK / kMmaK;
-  // fp32 registers per consumer thread for its warpgroup's 64 x kN outputs: the promoted sum and the
-  // block's partial each hold this many. (Both live through the K loop: 128 of the 168 registers
-  // ptxas allocates per thread at 384 threads, whatever setmaxnreg hands the warpgroup at run time;
-  // a 128 x 256 tile would need 192 and spill.)
-  static constexpr int kAccumulators = 64 * kN / kNumThreadsPerWarpGroup;
-  static_assert(kAccumulators == 64, "wgmma_m64n128k32_e4m3 takes 64 accumulators");
-  static constexpr uint32_t kABytes = kM * kK;  // E4M3: one byte per value; 128-byte token rows
-  static constexpr uint32_t kBBytes = kN * kK;
-  static constexpr uint32_t kConsumerABytes = 64 * kK;  // a consumer warpgroup's 64 rows of A
+// The FP8 GEMM's tile (gemm/fp8_gemm_sm90.cuh: 128 x 128 outputs, two consumer warpgroups of 64 rows,
+// one 128-deep scale block per stage, wgmma m64n128k32 into 64 fp32 registers per thread), with the
+// stage's scales in shared memory and no staging buffers. The promoted sums and the block's partial
+// (64 registers each) live through the K loop: 128 of the 168 registers ptxas allocates per thread at
+// 384 threads, whatever setmaxnreg hands the warpgroup at run time (a 128 x 256 tile would need 192
+// and spill).
+struct Fp8WgradTile : Fp8GemmTile {
+  static_assert(kM == 128 && kN == 128 && kK == kFp8Block, "128 x 128 tiles, one scale block (128 tokens) per stage");
   static constexpr uint32_t kAScaleBytes = kM * sizeof(float);
   static constexpr uint32_t kBScaleBytes = kN * sizeof(float);
   static constexpr uint32_t kStageBytes = kABytes + kBBytes + kAScaleBytes + kBScaleBytes;
-  // As many stages as fit in the 227 KB an sm90 block may opt into (no staging buffers: out is
-  // written from registers): 6 x 33 KB.
+  // As many stages as fit in the 227 KB an sm90 block may opt into (out is written from registers):
+  // 6 x 33 KB.
   static constexpr int kStages = 6;
-  static constexpr int kProducerRegisters = ExpertGemmTile::kProducerRegisters;
-  static constexpr int kConsumerRegisters = ExpertGemmTile::kConsumerRegisters;
-  static constexpr int kSwizzleAlign = ExpertGemmTile::kSwizzleAlign;
-  static constexpr int kRoles = 3;  // producer + two consumers, for the watchdog
   // Each consumer warp releases a stage on its own (after its own scale reads).
   static constexpr uint32_t kEmptyArrivals = kConsumerThreads / 32;
 };
