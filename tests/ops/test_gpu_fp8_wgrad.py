@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from megatron_mok import ops, quantization
-from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator, run_until_trap
+from cuda_checks import NEEDS_HOPPER_KERNELS, TRAP_SCRIPT_TAIL, poison_allocator, run_until_trap
 
 pytestmark = NEEDS_HOPPER_KERNELS
 
@@ -369,13 +369,7 @@ offsets = torch.tensor({offsets}, dtype=torch.int32, device="cuda")
 q = torch.zeros(m, rows, device="cuda").to(torch.float8_e4m3fn)
 s = torch.ones(rows // 128, m, device="cuda")
 ops.fp8_expert_wgrad(q, s, q, s, offsets, window_begin={window_begin})
-try:
-    torch.cuda.synchronize()
-    print("no error")
-except Exception as error:
-    print("error:", type(error).__name__)
-print("record:", ops.last_failure())
-"""
+""" + TRAP_SCRIPT_TAIL
 
 # name: (offsets, the window's rows, window_begin)
 TRAPS = {
