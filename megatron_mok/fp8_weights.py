@@ -16,7 +16,8 @@ their step, before the next forward). Code that writes weights through `.data` o
 step calls `clear()`.
 
 Forward takes `quantized`, backward `quantized_transposed` (made from the cached copy on first use);
-between them autograd refuses in-place changes of a saved weight, so both read one version.
+between them autograd refuses in-place changes of a saved weight, so both read one version. Inside a
+CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every replay.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def _stamp(weight: Tensor) -> tuple:
 
 
 def _entry(weight: Tensor, pow2: bool) -> Optional[_Entry]:
-    """The weight's valid entry, quantized now if missing or stale; None for an inference tensor
-    (it has no version counter, so nothing can tell whether it changed: not cached)."""
-    if weight.is_inference():
+    """The weight's valid entry, quantized now if missing or stale; None where nothing is cached:
+    for an inference tensor (it has no version counter, so nothing can tell whether it changed) and
+    inside a CUDA-graph capture (a replay must quantize the weights it reads then, not a copy of
+    their values at capture time)."""
+    if weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     stamp = _stamp(weight)
     with _LOCK:
