@@ -33,13 +33,13 @@ def parsed_args() -> Optional[object]:
 
 
 def _recipe_name(config: TransformerConfig) -> str:
-    recipe = config.fp8_recipe  # a str, or megatron.core.enums.Fp8Recipe (a str enum)
+    recipe = getattr(config, "fp8_recipe", None)  # a str, or megatron.core.enums.Fp8Recipe (a str enum)
     return getattr(recipe, "value", recipe)
 
 
 def megatron_fp8_blockwise(config: TransformerConfig) -> bool:
     """Whether the model runs FP8 through Megatron's flags in the recipe mok's experts run."""
-    return config.fp8 == "e4m3" and _recipe_name(config) == "blockwise"
+    return getattr(config, "fp8", None) == "e4m3" and _recipe_name(config) == "blockwise"
 
 
 def expert_precision(config: TransformerConfig) -> str:

@@ -31,7 +31,7 @@ precision_notes: set[str] = set()
 def _note_precision(config: TransformerConfig, precision: str) -> None:
     """One line per process (rank 0 prints it) when the experts run FP8 and the rest of the model
     does not (no --fp8-format): the user asked for FP8 and gets it only there."""
-    if precision != "fp8_blockwise" or config.fp8 is not None:
+    if precision != "fp8_blockwise" or getattr(config, "fp8", None) is not None:
         return
     line = (
         "megatron_mok: --mok-precision fp8_blockwise: only the routed experts run FP8 (blockwise E4M3); "
