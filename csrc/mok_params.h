@@ -189,6 +189,48 @@ struct ExpertGemmParams {
   FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 
+// The FP8 blockwise grouped GEMM over the schedule's expert segments (gemm/fp8_gemm_sm90.cuh,
+// docs/design.md §12.3): for each row r of expert e's segment, with b the K blocks of 128 ascending,
+//   out[r, n] = sum_b a_scales[b, r] * b_scales[e, n / 128, b] * P_b[r, n],
+//   P_b[r, n] = sum over the 128 k of block b of A[r, k] * B_e[n, k]   (E4M3 operands, fp32 partial)
+// (B_e[n] the weight row of output column n; the SwiGLU epilogue's gate and up partners) and handed
+// to the epilogue: the store epilogue rounds it once to bf16 (StoreEpilogueParams, out (num_rows,
+// n_out)). A (num_rows, k) and B (num_experts * n_weight_rows, k) are E4M3, K-major (the dgrad GEMMs
+// pass the transposed weight copy as B). Rows outside every segment are not written.
+struct Fp8BlockScales {
+  const float* a;  // (k / 128, a_rows) fp32: the GEMM-A layout, one K block's scales contiguous over rows
+  const float* b;  // (num_experts, n_weight_rows / 128, k / 128) fp32: the weight's 128 x 128 blocks
+  int32_t a_rows;  // row stride of `a`: num_rows rounded up to kFp8ScaleRowPad
+};
+
+template <class EpilogueMaps>
+struct Fp8ExpertGemmMaps {
+  const CUtensorMap* a;    // A in boxes of 128 rows x 128 bytes (one K block of a tile's rows)
+  const CUtensorMap* b;    // B in boxes of 64 rows x 128 bytes (a tile's B slice is two of them)
+  EpilogueMaps epilogue;
+};
+
+template <class EpilogueParams>
+struct Fp8ExpertGemmParams {
+  ExpertGemmProblem problem;
+  Fp8BlockScales scales;
+  EpilogueParams epilogue;
+  FailureRecord* failure_record;  // host-mapped; null: trap without a record
+};
+
+// The FP8 SwiGLU epilogue (gemm/fp8_gemm_sm90.cuh Fp8SwigluEpilogue), the gate/up projection: B_e
+// holds n_out gate rows then n_out up rows; writes gate_up (bf16, kept for backward), act =
+// silu(gate) * up from the bf16-rounded gate and up, rounded to bf16 (swiglu_forward_kernel's
+// arithmetic), then quantized 1x128 along n_out exactly as docs/design.md §12.1 states: E4M3 act
+// and its scales in the GEMM-A layout, the down projection's A operand. Plain stores: no tensor map.
+struct Fp8SwigluEpilogueMaps {};
+struct Fp8SwigluEpilogueParams {
+  void* gate_up;       // (num_rows, 2 n_out) bf16
+  void* act;           // (num_rows, n_out) e4m3
+  float* act_scales;   // (n_out / 128, act_scale_rows) fp32: column r of block b is row r's scale
+  int32_t act_scale_rows;  // num_rows rounded up to kFp8ScaleRowPad
+};
+
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e]; every element of out is written (zeros
 // for an expert with no rows).

@@ -17,6 +17,17 @@ For each shape (a uniform random top-k routing through the real schedule), the p
 Each mok column is one (cluster size, raster group) setting. torch and every setting are timed in
 turn, rep by rep (timing.median_ms_interleaved), so drift during the run does not favour the first.
 Prints ms and TFLOP/s (2 * routed rows * N * K) beside a dense cuBLAS bf16 GEMM of the same run.
+
+    python3 scripts/bench_expert_gemm.py --fp8 [--shapes ...] [--fp8-clusters 1,2]
+
+prints the FP8 blockwise grouped GEMM (ops.fp8_expert_gemm) instead, per projection out = a . w_e^T
+with segments padded to 128 rows (the FP8 recipe's schedule): fc1 (N 2F, K H), fc2 (N H, K F), and
+the dgrads dgrad_fc2 (d act: N F, K H) and dgrad_fc1 (d rows: N H, K 2F) through the transposed
+weight copies; fc1+swiglu is fc1 with SwiGLU (ours: ops.fp8_expert_gemm_swiglu, act quantized 1x128
+in the epilogue). Columns, one interleaved run on the same inputs: torch's bf16 grouped_mm, our bf16
+sm90 kernel (K-major weights), torch._scaled_grouped_mm with FP8 rowwise scales (one scale per row
+of a and per output column of w_e, no promotion: torch has no grouped blockwise FP8 on sm90), and
+ours per cluster size. Quantization is done before timing for every FP8 column (GEMMs only).
 """
 
 from __future__ import annotations
@@ -31,8 +42,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
-from megatron_mok import MoKConfig, build_schedule, ops  # noqa: E402
+from megatron_mok import MoKConfig, build_schedule, ops, quantization  # noqa: E402
 from megatron_mok.backends import tuning  # noqa: E402
+from megatron_mok.schedule import build_schedule_from_gathered  # noqa: E402
 from megatron_mok.backends.kernel import (  # noqa: E402
     grouped_mm_dgrad_rows,
     grouped_mm_dgrad_swiglu,
@@ -69,8 +81,110 @@ def make_inputs(shape, seed):
     )
 
 
+# The FP8 projections: (a's name, w's name, routed flops per (t * topk) row as a function of h, f).
+FP8_PROJECTIONS = {
+    "fc1": ("rows", "fc1", lambda h, f: 2 * 2 * f * h),
+    "fc2": ("act", "fc2", lambda h, f: 2 * h * f),
+    "dgrad_fc2": ("grad_out", "fc2_t", lambda h, f: 2 * f * h),
+    "dgrad_fc1": ("gate_up", "fc1_t", lambda h, f: 2 * h * 2 * f),
+    # fc1 with SwiGLU after it: ours in the epilogue, act quantized 1x128 (ops.fp8_expert_gemm_swiglu);
+    # the bf16 columns with SwiGLU (torch: its grouped_mm + the SwiGLU kernel; ours: in the epilogue);
+    # torch's FP8 rowwise + the SwiGLU kernel, act left in bf16.
+    "fc1+swiglu": ("rows", "fc1", lambda h, f: 2 * 2 * f * h),
+}
+
+
+def make_fp8_inputs(shape, seed):
+    """Operands of the FP8 projections: a schedule padded to 128 rows per segment, bf16 rows with zero
+    padding rows, weights (E, N, K) bf16 contiguous (the dgrads' transposed), and every operand
+    quantized as the recipe does (blockwise for ours, rowwise for torch's)."""
+    t, h, f, e, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+    schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=e, segment_alignment=128)
+    rows = schedule.slot_to_route.shape[0]
+    padding = (schedule.slot_to_route < 0).unsqueeze(1)
+    fc1 = (torch.randn(e, 2 * f, h, device="cuda", generator=gen) / h**0.5).bfloat16()
+    fc2 = (torch.randn(e, h, f, device="cuda", generator=gen) / f**0.5).bfloat16()
+    s = dict(offsets=schedule.expert_offsets, fc1=fc1, fc2=fc2,
+             fc1_t=fc1.transpose(1, 2).contiguous(), fc2_t=fc2.transpose(1, 2).contiguous())
+    for name, cols in (("rows", h), ("act", f), ("grad_out", h), ("gate_up", 2 * f)):
+        s[name] = torch.randn(rows, cols, device="cuda", generator=gen).bfloat16().masked_fill(padding, 0)
+    for name in ("rows", "act", "grad_out", "gate_up"):
+        q, scales = quantization.quantize_rowwise(s[name])
+        s[name + "_fp8"] = (q, quantization.gemm_a_scales(scales))
+        amax = s[name].float().abs().amax(dim=1).clamp(min=1e-12)
+        s[name + "_rowwise"] = ((s[name].float() * (448 / amax)[:, None]).to(torch.float8_e4m3fn), amax / 448)
+    for name in ("fc1", "fc2"):
+        q, scales = quantization.quantize_weight(s[name])
+        s[name + "_fp8"] = (q, scales)
+        s[name + "_t_fp8"] = quantization.transpose_weight(q, scales)
+    for name in ("fc1", "fc2", "fc1_t", "fc2_t"):
+        amax = s[name].float().abs().amax(dim=2).clamp(min=1e-12)  # (E, N)
+        s[name + "_rowwise"] = ((s[name].float() * (448 / amax)[:, :, None]).to(torch.float8_e4m3fn), amax / 448)
+    return s
+
+
+def torch_fp8_rowwise(s, a_name, w_name):
+    qa, sa = s[a_name + "_rowwise"]
+    qw, sw = s[w_name + "_rowwise"]
+    return torch._scaled_grouped_mm(qa, qw.transpose(1, 2), sa, sw, offs=s["offsets"][1:], out_dtype=torch.bfloat16)
+
+
+def main_fp8(args) -> None:
+    clusters = [int(v) for v in args.fp8_clusters.split(",")]
+    group_m = tuning.FP8_EXPERT_GEMM_GROUP_M
+    dense = dense_gemm_tflops()
+    print(f"device: {torch.cuda.get_device_name()}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
+    print("TFLOP/s (ms); x: ours FP8 over torch FP8 rowwise; segments padded to 128 rows, group_m", group_m)
+    header = " ".join(f"{f'fp8 c{c}':>16}" for c in clusters)
+    print(f"{'shape':<16} {'projection':<10} {'torch bf16':>16} {'ours bf16':>16} {'torch fp8 rw':>16} {header} {'x':>5}")
+    for name in args.shapes.split(","):
+        t, h, f, e, k = shape = SHAPES[name]
+        sets = [make_fp8_inputs(shape, seed) for seed in range(2)]
+        for label in args.fp8_projections.split(","):
+            a_name, w_name, flops_per_row = FP8_PROJECTIONS[label]
+            flops = t * k * flops_per_row(h, f)
+            fns = {
+                "torch bf16": lambda s: segment_matmul(s[a_name], s[w_name], s["offsets"]),
+                "ours bf16": lambda s: ops.expert_gemm(s[a_name], s[w_name], s["offsets"], tuning.EXPERT_GEMM_CLUSTER_M,
+                                                       tuning.EXPERT_GEMM_GROUP_M),
+                "torch fp8 rw": lambda s: torch_fp8_rowwise(s, a_name, w_name),
+            }
+            try:
+                torch_fp8_rowwise(sets[0], a_name, w_name)
+            except (RuntimeError, NotImplementedError) as error:  # no grouped FP8 rowwise in this build
+                print(f"torch._scaled_grouped_mm unavailable: {str(error).splitlines()[0]}")
+                del fns["torch fp8 rw"]
+            fp8_op = ops.fp8_expert_gemm
+            if label == "fc1+swiglu":
+                fp8_op = ops.fp8_expert_gemm_swiglu
+                fns["torch bf16"] = lambda s: grouped_mm_gate_up(s["rows"], s["fc1"], s["offsets"])
+                fns["ours bf16"] = lambda s: ops.expert_gemm_swiglu(
+                    s["rows"], s["fc1"], s["offsets"], tuning.EXPERT_GEMM_CLUSTER_M, tuning.EXPERT_GEMM_GROUP_M
+                )
+                if "torch fp8 rw" in fns:
+                    fns["torch fp8 rw"] = lambda s: ops.swiglu_forward(torch_fp8_rowwise(s, "rows", "fc1"), s["offsets"])
+            for c in clusters:
+                fns[f"fp8 c{c}"] = lambda s, c=c, op=fp8_op: op(
+                    *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, group_m
+                )
+            ms_by = median_ms_interleaved(fns, sets)
+            cell = {n: f"{flops / ms / 1e9:7.0f} ({ms:6.3f})" for n, ms in ms_by.items()}
+            best = min(ms_by[f"fp8 c{c}"] for c in clusters)
+            ratio = f"{ms_by['torch fp8 rw'] / best:5.2f}" if "torch fp8 rw" in ms_by else "  n/a"
+            cols = " ".join(f"{cell.get(n, 'n/a'):>16}" for n in ["torch bf16", "ours bf16", "torch fp8 rw"])
+            fp8_cols = " ".join(f"{cell[f'fp8 c{c}']:>16}" for c in clusters)
+            print(f"{name:<16} {label:<10} {cols} {fp8_cols} {ratio}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise grouped GEMM table instead")
+    parser.add_argument("--fp8-clusters", default="1,2")
+    parser.add_argument("--fp8-projections", default=",".join(FP8_PROJECTIONS))
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--group-m", default=str(tuning.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -82,6 +196,9 @@ def main() -> None:
         "--projections", default="dispatch+gate_up+swiglu,dispatch_ring+gate_up+swiglu,gate_up+swiglu,down,dgrad_down+swiglu_bwd,dgrad_gate_up,wgrad_gate_up,wgrad_down"
     )
     args = parser.parse_args()
+    if args.fp8:
+        main_fp8(args)
+        return
     settings = [
         (c, g)
         for c, g in itertools.product((int(v) for v in args.clusters.split(",")), (int(v) for v in args.group_m.split(",")))

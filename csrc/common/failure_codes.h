@@ -6,7 +6,13 @@
 
 namespace mok {
 
-enum FailingKernel : int { kExpertGemmKernel = 0, kExpertWgradKernel = 1, kScheduleKernel = 2, kExchangeKernel = 3 };
+enum FailingKernel : int {
+  kExpertGemmKernel = 0,
+  kExpertWgradKernel = 1,
+  kScheduleKernel = 2,
+  kExchangeKernel = 3,
+  kFp8ExpertGemmKernel = 4,
+};
 
 // The bounded waits of the sm90 GEMM pipeline (gemm/kernel_sm90_tma_wgmma_ws.cuh), in every GEMM kernel.
 enum PipelineWait : int {
@@ -61,7 +67,8 @@ inline constexpr const char* kExchangeSignalKindNames[] = {"ready", "free"};
 // The `check` field of an exchange wait's failure record.
 constexpr int exchange_wait(int phase, int kind) { return phase * kNumSignalKinds + kind; }
 
-inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange"};
+inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange",
+                                                       "fp8_expert_gemm"};
 
 inline constexpr FailureName kFailureNames[] = {
     {kExpertGemmKernel, kWaitFreeStage, "expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
@@ -82,6 +89,9 @@ inline constexpr FailureName kFailureNames[] = {
     {kExpertWgradKernel, kCheckCarryOutBuffer,
      "expert weight-gradient window: an expert continues past the window but carry_out is None"},
     {kScheduleKernel, kCheckExpertIds, "schedule kernel: topk_ids holds an expert id outside [-1, num_experts)"},
+    {kFp8ExpertGemmKernel, kWaitFreeStage, "FP8 expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
+    {kFp8ExpertGemmKernel, kWaitLoadedStage,
+     "FP8 expert GEMM consumer waiting for a loaded pipeline stage (full barrier)"},
 };
 
 }  // namespace mok

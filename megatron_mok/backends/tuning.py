@@ -48,3 +48,14 @@ EXPERT_GEMM_CLUSTER_M = 1
 # The tile raster of the sm90 expert GEMMs: within an expert, groups of this many m-tiles are walked
 # m fastest, so the CTAs working at once share weight slices and rows in L2.
 EXPERT_GEMM_GROUP_M = 16
+
+# The FP8 blockwise grouped GEMMs (ops.fp8_expert_gemm, ops.fp8_expert_gemm_swiglu). Their tile is
+# fixed at compile time (csrc/gemm/fp8_gemm_sm90.cuh Fp8GemmTile): 128 rows x 128 B rows (two halves of
+# 64, each inside one 128 x 128 weight scale block), one 128-wide K block per stage (the promotion
+# unit), 6 stages (5 when the BF16 kernels are built with MOK_EXPERT_GEMM_STAGES=3, which doubles the
+# staging buffers); the SwiGLU variant runs two passes per 128 act columns. The launch shape (not yet
+# measured on the H200; scripts/bench_expert_gemm.py --fp8 compares): 2-CTA clusters share each
+# weight slice through TMA multicast, halving the weight's L2 reads (a 128 x 128 FP8 tile reads as
+# many bytes per FLOP as a 128 x 256 bf16 one, at twice the rate).
+FP8_EXPERT_GEMM_CLUSTER_M = 2
+FP8_EXPERT_GEMM_GROUP_M = 16

@@ -9,10 +9,13 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          dispatch_expert_gemm_swiglu_from_peers (the same kernel, rows from the peers),
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad,
                          expert_gemm_wgrad_window (and wgrad_carry_numel, its carries' size)
+    fp8_gemm.py          fp8_expert_gemm (FP8 blockwise, fprop and dgrad), fp8_expert_gemm_swiglu (gate/up
+                         with SwiGLU, act quantized 1x128); their references beside them
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
-Each op's PyTorch reference is the function of the same stage in backends/reference.py.
+Each op's PyTorch reference is the function of the same stage in backends/reference.py (the FP8
+ops': the `*_reference` beside them, over megatron_mok/quantization.py).
 """
 
 from megatron_mok.ops.dispatch_combine import (
@@ -43,6 +46,12 @@ from megatron_mok.ops.expert_gemm import (
     wgrad_carry_numel,
 )
 from megatron_mok.ops.extension import compiled_limits, extension_error, last_failure
+from megatron_mok.ops.fp8_gemm import (
+    fp8_expert_gemm,
+    fp8_expert_gemm_reference,
+    fp8_expert_gemm_swiglu,
+    fp8_expert_gemm_swiglu_reference,
+)
 from megatron_mok.ops.schedule import build_schedule
 from megatron_mok.ops.swiglu import swiglu_backward, swiglu_forward
 
@@ -65,6 +74,10 @@ __all__ = [
     "expert_gemm_wgrad",
     "expert_gemm_wgrad_window",
     "extension_error",
+    "fp8_expert_gemm",
+    "fp8_expert_gemm_reference",
+    "fp8_expert_gemm_swiglu",
+    "fp8_expert_gemm_swiglu_reference",
     "gather_peer_regions",
     "last_failure",
     "pull_grad_rows",

@@ -27,8 +27,9 @@ def extension_error() -> Optional[str]:
 
 def register_fake(name: str) -> Callable:
     """torch.library.register_fake for megatron_mok::name where the extension defines the op; a
-    no-op decorator otherwise (there is no op to give a shape to)."""
-    if _LOAD_ERROR is not None:
+    no-op decorator otherwise (there is no op to give a shape to: no extension, or a build older
+    than the op, whose call then fails as the op's absence)."""
+    if _LOAD_ERROR is not None or not hasattr(torch.ops.megatron_mok, name):
         return lambda fn: fn
     return torch.library.register_fake(f"megatron_mok::{name}")
 

@@ -1,0 +1,249 @@
+// Torch bindings of the FP8 blockwise grouped GEMM (gemm/fp8_gemm_sm90.cuh): ops fp8_expert_gemm
+// (bf16 out) and fp8_expert_gemm_swiglu (gate_up bf16, act E4M3 with its 1x128 scales) of the
+// `megatron_mok` library (validated wrappers, fake implementations and references in
+// megatron_mok/ops/fp8_gemm.py, which raise ValueError before these run; the checks here are the
+// same, for callers of torch.ops directly). Each fills Fp8ExpertGemmParams (mok_params.h) once and
+// launches.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "bindings/checks.h"
+#include "common/device_info.h"
+#include "common/failure_record.h"
+#include "common/limits.h"
+#include "common/tensor_map.h"
+#include "gemm/fp8_gemm_sm90.cuh"
+#include "mok_params.h"
+
+namespace mok {
+namespace {
+
+using Tile = Fp8GemmTile;
+constexpr size_t kSmemBytes = Fp8GemmSharedStorage::kSmemBytes;
+
+// A row-major E4M3 matrix (rows, k) read in boxes of box_rows rows x one 128-byte K block, 128-byte
+// swizzle (what wgmma's K-major descriptors expect); rows past the end read as zeros. k is a
+// multiple of 128, so every row is whole 16 bytes.
+CUtensorMap e4m3_rows_map(const at::Tensor& t, int64_t rows, int64_t k, uint32_t box_rows, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fp8_expert_gemm: ", name,
+              " must start 16-byte aligned");
+  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
+  const cuuint64_t byte_strides[1] = {cuuint64_t(k)};
+  const cuuint32_t box[2] = {cuuint32_t(Tile::kK), box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  CUtensorMap map;
+  const CUresult result = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, t.data_ptr(), dims, byte_strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for ", name, " (CUresult ",
+              std::to_string(int(result)), ")");
+  return map;
+}
+
+// How many clusters of the kernel fit on the device at once, found once per kernel, device and
+// cluster size; on first sight the kernel's registers are checked against its setmaxnreg budgets
+// (fewer registers than they move would hang the consumers' increase until the watchdog traps).
+template <typename Kernel>
+int fp8_resident_clusters(Kernel kernel, cudaLaunchConfig_t config, int cluster_m) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int>, int> found;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = found.find(key); it != found.end()) return it->second;
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  const int needed = kNumThreadsPerWarpGroup * Tile::kProducerRegisters + Tile::kConsumerThreads * Tile::kConsumerRegisters;
+  TORCH_CHECK(attributes.numRegs * Tile::kThreads >= needed, "fp8_expert_gemm: the kernel was compiled with ",
+              std::to_string(attributes.numRegs), " registers per thread, fewer than its setmaxnreg budgets need (",
+              std::to_string(needed), " per CTA); rebuild without a register limit (-maxrregcount)");
+  config.gridDim = dim3(cluster_m * 1024);
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  TORCH_CHECK(clusters > 0, "fp8_expert_gemm: no cluster of ", std::to_string(cluster_m), " CTAs with ",
+              std::to_string(config.dynamicSmemBytes), " bytes of shared memory fits on this GPU");
+  found.emplace(key, clusters);
+  return clusters;
+}
+
+// maps: A, B, then the epilogue's (Fp8ExpertGemmMaps<Epilogue::Maps> in order).
+template <class Epilogue, int kClusterM, class... EpilogueMaps>
+void launch_fp8_expert_gemm(Fp8ExpertGemmParams<typename Epilogue::Params> params, const EpilogueMaps&... maps) {
+  using Kernel = Fp8ExpertGemmKernel<kClusterM, Epilogue>;
+  const ExpertGemmProblem& g = params.problem;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  params.failure_record = failure_record(stream);
+  auto kernel = gemm_kernel_sm90<Kernel, typename Kernel::Maps, typename Kernel::Params, EpilogueMaps...>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kClusterM;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(Tile::kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // The most cluster tiles any routing makes (each expert adds at most one partial m-tile), at most
+  // as many clusters as fit at once (persistent: a waiting cluster would run its share late).
+  constexpr int64_t kClusterRows = int64_t(Tile::kM) * kClusterM;
+  const int64_t max_tiles =
+      ((int64_t(g.num_rows) + kClusterRows - 1) / kClusterRows + g.num_experts) * (g.n_out / Tile::kN);
+  const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, fp8_resident_clusters(kernel, config, kClusterM))));
+  config.gridDim = dim3(clusters * kClusterM);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, maps..., params));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class Epilogue, class... Maps>
+void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
+                         const Maps&... maps) {
+  if (cluster_m == 1) {
+    launch_fp8_expert_gemm<Epilogue, 1>(params, maps...);
+  } else {
+    launch_fp8_expert_gemm<Epilogue, 2>(params, maps...);
+  }
+}
+
+// The checks both ops share (the FP8 operands, the offsets and the launch shape); returns (experts,
+// weight rows per expert N, K, fp8_scale_rows(rows)).
+std::tuple<int64_t, int64_t, int64_t, int64_t> check_fp8_operands(const char* kOp, const at::Tensor& a,
+                                                                  const at::Tensor& a_scales, const at::Tensor& weight,
+                                                                  const at::Tensor& weight_scales,
+                                                                  const at::Tensor& expert_offsets, int64_t cluster_m,
+                                                                  int64_t group_m) {
+  const std::pair<const at::Tensor*, const char*> tensors[] = {
+      {&a, "a"}, {&a_scales, "a_scales"}, {&weight, "weight"}, {&weight_scales, "weight_scales"},
+      {&expert_offsets, "expert_offsets"}};
+  for (auto [t, name] : tensors) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == a.device(), kOp, name,
+                " must be a contiguous CUDA tensor on a's device");
+  }
+  TORCH_CHECK(a.scalar_type() == at::kFloat8_e4m3fn && weight.scalar_type() == at::kFloat8_e4m3fn, kOp,
+              "a and weight must be float8_e4m3fn, got ", c10::toString(a.scalar_type()), " and ",
+              c10::toString(weight.scalar_type()));
+  TORCH_CHECK(a_scales.scalar_type() == at::kFloat && weight_scales.scalar_type() == at::kFloat, kOp,
+              "a_scales and weight_scales must be float32");
+  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3 && weight.size(2) == a.size(1), kOp,
+              "a must be (rows, K) and weight (experts, N, K) with the same K; got ", sizes_str(a), " and ",
+              sizes_str(weight));
+  const int64_t rows = a.size(0), k = a.size(1), experts = weight.size(0), n = weight.size(1);
+  TORCH_CHECK(experts > 0, kOp, "weight must hold at least one expert");
+  TORCH_CHECK(k > 0 && k % kFp8Block == 0 && n > 0 && n % kFp8Block == 0, kOp, "K and N must be positive multiples of ",
+              std::to_string(kFp8Block), ", got ", std::to_string(k), " and ", std::to_string(n));
+  const int64_t scale_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
+  TORCH_CHECK(a_scales.dim() == 2 && a_scales.size(0) == k / kFp8Block && a_scales.size(1) == scale_rows, kOp,
+              "a_scales must be (K/128, fp8_scale_rows(rows)) = (", std::to_string(k / kFp8Block), ", ",
+              std::to_string(scale_rows), "), got ", sizes_str(a_scales));
+  TORCH_CHECK(weight_scales.dim() == 3 && weight_scales.size(0) == experts && weight_scales.size(1) == n / kFp8Block &&
+                  weight_scales.size(2) == k / kFp8Block,
+              kOp, "weight_scales must be (experts, N/128, K/128), got ", sizes_str(weight_scales));
+  TORCH_CHECK(expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 &&
+                  expert_offsets.numel() == experts + 1,
+              kOp, "expert_offsets must be int32 (experts + 1,), got ", sizes_str(expert_offsets));
+  TORCH_CHECK(cluster_m == 1 || cluster_m == 2, kOp, "cluster_m must be 1 or 2, got ", std::to_string(cluster_m));
+  TORCH_CHECK(group_m >= cluster_m && group_m % cluster_m == 0 && group_m <= 1024, kOp,
+              "group_m must be a multiple of cluster_m in [cluster_m, 1024], got ", std::to_string(group_m));
+  TORCH_CHECK(scale_rows < (int64_t(1) << 31) && experts * n < (int64_t(1) << 31), kOp, "more than 2^31 rows");
+  TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
+              "this GPU has less shared memory per block than the kernel's ", std::to_string(kSmemBytes), " bytes");
+  return {experts, n, k, scale_rows};
+}
+
+template <class EpilogueParams>
+Fp8ExpertGemmParams<EpilogueParams> fp8_params(const at::Tensor& a, const at::Tensor& a_scales,
+                                               const at::Tensor& weight_scales, const at::Tensor& expert_offsets,
+                                               int64_t experts, int64_t n_out, int64_t n_weight_rows, int64_t k,
+                                               int64_t scale_rows, int64_t group_m) {
+  Fp8ExpertGemmParams<EpilogueParams> p{};
+  p.problem = ExpertGemmProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts),       int32_t(a.size(0)),
+                                int32_t(n_out),                     int32_t(n_weight_rows), int32_t(k),
+                                int32_t(group_m)};
+  p.scales = Fp8BlockScales{a_scales.data_ptr<float>(), weight_scales.data_ptr<float>(), int32_t(scale_rows)};
+  return p;
+}
+
+// out (rows, N) bf16 = per expert segment e, a[r] (E4M3, K) times weight[e]^T (E4M3 (N, K)) with
+// blockwise scales (mok_params.h Fp8ExpertGemmParams); rows past the last segment not written.
+at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
+                           int64_t group_m) {
+  constexpr const char* kOp = "fp8_expert_gemm: ";
+  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [experts, n, k, scale_rows] =
+      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+  const int64_t rows = a.size(0);
+  auto out = at::empty({rows, n}, a.options().dtype(at::kBFloat16));
+  if (rows == 0) return out;
+  auto p = fp8_params<StoreEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, n, n, k, scale_rows,
+                                           group_m);
+  p.epilogue = StoreEpilogueParams{out.data_ptr()};
+  const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
+  const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
+  launch_with_cluster<Fp8StoreEpilogue>(cluster_m, p, a_map, b_map, out_map);
+  return out;
+}
+
+// The gate/up projection with SwiGLU, act quantized 1x128 along F: weight (E, 2F, K) gate rows then
+// up rows, F a multiple of 128. Returns (gate_up (rows, 2F) bf16, act (rows, F) e4m3, act_scales
+// (F/128, fp8_scale_rows(rows)) fp32, the GEMM-A layout; its padding columns hold 1 as
+// quantization.gemm_a_scales makes them). Rows past the last segment are not written.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::Tensor& a, const at::Tensor& a_scales,
+                                                                      const at::Tensor& weight,
+                                                                      const at::Tensor& weight_scales,
+                                                                      const at::Tensor& expert_offsets,
+                                                                      int64_t cluster_m, int64_t group_m) {
+  constexpr const char* kOp = "fp8_expert_gemm_swiglu: ";
+  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [experts, two_ffn, k, scale_rows] =
+      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+  TORCH_CHECK(two_ffn % (2 * kFp8Block) == 0, kOp, "weight must hold gate and up rows of a multiple of ",
+              std::to_string(kFp8Block), " each (F), got ", std::to_string(two_ffn), " rows");
+  const int64_t rows = a.size(0), ffn = two_ffn / 2;
+  auto gate_up = at::empty({rows, two_ffn}, a.options().dtype(at::kBFloat16));
+  auto act = at::empty({rows, ffn}, a.options());
+  auto act_scales = at::empty({ffn / kFp8Block, scale_rows}, a_scales.options());
+  act_scales.narrow(1, rows, scale_rows - rows).fill_(1.f);
+  if (rows == 0) return {gate_up, act, act_scales};
+  auto p = fp8_params<Fp8SwigluEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, ffn, two_ffn, k,
+                                               scale_rows, group_m);
+  p.epilogue = Fp8SwigluEpilogueParams{gate_up.data_ptr(), act.data_ptr(), act_scales.data_ptr<float>(),
+                                       int32_t(scale_rows)};
+  const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * two_ffn, k, Tile::kN / 2, "weight");
+  launch_with_cluster<Fp8SwigluEpilogue>(cluster_m, p, a_map, b_map);
+  return {gate_up, act, act_scales};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
+  m.def(
+      "fp8_expert_gemm(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
+      "int cluster_m, int group_m) -> Tensor");
+  m.def(
+      "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
+      "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("fp8_expert_gemm", &fp8_expert_gemm);
+  m.impl("fp8_expert_gemm_swiglu", &fp8_expert_gemm_swiglu);
+}
+
+}  // namespace mok

@@ -1,0 +1,454 @@
+// The FP8 blockwise grouped GEMM of the expert segments (sm_90a; docs/design.md §12.3): E4M3 A rows
+// times E4M3 B_e^T with one fp32 scale per row and K block for A (1x128) and per 128 x 128 block for
+// B. Forward fc1/fc2 take the weights as quantized; the dgrads take the transposed copies (sm90's
+// FP8 wgmma reads K-major operands only). Two epilogues:
+//   Fp8StoreEpilogue   out = the product rounded once to bf16 (fc2, the dgrads; fc1 without SwiGLU);
+//   Fp8SwigluEpilogue  gate_up (bf16), and act = SwiGLU of it quantized 1x128 along F (E4M3 + scales
+//                      in the GEMM-A layout: the down projection's A).
+//
+// Persistent and warp-specialized like gemm/kernel_sm90_tma_wgmma_ws.cuh, whose kernel entry, tile
+// scheduler, stage ring, staging buffers and bounded waits it shares; what differs is the unit of a
+// stage and the promotion:
+//   warpgroup 0, producer: thread 0 walks the CTA's tiles (ExpertTileScheduler) and per K block of
+//     128 waits for a free stage and TMA-loads the tile's 128 A rows and its B slice, two halves of
+//     64 rows the epilogue names (128 bytes of K each, 128-byte swizzle), onto the stage's `full`
+//     barrier; with 2-CTA clusters each CTA loads one half of the shared B slice and multicasts it
+//     into both. A tile takes Epilogue::kPasses passes over K, each with its own B slice (the SwiGLU
+//     epilogue's 128 act columns are two passes of 64 gate + 64 up columns). Thread 32 is the watchdog.
+//   warpgroups 1 and 2, consumers, 64 rows each: per K block four wgmma m64n128k32 E4M3 into a fresh
+//     fp32 partial (the first with scale_d = 0, so a partial never spans two K blocks), wait for
+//     them, hand the stage back, and promote: acc += (scale_a[row] * scale_b) * partial, in fp32
+//     registers, ascending K blocks (bitwise reproducible). The scales are plain loads from global
+//     memory issued one K block ahead (two A scales per thread, its two rows; one B scale per B half
+//     and K block), so their latency hides behind a K block's MMAs. The two consumer warpgroups
+//     alternate on the tensor cores: one promotes while the other's MMAs run. After each pass the
+//     epilogue takes the accumulators.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "common/failure_codes.h"
+#include "common/limits.h"
+#include "common/pipeline_sm90.cuh"
+#include "common/swiglu_math.cuh"
+#include "common/sync_sm90.cuh"
+#include "common/tma_sm90.cuh"
+#include "common/watchdog_sm90.cuh"
+#include "common/wgmma_fp8_sm90.cuh"
+#include "common/wgmma_sm90.cuh"
+#include "gemm/epilogue_sm90_staging.cuh"
+#include "gemm/epilogue_sm90_swiglu.cuh"
+#include "gemm/kernel_sm90_tma_wgmma_ws.cuh"
+#include "gemm/tile_scheduler_sm90.cuh"
+#include "gemm/tile_sm90.cuh"
+#include "mok_params.h"
+
+namespace mok {
+
+struct Fp8GemmTile {
+  static constexpr int kConsumerWarpGroups = 2;
+  static constexpr int kConsumerThreads = kConsumerWarpGroups * kNumThreadsPerWarpGroup;
+  static constexpr int kThreads = kNumThreadsPerWarpGroup + kConsumerThreads;
+  static_assert(kThreads == ExpertGemmTile::kThreads, "gemm_kernel_sm90's launch bounds are ExpertGemmTile's");
+  static constexpr int kM = 128;  // two consumer warpgroups x 64 rows (wgmma m64)
+  static_assert(kM == ExpertGemmTile::kM, "the expert tile scheduler walks m-tiles of ExpertGemmTile::kM rows");
+  // 128 B rows (two halves of 64, each inside one 128-row weight scale block) and one scale block of
+  // K deep: a stage is one promotion step, with one B scale per half.
+  static constexpr int kN = kFp8Block;
+  static constexpr int kK = kFp8Block;
+  static constexpr int kMmaK = 32;  // K of one wgmma E4M3
+  static constexpr int kMmasPerStage = kK / kMmaK;
+  // fp32 registers per consumer thread for its warpgroup's 64 x kN outputs: the promoted sum and the
+  // K block's partial each hold this many.
+  static constexpr int kAccumulators = 64 * kN / kNumThreadsPerWarpGroup;
+  static_assert(kAccumulators == 64, "wgmma_m64n128k32_e4m3 takes 64 accumulators");
+  static constexpr uint32_t kABytes = kM * kK;  // E4M3: one byte per value; 128-byte K rows
+  static constexpr uint32_t kBBytes = kN * kK;
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr uint32_t kConsumerABytes = 64 * kK;  // a consumer warpgroup's 64 rows of a stage's A
+  // The staging buffers of gemm/epilogue_sm90_staging.cuh's StagingRing: one holds a warpgroup's
+  // 64 rows x 128 bf16 columns, its share of a tile.
+  static constexpr int kStagingBuffers = ExpertGemmTile::kStagingBuffers;
+  static constexpr uint32_t kStagingBytes = ExpertGemmTile::kStagingBytes;
+  static_assert(kStagingBytes == 64 * kN * 2, "a staging buffer holds a consumer's 64 x kN bf16 outputs");
+  // As many stages as fit beside the staging buffers in the 227 KB an sm90 block may opt into.
+  static constexpr int kStages = kStagingBuffers == 1 ? 6 : 5;
+  static constexpr int kProducerRegisters = ExpertGemmTile::kProducerRegisters;
+  static constexpr int kConsumerRegisters = ExpertGemmTile::kConsumerRegisters;
+  static constexpr int kSwizzleAlign = ExpertGemmTile::kSwizzleAlign;
+  static constexpr int kRoles = 3;  // producer + two consumers, for the watchdog
+};
+
+// The dynamic shared memory, carved from a 1024-byte aligned base (128-byte swizzled TMA boxes),
+// in bytes, S = kStages:
+//   a        S * kABytes (16 KB)                   the stages' A tiles
+//   b        S * kBBytes (16 KB)                   the stages' B tiles
+//   staging  2 * kStagingBuffers * kStagingBytes   each consumer warpgroup's staging buffers
+//   full     S * 8                                 a stage's loads landed (mbarriers)
+//   empty    S * 8                                 every consumer of the cluster released a stage
+//   watch    8                                     the bounded waits' watch (WaitWatch)
+struct Fp8GemmSharedStorage {
+  using Tile = Fp8GemmTile;
+  static constexpr size_t kBytes = size_t(Tile::kStages) * Tile::kStageBytes +
+                                   2 * Tile::kStagingBuffers * Tile::kStagingBytes +
+                                   2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+  static constexpr size_t kSmemBytes = Tile::kSwizzleAlign + kBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm90 block may opt into");
+
+  __device__ explicit Fp8GemmSharedStorage(uint8_t* smem_raw)
+      : a(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + Tile::kSwizzleAlign - 1) &
+                                     ~uintptr_t(Tile::kSwizzleAlign - 1))),
+        b(a + Tile::kStages * Tile::kABytes),
+        staging(b + Tile::kStages * Tile::kBBytes),
+        full(reinterpret_cast<uint64_t*>(staging + 2 * Tile::kStagingBuffers * Tile::kStagingBytes)),
+        empty(full + Tile::kStages),
+        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)) {}
+
+  uint8_t* a;
+  uint8_t* b;
+  uint8_t* staging;
+  uint64_t* full;
+  uint64_t* empty;
+  sm90::WaitWatch* watch;
+};
+
+
+// ---- epilogues: which B rows a pass multiplies, and what becomes of its accumulators ----------
+// b_row(problem, c, pass, half): the first of the 64 B rows (of expert c.expert's n_weight_rows)
+// that give accumulator columns [64 * half, 64 * half + 64) in pass `pass`; each half lies inside one
+// 128-row weight scale block. after_pass(...) takes a pass's accumulators (fragment layout of
+// gemm/tile_sm90.cuh: acc[4 * j + 2 * h + c] is row 16 * warp + lane / 4 + 8 * h of the warpgroup's
+// 64, column 8 * j + 2 * (lane % 4) + c); State carries what a later pass needs.
+
+// out (num_rows, n_out) bf16 = the product rounded once; 128 output columns per tile, one pass.
+struct Fp8StoreEpilogue {
+  using Maps = StoreEpilogueMaps;
+  using Params = StoreEpilogueParams;
+  static constexpr int kPasses = 1;
+  struct State {
+    __device__ explicit State(uint8_t*) {}
+  };
+
+  static __device__ __forceinline__ int b_row(const ExpertGemmProblem&, const TileCoord& c, int, int half) {
+    return c.n0 + 64 * half;
+  }
+  static __device__ __forceinline__ void prefetch_tensor_maps(const Maps& m) { sm90::prefetch_tensor_map(m.out); }
+
+  // Through the warpgroup's staging buffer and two TMA stores when its 64 rows lie inside the
+  // segment, else from registers with a row mask (as gemm/epilogue_sm90_store.cuh writes a half).
+  static __device__ __forceinline__ void after_pass(const Maps& m, const Params& e, const OutputExtent& out_extent,
+                                                    const float (&acc)[Fp8GemmTile::kAccumulators], const TileCoord& c,
+                                                    int, State&, StagingRing& staging, int consumer, int thread) {
+    uint32_t packed[Fp8GemmTile::kAccumulators / 2];
+#pragma unroll
+    for (int j = 0; j < Fp8GemmTile::kAccumulators / 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    const auto pair = [&](int j, int h) { return packed[2 * j + h]; };
+    if (c.rows >= 64 * (consumer + 1)) {
+      uint8_t* buffer = staging.acquire();
+      stage_columns(buffer, thread, 0, pair);
+      store_staged(m.out, buffer, consumer, thread, c.n0, c.row0 + 64 * consumer);
+    } else if (c.rows > 64 * consumer) {
+      write_columns_direct(static_cast<__nv_bfloat16*>(e.out), out_extent.n_out, c, out_extent, consumer, thread, 0,
+                           c.n0, pair);
+    }
+  }
+};
+
+// max that returns NaN if either operand is NaN (fmaxf drops it): a block holding a NaN gets a NaN
+// amax and scale, as torch.amax gives the reference.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// Two fp32 values -> two E4M3 bytes (lo at the lower address), round to nearest even, saturating to
+// +-448 (NaN stays NaN): what torch's (v).clamp(-448, 448).to(float8_e4m3fn) gives.
+__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// The gate/up projection with SwiGLU, act quantized 1x128 along F (mok_params.h
+// Fp8SwigluEpilogueParams). A tile is 128 act columns [n0, n0 + 128): pass p multiplies gate rows
+// [n0 + 64p, +64) (accumulator columns 0-63) and their up partners n_out rows further (64-127).
+// Each pass writes its gate and up columns of gate_up (bf16) and rounds act = silu(gate) * up from
+// the rounded values (swiglu_pair: swiglu_forward_kernel's arithmetic); pass 0 keeps its act in
+// registers. After pass 1 a row's 128 act columns lie in the four threads of its quad: the amax is
+// a quad reduction, then scale = amax / 448 (1 for an all-zero block; IEEE division) and q =
+// e4m3(act / scale), exactly quantization.quantize_rowwise of the bf16 act (docs/design.md §12.1).
+// Plain stores with a row mask (rows inside the segment and the schedule).
+struct Fp8SwigluEpilogue {
+  using Maps = Fp8SwigluEpilogueMaps;
+  using Params = Fp8SwigluEpilogueParams;
+  static constexpr int kPasses = 2;
+  static constexpr int kGroups = 8;  // 8-column groups of a half (64 columns)
+  // Pass 0's act as bf16 pairs, kept in the warpgroup's staging buffer (this epilogue stores
+  // without it) rather than in registers, which the accumulators and the partial fill: pair
+  // (group j, row half h) of thread t at word (2 * j + h) * 128 + t, so a warp's words are
+  // consecutive (no bank conflict). Each thread reads back only what it wrote: no barrier.
+  struct State {
+    __device__ explicit State(uint8_t* staging) : act(reinterpret_cast<uint32_t*>(staging)) {}
+    uint32_t* act;
+  };
+  static_assert(2 * kGroups * kNumThreadsPerWarpGroup * 4 <= Fp8GemmTile::kStagingBytes,
+                "pass 0's act fits in a staging buffer");
+
+  static __device__ __forceinline__ int b_row(const ExpertGemmProblem& g, const TileCoord& c, int pass, int half) {
+    return (half == 1 ? g.n_out : 0) + c.n0 + 64 * pass;
+  }
+  static __device__ __forceinline__ void prefetch_tensor_maps(const Maps&) {}
+
+  static __device__ __forceinline__ void after_pass(const Maps&, const Params& e, const OutputExtent& out_extent,
+                                                    const float (&acc)[Fp8GemmTile::kAccumulators], const TileCoord& c,
+                                                    int pass, State& state, StagingRing&, int consumer, int thread) {
+    const int lane = thread % 32, quad_lane = lane % 4;
+    const int64_t n_out = out_extent.n_out;
+    int64_t rows[2];
+    bool row_in[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row_in_tile = 64 * consumer + 16 * (thread / 32) + lane / 4 + 8 * h;
+      rows[h] = int64_t(c.row0) + row_in_tile;
+      row_in[h] = row_in_tile < c.rows && rows[h] < out_extent.num_rows;
+    }
+    uint32_t act[2 * kGroups];
+    auto* gate_up = static_cast<__nv_bfloat16*>(e.gate_up);
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t gate = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        const uint32_t up = pack_bf16x2(acc[4 * (j + kGroups) + 2 * h], acc[4 * (j + kGroups) + 2 * h + 1]);
+        act[2 * j + h] = swiglu_pair(gate, up);
+        if (row_in[h]) {
+          const int64_t col = c.n0 + 64 * pass + 8 * j + 2 * quad_lane;
+          *reinterpret_cast<uint32_t*>(gate_up + rows[h] * 2 * n_out + col) = gate;
+          *reinterpret_cast<uint32_t*>(gate_up + rows[h] * 2 * n_out + n_out + col) = up;
+        }
+      }
+    }
+    if (pass == 0) {
+#pragma unroll
+      for (int i = 0; i < 2 * kGroups; ++i) state.act[i * kNumThreadsPerWarpGroup + thread] = act[i];
+      return;
+    }
+    uint32_t first[2 * kGroups];  // pass 0's act
+#pragma unroll
+    for (int i = 0; i < 2 * kGroups; ++i) first[i] = state.act[i * kNumThreadsPerWarpGroup + thread];
+    auto* act_q = static_cast<uint8_t*>(e.act);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const uint32_t pair = p == 0 ? first[2 * j + h] : act[2 * j + h];
+          const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&pair);
+          amax = max_nan(amax, max_nan(fabsf(__low2float(v)), fabsf(__high2float(v))));
+        }
+      }
+      // The row's other 96 columns: the other three threads of its quad (every lane shuffles).
+      amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kFp8E4m3Max);
+      if (!row_in[h]) continue;
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const uint32_t pair = p == 0 ? first[2 * j + h] : act[2 * j + h];
+          const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&pair);
+          const int64_t col = c.n0 + 64 * p + 8 * j + 2 * quad_lane;
+          *reinterpret_cast<uint16_t*>(act_q + rows[h] * n_out + col) =
+              e4m3x2(__fdiv_rn(__low2float(v), scale), __fdiv_rn(__high2float(v), scale));
+        }
+      }
+      if (quad_lane == 0) e.act_scales[int64_t(c.n0 / kFp8Block) * e.act_scale_rows + rows[h]] = scale;
+    }
+  }
+};
+
+// kClusterM: 1, or 2 CTAs (vertically adjacent m-tiles of one expert) sharing each B slice through
+// TMA multicast (each loads one half). Launched through gemm_kernel_sm90<Fp8ExpertGemmKernel<...>,
+// Fp8ExpertGemmMaps<Epilogue::Maps>, Fp8ExpertGemmParams<Epilogue::Params>, CUtensorMap...> with a
+// cluster dimension (even of 1).
+template <int kClusterM, class Epilogue>
+struct Fp8ExpertGemmKernel {
+  using Tile = Fp8GemmTile;
+  using SharedStorage = Fp8GemmSharedStorage;
+  using Scheduler = ExpertTileScheduler<kClusterM, Tile::kN>;
+  using Maps = Fp8ExpertGemmMaps<typename Epilogue::Maps>;
+  using Params = Fp8ExpertGemmParams<typename Epilogue::Params>;
+  static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
+  static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
+  static constexpr uint32_t kBHalfBytes = Tile::kBBytes / 2;  // one 64-row half of a stage's B
+  static_assert(Tile::kABytes % Tile::kSwizzleAlign == 0 && kBHalfBytes % Tile::kSwizzleAlign == 0 &&
+                    Tile::kConsumerABytes % Tile::kSwizzleAlign == 0,
+                "every operand box and wgmma base starts on a 1024-byte swizzle atom");
+
+  static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
+    SharedStorage shared(smem_raw);
+    if (threadIdx.x == 0) {
+      sm90::init_stage_barriers<Tile::kStages>(shared.full, shared.empty, kEmptyArrivals);
+      shared.watch->failed = 0;
+      shared.watch->finished = 0;
+    }
+    if (threadIdx.x == 32) {
+      sm90::prefetch_tensor_map(maps.a);
+      sm90::prefetch_tensor_map(maps.b);
+      Epilogue::prefetch_tensor_maps(maps.epilogue);
+    }
+    // Every CTA's barriers exist before a peer multicasts into or arrives on them.
+    sm90::cluster_sync();
+
+    Scheduler scheduler(p.problem);
+    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    if (warpgroup == 0) {
+      sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
+      if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertGemmKernel);
+      if (threadIdx.x == 0) produce(maps, p, scheduler, shared);
+      return;
+    }
+    sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
+    consume(maps, p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+  }
+
+ private:
+  // The first B row (of the whole (num_experts * n_weight_rows, k) matrix) of half `half` in `pass`.
+  static __device__ __forceinline__ int b_row(const Params& p, const TileCoord& c, int pass, int half) {
+    return c.expert * p.problem.n_weight_rows + Epilogue::b_row(p.problem, c, pass, half);
+  }
+
+  static __device__ __forceinline__ void produce(const Maps& maps, const Params& p, Scheduler& scheduler,
+                                                 const SharedStorage& shared) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int cta_rank = scheduler.cta_rank();
+    const int k_blocks = p.problem.k / Tile::kK;
+    TileCoord c;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      for (int pass = 0; pass < Epilogue::kPasses; ++pass) {
+        const int b_row0 = b_row(p, c, pass, 0), b_row1 = b_row(p, c, pass, 1);
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
+          // The whole B slice lands in every CTA of the cluster (its own half and the peer's multicast).
+          sm90::mbarrier_arrive_expect_tx(&shared.full[stage], Tile::kStageBytes);
+          uint8_t* b = shared.b + stage * Tile::kBBytes;
+          sm90::tma_load_2d(shared.a + stage * Tile::kABytes, maps.a, &shared.full[stage], kb * Tile::kK, c.row0);
+          if constexpr (kClusterM == 1) {
+            sm90::tma_load_2d(b, maps.b, &shared.full[stage], kb * Tile::kK, b_row0);
+            sm90::tma_load_2d(b + kBHalfBytes, maps.b, &shared.full[stage], kb * Tile::kK, b_row1);
+          } else {
+            sm90::tma_load_2d_multicast(b + cta_rank * kBHalfBytes, maps.b, &shared.full[stage], kb * Tile::kK,
+                                        cta_rank == 0 ? b_row0 : b_row1, (1u << kClusterM) - 1);
+          }
+          sm90::advance_stage<Tile::kStages>(stage, phase);
+        }
+      }
+    }
+    // Every stage released by all consumers of the cluster: no remote arrival or multicast is still
+    // to come into this CTA's shared memory when it exits.
+    for (int i = 0; i < Tile::kStages; ++i) {
+      sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
+      sm90::advance_stage<Tile::kStages>(stage, phase);
+    }
+    sm90::mark_finished(watch);
+  }
+
+  static __device__ __forceinline__ void consume(const Maps& maps, const Params& p, Scheduler& scheduler,
+                                                 const SharedStorage& shared, int consumer, int thread) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int k_blocks = p.problem.k / Tile::kK;
+    const int64_t a_rows = p.scales.a_rows;
+    const int num_rows = p.problem.num_rows;
+    // This thread's first row in its warpgroup's 64 (the second is 8 further): the fragment layout.
+    const int fragment_row = 64 * consumer + 16 * (thread / 32) + (thread % 32) / 4;
+    StagingRing staging(shared.staging + consumer * Tile::kStagingBuffers * Tile::kStagingBytes, consumer, thread);
+    const OutputExtent out_extent = scheduler.output_extent();
+    float acc[Tile::kAccumulators];
+    float partial[Tile::kAccumulators];
+#pragma unroll
+    for (int i = 0; i < Tile::kAccumulators; ++i) partial[i] = 0.f;  // (overwritten: scale_d = 0)
+    int stage = 0;
+    uint32_t phase = 0;
+    TileCoord c;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      // The scales of this thread's two rows (rows past the schedule's read none: their outputs are
+      // not stored) and of the pass's two B halves, K block by K block.
+      const int row = c.row0 + fragment_row;
+      const bool row_in[2] = {row < num_rows, row + 8 < num_rows};
+      const float* a_scales = p.scales.a + row;
+      typename Epilogue::State state(shared.staging + consumer * Tile::kStagingBuffers * Tile::kStagingBytes);
+#pragma unroll 1
+      for (int pass = 0; pass < Epilogue::kPasses; ++pass) {
+        const float* b_scales[2];
+        float next_a[2], next_b[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          b_scales[h] = p.scales.b + int64_t(b_row(p, c, pass, h) / Tile::kN) * k_blocks;
+          next_b[h] = __ldg(b_scales[h]);
+          next_a[h] = row_in[h] ? __ldg(a_scales + 8 * h) : 0.f;
+        }
+        // Defined afresh per pass, so the compiler does not keep the previous one's alive.
+#pragma unroll
+        for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
+#pragma unroll 1
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          // scale[h][half]: row half h (the thread's two rows), B half (accumulator columns 64 * half ..).
+          float scale[2][2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) scale[h][half] = next_a[h] * next_b[half];
+          }
+          if (kb + 1 < k_blocks) {  // the next K block's scales, in flight during this one's MMAs
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              next_b[h] = __ldg(b_scales[h] + kb + 1);
+              next_a[h] = row_in[h] ? __ldg(a_scales + (kb + 1) * a_rows + 8 * h) : 0.f;
+            }
+          }
+          sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
+          const uint64_t a_desc =
+              sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
+          const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
+          sm90::wgmma_fence();
+          sm90::fence_accumulators(partial);
+#pragma unroll
+          for (int kk = 0; kk < Tile::kMmasPerStage; ++kk) {
+            // +32 bytes of the swizzled K row (2 in descriptor units) per wgmma; the first restarts
+            // the partial sum.
+            sm90::wgmma_m64n128k32_e4m3(partial, a_desc + 2 * kk, b_desc + 2 * kk, kk != 0);
+          }
+          sm90::wgmma_commit_group();
+          sm90::wgmma_wait_group<0>();
+          sm90::fence_accumulators(partial);
+          // The MMAs have read the stage: hand it back before promoting.
+          if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[stage]);
+          sm90::advance_stage<Tile::kStages>(stage, phase);
+#pragma unroll
+          for (int i = 0; i < Tile::kAccumulators; ++i) {
+            // i = 4 * j + 2 * h + c: column group j (B half j / 8), row half h.
+            acc[i] = fmaf(scale[(i / 2) % 2][i / 32], partial[i], acc[i]);
+          }
+        }
+        Epilogue::after_pass(maps.epilogue, p.epilogue, out_extent, acc, c, pass, state, staging, consumer, thread);
+      }
+    }
+    if (thread == 0) {
+      sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
+      sm90::mark_finished(watch);
+    }
+  }
+};
+
+}  // namespace mok

@@ -1,0 +1,179 @@
+"""The FP8 blockwise grouped GEMM of the expert segments (csrc/gemm/fp8_gemm_sm90.cuh; docs/design.md
+§12): E4M3 rows times E4M3 expert weights with promotion to fp32 every 128 of K, bf16 out.
+
+Notation: R rows of the schedule, K the reduction dimension, N output columns, E experts. Operands
+are (data, scales) pairs in the layouts of megatron_mok/quantization.py:
+    a              (R, K) float8_e4m3fn, row-major          quantization.quantize_rowwise
+    a_scales       (K/128, fp8_scale_rows(R)) float32       quantization.gemm_a_scales
+    weight         (E, N, K) float8_e4m3fn                  quantization.quantize_weight (fprop), or
+    weight_scales  (E, N/128, K/128) float32                quantization.transpose_weight of it (dgrad)
+    expert_offsets (E + 1,) int32, non-decreasing within [0, R] (as the schedule makes them; not
+                   checked on the device: the offsets never leave it)
+The references are the `*_reference` functions beside the ops (quantization.fp8_segment_matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_mok import quantization
+from megatron_mok.limits import FP8_BLOCK, fp8_scale_rows
+from megatron_mok.ops.extension import register_fake
+
+E4M3 = torch.float8_e4m3fn
+
+
+@register_fake("fp8_expert_gemm")
+def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    return a.new_empty((a.shape[0], weight.shape[1]), dtype=torch.bfloat16)
+
+
+@register_fake("fp8_expert_gemm_swiglu")
+def _fp8_expert_gemm_swiglu_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    rows, ffn = a.shape[0], weight.shape[1] // 2
+    return (
+        a.new_empty((rows, 2 * ffn), dtype=torch.bfloat16),
+        a.new_empty((rows, ffn), dtype=E4M3),
+        a.new_empty((ffn // FP8_BLOCK, fp8_scale_rows(rows)), dtype=torch.float32),
+    )
+
+
+def fp8_expert_gemm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int,
+    group_m: int,
+) -> torch.Tensor:
+    """(R, N) bf16: for the rows r of segment e, out[r, n] = sum over K blocks b ascending of
+    a_scales[b, r] * weight_scales[e, n // 128, b] * (the fp32 sum of a[r, k] * weight[e, n, k] over
+    block b), rounded once to bf16. Rows at or past expert_offsets[-1] are not written. Segments need
+    not be aligned (a tile's rows past its segment are computed and not stored); the FP8 recipe pads
+    them to 128 rows with zero rows. cluster_m (1 or 2: CTAs sharing a weight slice through TMA
+    multicast) and group_m (m-tiles per raster group) are the launch shape: backends/tuning.py
+    FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M. Ref: fp8_expert_gemm_reference."""
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m)
+    return torch.ops.megatron_mok.fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m)
+
+
+def fp8_expert_gemm_reference(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """(R, N) float32: the same sum computed exactly as docs/design.md §12.3 states it (each K block's
+    partial in fp32 from the E4M3 values, whose products are exact), before the bf16 rounding; zero at
+    or past expert_offsets[-1]. Reads the offsets on the host: tests and references only."""
+    return quantization.fp8_segment_matmul(a, a_scales, weight, weight_scales, expert_offsets)
+
+
+def fp8_expert_gemm_swiglu(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int,
+    group_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate/up projection with SwiGLU in the epilogue, act quantized 1x128 along F for the down
+    projection: weight (E, 2F, K) gate rows then up rows (F a multiple of 128), quantized 128 x 128.
+    Returns (gate_up (R, 2F) bf16: fp8_expert_gemm's product; act (R, F) float8_e4m3fn and act_scales
+    (F/128, fp8_scale_rows(R)) float32 in the GEMM-A layout, padding columns 1): act is
+    silu(gate) * up of the bf16 gate_up rounded to bf16 (ops.swiglu_forward's arithmetic), then
+    quantization.quantize_rowwise of it exactly (the same q and scales bit for bit). Rows at or past
+    expert_offsets[-1] are not written. Ref: fp8_expert_gemm_swiglu_reference."""
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
+                               op="fp8_expert_gemm_swiglu", gated=True)
+    return torch.ops.megatron_mok.fp8_expert_gemm_swiglu(
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m
+    )
+
+
+def fp8_expert_gemm_swiglu_reference(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate_up (R, 2F) float32 exact, act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R))): the
+    recipe's product, and act from its bf16 rounding through SwiGLU (rounded to bf16) and
+    quantization.quantize_rowwise. The kernel's act equals this act of the kernel's own gate_up."""
+    gate_up = fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets)
+    act, act_scales = quantize_swiglu(gate_up.bfloat16())
+    return gate_up, act, act_scales
+
+
+def quantize_swiglu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up (R, 2F) bf16 -> (act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R)) fp32):
+    silu(gate) * up in fp32 rounded to bf16, quantized 1x128 along F (the FP8 SwiGLU epilogue's
+    result for the same gate_up)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).bfloat16()
+    q, scales = quantization.quantize_rowwise(act)
+    return q, quantization.gemm_a_scales(scales)
+
+
+def check_fp8_expert_gemm_args(
+    a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op: str = "fp8_expert_gemm",
+    gated: bool = False,
+) -> None:
+    """ValueErrors naming the argument: types, dtypes, shapes and multiples first, contiguity, then
+    devices (so everything but the device is checkable with CPU tensors). gated: weight holds F gate
+    then F up rows, F a multiple of 128."""
+
+    def fail(message: str) -> None:
+        raise ValueError(f"{op}: {message}")
+
+    tensors = {
+        "a": a, "a_scales": a_scales, "weight": weight, "weight_scales": weight_scales, "expert_offsets": expert_offsets
+    }
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            fail(f"{name} must be a tensor, got {type(t).__name__}")
+    for name, dtype in (("a", E4M3), ("weight", E4M3), ("a_scales", torch.float32), ("weight_scales", torch.float32),
+                        ("expert_offsets", torch.int32)):
+        if tensors[name].dtype != dtype:
+            fail(f"{name} must be {dtype}, got {tensors[name].dtype}")
+    if a.dim() != 2:
+        fail(f"a must be (R, K), got {tuple(a.shape)}")
+    if weight.dim() != 3:
+        fail(f"weight must be (E, N, K), got {tuple(weight.shape)}")
+    rows, k = a.shape
+    experts, n, weight_k = weight.shape
+    if weight_k != k:
+        fail(f"weight (E, N, K) must have a's K = {k}, got {tuple(weight.shape)}")
+    if experts < 1:
+        fail(f"weight must hold at least one expert, got {tuple(weight.shape)}")
+    if k <= 0 or k % FP8_BLOCK:
+        fail(f"K (a's columns) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {k}")
+    if n <= 0 or n % FP8_BLOCK:
+        fail(f"N (weight's rows per expert) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {n}")
+    if gated and n % (2 * FP8_BLOCK):
+        fail(f"weight (E, 2F, K) must hold F gate and F up rows with F a multiple of {FP8_BLOCK}, got {n} rows")
+    want = (k // FP8_BLOCK, fp8_scale_rows(rows))
+    if tuple(a_scales.shape) != want:
+        fail(f"a_scales must be (K/128, fp8_scale_rows(R)) = {want} (quantization.gemm_a_scales), "
+             f"got {tuple(a_scales.shape)}")
+    want = (experts, n // FP8_BLOCK, k // FP8_BLOCK)
+    if tuple(weight_scales.shape) != want:
+        fail(f"weight_scales must be (E, N/128, K/128) = {want}, got {tuple(weight_scales.shape)}")
+    if tuple(expert_offsets.shape) != (experts + 1,):
+        fail(f"expert_offsets must be (E + 1,) = ({experts + 1},), got {tuple(expert_offsets.shape)}")
+    if isinstance(cluster_m, bool) or cluster_m not in (1, 2):
+        fail(f"cluster_m must be 1 or 2, got {cluster_m!r}")
+    if isinstance(group_m, bool) or not isinstance(group_m, int) or not (cluster_m <= group_m <= 1024) or group_m % cluster_m:
+        fail(f"group_m must be a multiple of cluster_m in [cluster_m, 1024], got {group_m!r}")
+    if fp8_scale_rows(rows) >= 1 << 31 or experts * n >= 1 << 31:
+        fail(f"more than 2^31 rows (a {tuple(a.shape)}, weight {tuple(weight.shape)})")
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            fail(f"{name} must be contiguous")
+    for name, t in tensors.items():
+        if t.device.type != "cuda" or t.device != a.device:
+            fail(f"{name} must be a CUDA tensor on a's device ({a.device}), got {t.device}")

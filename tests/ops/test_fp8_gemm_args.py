@@ -1,0 +1,110 @@
+"""ops.fp8_expert_gemm's argument checks on the CPU: the wrapper checks types, dtypes, shapes, the
+multiples of 128 and contiguity before devices, so every error but the device's shows without a GPU
+and before any kernel runs (the kernel's own checks and results: tests/ops/test_gpu_fp8_gemm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import ops
+from megatron_mok.limits import fp8_scale_rows
+
+E4M3 = torch.float8_e4m3fn
+R, K, N, E = 10, 256, 384, 3  # R = 10 rows: a_scales pads them to fp8_scale_rows(10) = 12
+
+
+def gemm_args(**changes):
+    """Valid arguments (but for the device: CPU tensors), with `changes` applied."""
+    args = dict(
+        a=torch.zeros(R, K, dtype=E4M3),
+        a_scales=torch.ones(K // 128, fp8_scale_rows(R)),
+        weight=torch.zeros(E, N, K, dtype=E4M3),
+        weight_scales=torch.ones(E, N // 128, K // 128),
+        expert_offsets=torch.tensor([0, 4, 4, 10], dtype=torch.int32),
+        cluster_m=1,
+        group_m=16,
+    )
+    args.update(changes)
+    return args
+
+
+# name: (the changed arguments, the error's words)
+BAD_ARGS = {
+    "a_bf16": (dict(a=torch.zeros(R, K, dtype=torch.bfloat16)), "a must be torch.float8_e4m3fn"),
+    "a_e5m2": (dict(a=torch.zeros(R, K, dtype=torch.float8_e5m2)), "a must be torch.float8_e4m3fn"),
+    "weight_bf16": (dict(weight=torch.zeros(E, N, K, dtype=torch.bfloat16)), "weight must be torch.float8_e4m3fn"),
+    "a_scales_bf16": (dict(a_scales=torch.ones(K // 128, 12, dtype=torch.bfloat16)), "a_scales must be torch.float32"),
+    "weight_scales_fp64": (dict(weight_scales=torch.ones(E, N // 128, K // 128, dtype=torch.float64)),
+                           "weight_scales must be torch.float32"),
+    "offsets_int64": (dict(expert_offsets=torch.tensor([0, 4, 4, 10])), "expert_offsets must be torch.int32"),
+    "a_not_tensor": (dict(a=[[0.0] * K] * R), "a must be a tensor"),
+    "a_3d": (dict(a=torch.zeros(1, R, K, dtype=E4M3)), r"a must be \(R, K\)"),
+    "weight_2d": (dict(weight=torch.zeros(N, K, dtype=E4M3)), r"weight must be \(E, N, K\)"),
+    "k_mismatch": (dict(weight=torch.zeros(E, N, 128, dtype=E4M3)), r"weight \(E, N, K\) must have a's K = 256"),
+    "no_expert": (dict(weight=torch.zeros(0, N, K, dtype=E4M3)), "weight must hold at least one expert"),
+    "k_not_multiple_of_128": (
+        dict(a=torch.zeros(R, 192, dtype=E4M3), weight=torch.zeros(E, N, 192, dtype=E4M3)),
+        "K .* must be a positive multiple of 128",
+    ),
+    "n_not_multiple_of_128": (dict(weight=torch.zeros(E, 320, K, dtype=E4M3)), "N .* must be a positive multiple of 128"),
+    "a_scales_unpadded": (dict(a_scales=torch.ones(K // 128, R)), r"a_scales must be \(K/128, fp8_scale_rows\(R\)\)"),
+    "a_scales_row_major": (dict(a_scales=torch.ones(12, K // 128)), r"a_scales must be \(K/128, fp8_scale_rows\(R\)\)"),
+    "weight_scales_transposed": (dict(weight_scales=torch.ones(E, K // 128, N // 128)),
+                                 r"weight_scales must be \(E, N/128, K/128\)"),
+    "offsets_short": (dict(expert_offsets=torch.tensor([0, 4, 10], dtype=torch.int32)),
+                      r"expert_offsets must be \(E \+ 1,\)"),
+    "cluster_of_4": (dict(cluster_m=4), "cluster_m must be 1 or 2"),
+    "cluster_bool": (dict(cluster_m=True), "cluster_m must be 1 or 2"),
+    "group_odd_for_pairs": (dict(cluster_m=2, group_m=3), "group_m must be a multiple of cluster_m"),
+    "group_zero": (dict(group_m=0), "group_m must be"),
+    "group_float": (dict(group_m=16.0), "group_m must be"),
+    "a_not_contiguous": (dict(a=torch.zeros(K, R, dtype=E4M3).t()), "a must be contiguous"),
+    "weight_not_contiguous": (dict(weight=torch.zeros(E, K, N, dtype=E4M3).transpose(1, 2)),
+                              "weight must be contiguous"),
+    "a_scales_not_contiguous": (dict(a_scales=torch.ones(12, K // 128).t()), "a_scales must be contiguous"),
+    "cpu_tensors": ({}, r"a must be a CUDA tensor on a's device"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_bad_argument_is_a_value_error_naming_it(case):
+    changes, words = BAD_ARGS[case]
+    with pytest.raises(ValueError, match=f"fp8_expert_gemm: {words}"):
+        ops.fp8_expert_gemm(**gemm_args(**changes))
+
+
+def test_reference_is_the_promoted_block_formula():
+    """The reference on CPU tensors, against the formula written out in float64 (E4M3 products and
+    their 128-term sums are exact in fp32 when the values are small integers, so the fp32 reference
+    must equal the float64 one exactly here)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-4, 5, (R, K), generator=gen).float().to(E4M3)
+    weight = torch.randint(-4, 5, (E, N, K), generator=gen).float().to(E4M3)
+    a_scales = torch.ones(K // 128, fp8_scale_rows(R))
+    a_scales[:, :R] = 2.0 ** torch.randint(-3, 4, (K // 128, R), generator=gen).float()
+    weight_scales = 2.0 ** torch.randint(-3, 4, (E, N // 128, K // 128), generator=gen).float()
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # row 9 is past the last segment: zero
+    got = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, offsets)
+    want = torch.zeros(R, N, dtype=torch.float64)
+    for e in range(E):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        for b in range(K // 128):
+            cols = slice(128 * b, 128 * (b + 1))
+            partial = a[lo:hi, cols].double() @ weight[e, :, cols].double().T
+            scale = a_scales[b, lo:hi].double()[:, None] * weight_scales[e, :, b].double().repeat_interleave(128)[None]
+            want[lo:hi] += scale * partial
+    assert got.dtype == torch.float32 and got.shape == (R, N)
+    assert torch.equal(got.double(), want)
+
+
+def test_swiglu_checks_name_their_op_and_f():
+    """fp8_expert_gemm_swiglu checks as fp8_expert_gemm does, under its own name, and F (half the
+    weight's rows) must itself be a multiple of 128: a 1x128 act block never straddles gate and up."""
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: a must be torch.float8_e4m3fn"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args(a=torch.zeros(R, K, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: weight .* F a multiple of 128, got 384 rows"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args())  # 2F = 384: F = 192
+    weight = torch.zeros(E, 256, K, dtype=E4M3)
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: a must be a CUDA tensor"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args(weight=weight, weight_scales=torch.ones(E, 2, K // 128)))

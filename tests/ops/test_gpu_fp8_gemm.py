@@ -1,0 +1,276 @@
+"""The FP8 blockwise grouped GEMM (ops.fp8_expert_gemm, csrc/gemm/fp8_gemm_sm90.cuh) against the exact
+recipe (quantization.fp8_segment_matmul through ops.fp8_expert_gemm_reference) on the same quantized
+inputs, and against fp32 of the unquantized inputs (skipped without a Hopper GPU and the built
+extension; run on the device).
+
+Tolerances (SQNR = 20 log10(||ref|| / ||ref - got||)):
+- Against the exact recipe, >= 45 dB (the issue's bar is 35). The kernel computes the same products:
+  E4M3 x E4M3 is exact in the tensor cores as in fp32, the scales multiply in fp32 as in the
+  reference. What differs: the bf16 rounding of the output (the reference is fp32; on Gaussian data
+  that rounding alone is 55.5 dB), the tensor cores' accumulation of a 128-K block (Hopper aligns
+  the products of an FP8 MMA to ~14 bits: DeepSeek-V3 §3.3.2), and fp32 summation order. The last
+  two are far below the first (relative ~2^-13 per block partial), so 45 dB leaves 10 dB of margin
+  while a wrong scale, block, row or column costs far more (a single wrong K block of 56 is ~35 dB).
+- Per element against the exact recipe: |got - ref| <= 2^-8 |ref| + 2^-7 S, S = sum over blocks of
+  |sa sb| sum over the block of |qa qb| (the reference evaluated on |q|). 2^-8 |ref| is one bf16
+  rounding; a block's partial goes through at most 36 alignments in the tensor cores (32 products
+  of one k32 MMA, 4 MMAs), each losing less than 2^-13 of the block's sum of magnitudes: < 2^-7.8 S.
+  No row or column may break it (catches an outlier the norm would average away).
+- Against fp32 of the unquantized inputs, >= 25 dB: the recipe itself costs accuracy (both operands
+  rounded to E4M3, ~2^-4 relative each); on Gaussian data it gives ~28.7 dB (the issue's bar).
+- The SwiGLU epilogue: gate_up as above; act and its scales exactly quantization.quantize_rowwise of
+  ops.swiglu_forward(gate_up) (the same bf16 act, amax, IEEE division and round-to-nearest E4M3);
+  the dequantized act against SwiGLU of the fp32 unquantized product >= 20 dB (gate and up each
+  ~28.7 dB, their product ~25.5 dB, act's own E4M3 rounding on top: ~24.7 dB on Gaussian data in
+  the PyTorch emulation of the recipe).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_mok import ops, quantization
+from megatron_mok.limits import fp8_scale_rows
+from megatron_mok.backends.tuning import FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M
+from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
+
+pytestmark = NEEDS_HOPPER_KERNELS
+
+E4M3 = torch.float8_e4m3fn
+LAUNCH = (FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M)
+MIN_SQNR_VS_RECIPE_DB = 45.0
+MIN_SQNR_VS_FP32_DB = 25.0
+MIN_SQNR_ACT_VS_FP32_DB = 20.0
+
+# name: (rows per expert, K, N, segments padded to 128 rows with zero rows, weight transposed for dgrad)
+# The model shapes are one rank's experts' GEMMs (docs/design.md §12.4): DeepSeek-V3 H 7168, F 2048
+# (fc1 2F 4096 x H; fc2 H x F; the dgrads take the transposed copies), Qwen3-30B H 2048, F 768.
+CASES = {
+    "minimum": ([1], 128, 128, False, False),
+    "one_tile": ([128], 128, 128, True, False),
+    "deepseek_v3_fc1": ([700, 300, 0, 1100], 7168, 4096, True, False),
+    "deepseek_v3_fc2": ([700, 300, 0, 1100], 2048, 7168, True, False),
+    "deepseek_v3_dgrad_fc1": ([700, 300, 0, 1100], 4096, 7168, True, True),
+    "deepseek_v3_dgrad_fc2": ([257, 0, 1023], 7168, 2048, True, True),
+    "qwen3_30b_fc1": ([40, 0, 300, 7] * 8, 2048, 1536, True, False),
+    "qwen3_30b_fc2": ([40, 0, 300, 7] * 8, 768, 2048, True, False),
+    "qwen3_30b_dgrad_fc1": ([40, 0, 300, 7] * 8, 1536, 2048, True, True),
+    "empty_experts": ([0, 0, 300, 0], 256, 384, True, False),
+    "all_rows_one_expert": ([0, 1000, 0], 384, 256, True, False),
+    "odd_segments_padded": ([1, 129, 77, 255, 3], 640, 640, True, False),
+    # Not the recipe's layout, but the kernel's contract: a tile's rows past its segment are
+    # computed from the next segment's and not stored.
+    "odd_segments_unpadded": ([37, 0, 129, 5, 200], 256, 256, False, False),
+    "many_small_experts": ([3, 17, 0, 64, 65, 127, 128, 1, 0, 250] * 4, 256, 128, True, False),
+}
+
+
+def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float(20 * torch.log10(ref.norm() / (ref - got).norm()))
+
+
+def make_case(rows_per_expert, k, n, padded, transposed, seed, tail_rows=3):
+    """Quantized operands of one case: x (R, K) with zero padding rows, the weight quantized 128 x 128
+    (for dgrad: quantized as (E, K, N), then its transposed copy (E, N, K)), offsets, and the fp32
+    unquantized product per segment."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sizes = [-(-r // 128) * 128 if padded else r for r in rows_per_expert]
+    offsets_host = [0]
+    for size in sizes:
+        offsets_host.append(offsets_host[-1] + size)
+    num_rows = offsets_host[-1] + tail_rows  # rows past the last segment: never written
+    x = torch.randn(num_rows, k, device="cuda", generator=gen)
+    for e, rows in enumerate(rows_per_expert):  # the padding rows of a segment are zero
+        x[offsets_host[e] + rows : offsets_host[e + 1]] = 0
+    experts = len(rows_per_expert)
+    if transposed:
+        stored = torch.randn(experts, k, n, device="cuda", generator=gen) / k**0.5  # (E, K, N) as stored
+        qw, sw = quantization.transpose_weight(*quantization.quantize_weight(stored))
+        w = stored.transpose(1, 2)
+    else:
+        w = torch.randn(experts, n, k, device="cuda", generator=gen) / k**0.5
+        qw, sw = quantization.quantize_weight(w)
+    qa, sa_rows = quantization.quantize_rowwise(x)
+    offsets = torch.tensor(offsets_host, dtype=torch.int32, device="cuda")
+    fp32 = torch.zeros(offsets_host[-1], n, device="cuda")
+    for e in range(experts):
+        lo, hi = offsets_host[e], offsets_host[e + 1]
+        fp32[lo:hi] = x[lo:hi] @ w[e].T
+    return (qa, quantization.gemm_a_scales(sa_rows), qw, sw, offsets), fp32, offsets_host[-1]
+
+
+def case_args(name):
+    rows, k, n, padded, transposed = CASES[name]
+    return make_case(rows, k, n, padded, transposed, seed=zlib.crc32(name.encode()) % 1000)
+
+
+def assert_matches_recipe_and_fp32(got, args, fp32, end):
+    """got (>= end rows, N) bf16 against the exact recipe and fp32 (module doc)."""
+    qa, sa, qw, sw, offsets = args
+    got = got[:end].float()
+    assert torch.isfinite(got).all(), "non-finite (unwritten) elements inside the segments"
+    ref = ops.fp8_expert_gemm_reference(*args)[:end]
+    magnitude = ops.fp8_expert_gemm_reference(qa.float().abs().to(E4M3), sa, qw.float().abs().to(E4M3), sw, offsets)
+    excess = (got - ref).abs() - (2.0**-8 * ref.abs() + 2.0**-7 * magnitude[:end])
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, f"element {divmod(worst, ref.shape[1])} off by {float(excess.max()):.3e} past its bound"
+    if ref.norm() > 0:
+        assert sqnr_db(ref, got) >= MIN_SQNR_VS_RECIPE_DB
+        assert sqnr_db(fp32, got) >= MIN_SQNR_VS_FP32_DB
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_expert_gemm_matches_the_recipe_and_fp32(case, cluster_m):
+    args, fp32, end = case_args(case)
+    qa, _, qw, _, _ = args
+    poison_allocator()
+    out = ops.fp8_expert_gemm(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)
+    assert out.shape == (qa.shape[0], qw.shape[1]) and out.dtype == torch.bfloat16
+    assert_matches_recipe_and_fp32(out, args, fp32, end)
+
+
+# name: (rows per expert, K = H, 2F): gate/up projections (F a multiple of 128).
+SWIGLU_CASES = {
+    "minimum": ([1], 128, 256),
+    "deepseek_v3_fc1": ([700, 300, 0, 1100], 7168, 4096),
+    "qwen3_30b_fc1": ([40, 0, 300, 7] * 8, 2048, 1536),
+    "odd_segments_padded": ([1, 129, 77, 255, 3], 384, 768),
+    "odd_segments_unpadded": ([37, 0, 129, 5, 200], 256, 512),
+}
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
+    rows_per_expert, k, two_ffn = SWIGLU_CASES[case]
+    padded = case != "odd_segments_unpadded"
+    args, fp32, end = make_case(rows_per_expert, k, two_ffn, padded, False, seed=zlib.crc32(case.encode()) % 1000 + 1)
+    qa, _, _, _, offsets = args
+    rows, ffn = qa.shape[0], two_ffn // 2
+    poison_allocator()
+    gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)
+    assert gate_up.shape == (rows, two_ffn) and gate_up.dtype == torch.bfloat16
+    assert act.shape == (rows, ffn) and act.dtype == E4M3
+    assert act_scales.shape == (ffn // 128, fp8_scale_rows(rows)) and act_scales.dtype == torch.float32
+    assert_matches_recipe_and_fp32(gate_up, args, fp32, end)
+    act_bf16 = ops.swiglu_forward(gate_up, offsets)[:end]
+    want_q, want_scales = quantization.quantize_rowwise(act_bf16)
+    assert torch.equal(act[:end].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(act_scales[:, :end], want_scales.t())
+    assert torch.equal(act_scales[:, rows:], torch.ones_like(act_scales[:, rows:]))  # the layout's padding
+    gate, up = fp32.chunk(2, dim=-1)
+    act_fp32 = torch.nn.functional.silu(gate) * up
+    assert sqnr_db(act_fp32, quantization.dequantize_rowwise(act[:end], act_scales[:, :end].t())) >= MIN_SQNR_ACT_VS_FP32_DB
+
+
+def test_fp8_expert_gemm_swiglu_deterministic_graph_and_registration():
+    args, _, end = make_case([40, 0, 300, 7] * 4, 512, 512, True, False, seed=11)
+    first = [t.clone() for t in ops.fp8_expert_gemm_swiglu(*args, *LAUNCH)]
+    again = ops.fp8_expert_gemm_swiglu(*args, *LAUNCH)
+    assert torch.equal(again[0][:end], first[0][:end])
+    assert torch.equal(again[1][:end].view(torch.uint8), first[1][:end].view(torch.uint8))
+    assert torch.equal(again[2][:, :end], first[2][:, :end])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.fp8_expert_gemm_swiglu(*args, *LAUNCH)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0][:end], first[0][:end])
+    assert torch.equal(captured[1][:end].view(torch.uint8), first[1][:end].view(torch.uint8))
+    op = torch.ops.megatron_mok.fp8_expert_gemm_swiglu.default
+    torch.library.opcheck(op, (*args, *LAUNCH), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fp8_expert_gemm_promotes_per_k_block():
+    """Scales that differ by 2^20 between K blocks: a partial sum spanning two blocks, or a block's
+    scale applied to its neighbour, is off by orders of magnitude; per-block promotion is exact up to
+    the bf16 rounding (every product and partial here is a small integer, exact in the tensor cores)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows, k, n = 256, 512, 256
+    qa = torch.randint(-3, 4, (rows, k), device="cuda", generator=gen).float().to(E4M3)
+    qw = torch.randint(-3, 4, (2, n, k), device="cuda", generator=gen).float().to(E4M3)
+    sa = torch.ones(k // 128, rows, device="cuda")
+    sa[1::2] = 2.0**-10
+    sw = torch.ones(2, n // 128, k // 128, device="cuda")
+    sw[:, :, 0] = 2.0**10
+    sw[:, 1, :] *= 2.0**-5  # the second 128-column block of every expert
+    offsets = torch.tensor([0, 128, rows], dtype=torch.int32, device="cuda")
+    out = ops.fp8_expert_gemm(qa, sa, qw, sw, offsets, *LAUNCH).float()
+    ref = ops.fp8_expert_gemm_reference(qa, sa, qw, sw, offsets)
+    assert torch.equal(out, ref.bfloat16().float())
+
+
+def test_fp8_expert_gemm_is_bitwise_deterministic():
+    args, _, end = case_args("deepseek_v3_fc2")
+    first = ops.fp8_expert_gemm(*args, *LAUNCH)[:end]
+    for _ in range(2):
+        assert torch.equal(ops.fp8_expert_gemm(*args, *LAUNCH)[:end], first)
+
+
+@pytest.mark.parametrize("group_m", [1, 2, 16])
+def test_launch_shape_does_not_change_the_result(group_m):
+    """The raster and the cluster size change which CTA computes a tile, never its arithmetic."""
+    args, _, end = case_args("qwen3_30b_fc1")
+    want = ops.fp8_expert_gemm(*args, 1, 1)[:end]
+    for cluster_m in (1, 2):
+        if group_m % cluster_m == 0:
+            assert torch.equal(ops.fp8_expert_gemm(*args, cluster_m, group_m)[:end], want)
+
+
+def test_cuda_graph_replay_equals_eager():
+    args, _, end = case_args("qwen3_30b_fc2")
+    eager = ops.fp8_expert_gemm(*args, *LAUNCH)[:end].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        ops.fp8_expert_gemm(*args, *LAUNCH)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fp8_expert_gemm(*args, *LAUNCH)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:end], eager)
+
+
+def test_no_rows_anywhere():
+    args, _, _ = make_case([0, 0, 0], 128, 256, True, False, seed=4, tail_rows=3)
+    out = ops.fp8_expert_gemm(*args, *LAUNCH)  # no tile: nothing to compute, no hang
+    torch.cuda.synchronize()
+    assert out.shape == (3, 256)
+    qa, sa, qw, sw, offsets = args
+    empty = ops.fp8_expert_gemm(qa[:0], sa[:, :0], qw, sw, offsets, *LAUNCH)
+    assert empty.shape == (0, 256)
+    assert ops.last_failure() is None
+
+
+def test_fp8_expert_gemm_op_registration():
+    args, _, end = case_args("odd_segments_unpadded")
+    op = torch.ops.megatron_mok.fp8_expert_gemm.default
+    torch.library.opcheck(op, (*args, *LAUNCH), test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
+    assert torch.equal(compiled(*args, *LAUNCH)[:end], ops.fp8_expert_gemm(*args, *LAUNCH)[:end])
+
+
+# The kernel's own checks, for callers of torch.ops directly (the wrapper raises ValueError first:
+# tests/ops/test_fp8_gemm_args.py).
+BAD = [
+    ("a bf16", lambda a, sa, w, sw, o: (a.bfloat16(), sa, w, sw, o), "float8_e4m3fn"),
+    ("K not a multiple of 128", lambda a, sa, w, sw, o: (a[:, :64].contiguous(), sa[:1], w[:, :, :64].contiguous(),
+                                                         sw[:, :, :1].contiguous(), o), "multiples of 128"),
+    ("a_scales unpadded", lambda a, sa, w, sw, o: (a, sa[:, : a.shape[0]].contiguous(), w, sw, o), "a_scales must be"),
+    ("offsets int64", lambda a, sa, w, sw, o: (a, sa, w, sw, o.long()), "expert_offsets must be int32"),
+]
+
+
+@pytest.mark.parametrize("case,change,fragment", BAD, ids=[b[0] for b in BAD])
+def test_kernel_checks_are_clear_errors(case, change, fragment):
+    args, _, _ = make_case([10, 21], 128, 128, False, False, seed=5)
+    with pytest.raises(RuntimeError, match=fragment):
+        torch.ops.megatron_mok.fp8_expert_gemm(*change(*args), *LAUNCH)
