@@ -179,6 +179,13 @@ def test_fp8_saves_no_more_than_bf16():
     assert fp8 <= bf16, f"FP8 keeps {fp8} bytes for backward, bf16 {bf16}"
 
 
+def test_the_memory_bound_is_for_bf16_only():
+    from megatron_mok.memory import layer_memory_bound
+
+    with pytest.raises(ValueError, match="MoKConfig.precision='fp8_blockwise' runs on the reference backend"):
+        layer_memory_bound(num_tokens=8, hidden=128, ffn_hidden=128, num_local_experts=2, topk=2, config=FP8)
+
+
 # ---- special values ------------------------------------------------------------------------
 
 
