@@ -166,8 +166,9 @@ class CollectiveExchange:
         return RowSource(self._gather_rows(x))
 
     def grad_source(self, grad_y: Rows, topk_weights: torch.Tensor) -> GradSource:
+        grad_y_all = self._gather_rows(grad_y)
         weights_all = self.group.all_gather(topk_weights).reshape(-1)
-        return GradSource(RowSource(self._gather_rows(grad_y)), RowSource(weights_all))
+        return GradSource(RowSource(grad_y_all), RowSource(weights_all))
 
     def release(self, source) -> None:
         pass  # the gathered tensors are this rank's own
