@@ -27,24 +27,14 @@ from megatron_mok.megatron.grouped_mm_experts import GroupedMMExperts
 from megatron_mok.moe import mok_moe
 
 
-<<<<<<< HEAD
-def _megatron_args():
-    """Megatron's parsed arguments, None when Megatron's training loop did not parse any."""
-    try:
-        from megatron.training.global_vars import get_args
-
-        return get_args()
-    except (ImportError, AssertionError):
-        return None
-
-
 def grouped_mm_experts_requested(config: TransformerConfig) -> bool:
     """`config.mok_grouped_mm_experts` if set, else `--mok-grouped-mm-experts`."""
     explicit = getattr(config, "mok_grouped_mm_experts", None)
     if explicit is not None:
         return bool(explicit)
-    return bool(getattr(_megatron_args(), "mok_grouped_mm_experts", False))
-=======
+    return bool(getattr(parsed_args(), "mok_grouped_mm_experts", False))
+
+
 # The one-time lines of mok_config_for, as printed.
 precision_notes: set[str] = set()
 
@@ -62,7 +52,6 @@ def _note_precision(config: TransformerConfig, precision: str) -> None:
         precision_notes.add(line)
         if os.environ.get("RANK", "0") == "0":
             print(line, flush=True)
->>>>>>> fp8-python
 
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
@@ -75,14 +64,9 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
         if not isinstance(explicit, MoKConfig):
             raise TypeError(f"TransformerConfig.mok_config must be a MoKConfig, got {type(explicit).__name__}")
         return explicit
-<<<<<<< HEAD
-    args = _megatron_args()
-    fields = {}
-=======
     args = parsed_args()
     fields = {"precision": expert_precision(config)}
     _note_precision(config, fields["precision"])
->>>>>>> fp8-python
     for flag, field in (
         ("mok_backend", "backend"),
         ("mok_expert_gemm", "expert_gemm"),
