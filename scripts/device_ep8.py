@@ -19,7 +19,7 @@ Part 2 (the numbers; each a torchrun over every GPU):
   all-to-all + grouped GEMM and Megatron's alltoall, with scripts/ep_model.py's predictions at the
   measured pull rate;
 - throughput: scripts/throughput.py --config proxy_8gpu, alltoall then mok, tokens/s/GPU and whether
-  the loss curves agree.
+  the loss curves are the same (throughput.py's criterion).
 Every step runs under `timeout` with its bound, cut to what is left of --budget-s; a step that cannot
 start in time is listed as not run. Logs and JSON go to $OUT (default /tmp/mok_ep8); a table prints
 last. The exit status is non-zero when a step failed or did not run.
@@ -144,11 +144,12 @@ def summarize(step: Step, out: Path, text: str) -> str:
             cell = f"{run['dispatcher']} rc {run.get('rc')}"
             if run.get("tokens_per_s_per_gpu"):
                 cell += f": {run['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
-            if run.get("speedup"):
-                cell += f", {run['speedup']:.2f}x"
-            loss = run.get("loss_vs_first")
-            if loss:
-                cell += f", loss max rel diff {loss['max_rel_diff']:.1e} (agree to 4 digits: {loss['agree_4_digits']})"
+            for baseline, ratio in run.get("speedup", {}).items():
+                if baseline != run["dispatcher"]:
+                    cell += f", {ratio:.2f}x {baseline}"
+            loss = run.get("loss_vs_reference")
+            if loss and loss.get("same_curve") is not None:
+                cell += f", loss max rel diff {loss['max_rel_diff']:.1e} (same curve: {loss['same_curve']})"
             cells.append(cell)
         return "; ".join(cells)
     lines = [line for line in text.splitlines() if line.strip()]

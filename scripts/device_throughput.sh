@@ -2,41 +2,62 @@
 # One device call on a lent 1x H200 (python3 with torch 2.11+cu130; no megatron-core, Transformer
 # Engine or apex; no network): install megatron-core from the wheels carried in .whl/ into
 # /tmp/site, build the CUDA extension, run scripts/throughput.py for proxy_1gpu (DeepSeek-V3 MoE
-# layer) and proxy_qwen3_30b_1gpu (Qwen3-30B-A3B MoE layer) with alltoall and mok, 20 iterations
-# each; alltoall first, so the speed-up column reads as mok over alltoall.
-# The two tables print last.
+# layer) and proxy_qwen3_30b_1gpu (Qwen3-30B-A3B MoE layer) with three dispatchers:
+# alltoall_grouped (Megatron's alltoall, experts on torch's grouped GEMM: the baseline a TE user's
+# TEGroupedMLP stands for), mok, and alltoall (SequentialMLP, what Megatron runs without TE).
+# alltoall_grouped runs first: it is the loss curves' reference, and a run cut short by the budget
+# is then the slowest baseline's. Each config's table prints, then a summary of mok's speed-ups
+# against both baselines, last.
 #
-#     bash scripts/device_throughput.sh                 # from the repository root; carry .whl
+#     bash scripts/device_throughput.sh [--budget SECONDS]      # repository root; carry .whl
 #
-# Knobs (environment): ITERS (20); CONFIGS ("proxy_1gpu proxy_qwen3_30b_1gpu"); DISPATCHERS
-# (alltoall,mok: the first is the baseline); PROFILE=1 (one more step per run under torch.profiler:
-# MoE layers vs the rest); REBUILD=1 (build even if megatron_mok/_C*.so exists); SKIP_BUILD=1;
-# RUN_TIMEOUT (seconds per training run, 180); BUDGET (seconds for the whole script, 540);
-# MOK_BACKEND (kernel: a missing extension fails instead of timing the reference).
-# A CPU smoke test: SKIP_BUILD=1 MOK_BACKEND=reference CONFIGS=tiny ITERS=3.
+# --budget (default 570): seconds for the whole script; each training run's time limit is cut so
+# that everything ends inside it (the device tool stops a command at 600 s; a stopped run still
+# leaves its logged iterations in the table). Knobs (environment): ITERS (default 20 for
+# proxy_1gpu, 12 for the Qwen3 proxy, whose alltoall run takes ~3 s an iteration); CONFIGS
+# ("proxy_1gpu proxy_qwen3_30b_1gpu"); DISPATCHERS (alltoall_grouped,mok,alltoall: the first is
+# the loss reference); PROFILE=1 (one more step per run under torch.profiler: MoE layers vs the
+# rest); REBUILD=1 (build even if megatron_mok/_C*.so exists); SKIP_BUILD=1; RUN_TIMEOUT (seconds
+# per training run at most, 180); MOK_BACKEND (kernel: a missing extension fails instead of timing
+# the reference). A CPU smoke test: SKIP_BUILD=1 MOK_BACKEND=reference CONFIGS=tiny ITERS=3.
 #
 # Files in $OUT (flat; the device tool brings back 8): build.log, CONFIG.json, CONFIG.png,
 # CONFIG.md for each config, logs.tar.gz (every run's Megatron log and the drivers' output).
 #
-# Time, estimated (not measured as one script): the build (two nvcc translation units, so MAX_JOBS
-# hardly matters), then per training run ~30-45 s of start-up (imports, model init, torch.compile
-# warm-ups) plus 20 iterations: proxy_1gpu ~0.85 s (mok) / ~1.1 s (alltoall) each, the Qwen3
-# proxy well under 1 s (mok) / ~1-2 s (alltoall, 128 SequentialMLP experts). Four runs ~3-4 min.
-# The build measured 2 min 39 s on a busy 2-core CPU host (both units in parallel, 1 min 45 s CPU),
-# so about 1-1.5 min there; the whole script ~5-6 min. The Qwen3 proxy is cut to 6 layers and vocab
-# 32768 for memory and time (configs/proxy_qwen3_30b_1gpu.yaml).
+# Time, estimated from the runs of 2026-12-01 (one H200): the build ~1-1.5 min (two nvcc
+# translation units; skipped when megatron_mok/_C*.so is carried), then per training run ~30-45 s
+# of start-up (imports, model init, torch.compile warm-ups) plus its iterations: proxy_1gpu
+# ~0.85 s (mok) / ~1.1 s (alltoall) each, the Qwen3 proxy ~0.6 s (mok) / ~3-3.6 s (alltoall,
+# 128 SequentialMLP experts); alltoall_grouped not yet measured, expected between. Six runs at the
+# default iterations ~6-7 min, ~8 with the build: inside one call, with the limits as the net.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+budget=570
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
+        --budget=*) budget=${1#--budget=}; shift ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "device_throughput.sh: unknown argument $1 (--budget SECONDS)"; exit 2 ;;
+    esac
+done
+case "$budget" in ''|*[!0-9]*) echo "device_throughput.sh: --budget $budget: expected whole seconds"; exit 2 ;; esac
 OUT=${OUT:-/tmp/mok_out}
-ITERS=${ITERS:-20}
 CONFIGS=${CONFIGS:-proxy_1gpu proxy_qwen3_30b_1gpu}
-DISPATCHERS=${DISPATCHERS:-alltoall,mok}
+DISPATCHERS=${DISPATCHERS:-alltoall_grouped,mok,alltoall}
 SCRATCH=/tmp/mok_throughput
 mkdir -p "$OUT" "$SCRATCH"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Multicast stays off on these machines (KINDS.md); one GPU does not use it anyway.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 start=$(date +%s)
+
+iters_for() {  # the iterations of one config
+    case "$1" in
+        proxy_qwen3_30b_1gpu) echo "${ITERS:-12}" ;;
+        *) echo "${ITERS:-20}" ;;
+    esac
+}
 
 if ! python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('megatron') is None)"; then
     ls .whl/megatron_core-*.whl >/dev/null 2>&1 \
@@ -62,27 +83,33 @@ fi
 
 profile=()
 [ "${PROFILE:-0}" = 1 ] && profile=(--profile)
-# Each run's time limit: RUN_TIMEOUT, or less so that everything ends inside BUDGET seconds (the
-# device tool stops a command at 600 s; a stopped run still leaves its iterations in the table).
-configs_left=$(wc -w <<< "$CONFIGS")
+# Each run's time limit: RUN_TIMEOUT, or less, an equal share of what is left of the budget (less
+# 20 s for the summary and the archive) among the runs still to start.
 runs_per_config=$(( $(tr -cd , <<< "$DISPATCHERS" | wc -c) + 1 ))
+runs_left=$(( $(wc -w <<< "$CONFIGS") * runs_per_config ))
 for config in $CONFIGS; do
     ran=$(date +%s)
-    per_run=$(( (${BUDGET:-540} - (ran - start)) / (configs_left * runs_per_config) ))
+    per_run=$(( (budget - 20 - (ran - start)) / runs_left ))
     run_timeout=$(( per_run < ${RUN_TIMEOUT:-180} ? per_run : ${RUN_TIMEOUT:-180} ))
-    configs_left=$(( configs_left - 1 ))
-    python3 scripts/throughput.py --config "$config" --dispatchers "$DISPATCHERS" --iters "$ITERS" \
+    runs_left=$(( runs_left - runs_per_config ))
+    if [ "$run_timeout" -lt 30 ]; then
+        echo "$config: not run, ${run_timeout} s a run left of --budget $budget"
+        continue
+    fi
+    python3 scripts/throughput.py --config "$config" --dispatchers "$DISPATCHERS" --iters "$(iters_for "$config")" \
         --out "$SCRATCH/$config" --timeout "$run_timeout" ${profile[@]+"${profile[@]}"} \
         -- --mok-backend "${MOK_BACKEND:-kernel}" \
         2>&1 | tee "$SCRATCH/$config.driver.log"
-    echo "$config: $(( $(date +%s) - ran )) s"
+    echo "$config: $(( $(date +%s) - ran )) s (runs limited to $run_timeout s each)"
     for ext in json png md; do
         [ -f "$SCRATCH/$config/throughput.$ext" ] && cp "$SCRATCH/$config/throughput.$ext" "$OUT/$config.$ext"
     done
 done
 tar -czf "$OUT/logs.tar.gz" -C "$SCRATCH" . 2>/dev/null
-echo "total: $(( $(date +%s) - start )) s"
+echo "total: $(( $(date +%s) - start )) s of --budget $budget"
 for config in $CONFIGS; do
     echo
     cat "$OUT/$config.md" 2>/dev/null || echo "$config: no table (see logs.tar.gz)"
 done
+echo
+python3 scripts/throughput.py --summarize $(for config in $CONFIGS; do echo "$OUT/$config.json"; done)

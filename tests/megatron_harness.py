@@ -32,6 +32,7 @@ def init_megatron(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
 def transformer_config(dispatcher: str, *, tp: int = 1, ep: int = 1, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dispatcher = megatron_dispatcher(dispatcher)
     values = dict(
         num_layers=2,
         hidden_size=32,
@@ -65,14 +66,26 @@ def transformer_config(dispatcher: str, *, tp: int = 1, ep: int = 1, **overrides
     return TransformerConfig(**values)
 
 
+# Dispatcher names of the tests: Megatron's and mok, plus `alltoall_grouped`, Megatron's alltoall
+# with GroupedMMExperts (the configs of both say alltoall).
+GROUPED = "alltoall_grouped"
+
+
+def megatron_dispatcher(dispatcher: str) -> str:
+    return "alltoall" if dispatcher == GROUPED else dispatcher
+
+
 def moe_layer(config, dispatcher: str):
-    """A MoE layer from Megatron's local spec (alltoall) or MoK's spec (mok)."""
+    """A MoE layer from Megatron's local spec (alltoall), MoK's spec (mok) or the grouped-GEMM
+    experts' spec (alltoall_grouped)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    from megatron_mok.megatron.specs import get_mok_moe_module_spec
+    from megatron_mok.megatron.specs import get_grouped_mm_moe_module_spec, get_mok_moe_module_spec
 
     if dispatcher == "mok":
         builder = get_mok_moe_module_spec(use_te=False)
+    elif dispatcher == GROUPED:
+        builder = get_grouped_mm_moe_module_spec(use_te=False)
     else:
         builder = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return builder(config=config)
@@ -82,10 +95,12 @@ def gpt_model(config, dispatcher: str, vocab_size: int = 128, seq_length: int = 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_mok.megatron.specs import get_gpt_layer_with_mok_spec
+    from megatron_mok.megatron.specs import get_gpt_layer_with_grouped_mm_experts_spec, get_gpt_layer_with_mok_spec
 
     if dispatcher == "mok":
         spec = get_gpt_layer_with_mok_spec(num_experts=config.num_moe_experts, use_te=False)
+    elif dispatcher == GROUPED:
+        spec = get_gpt_layer_with_grouped_mm_experts_spec(num_experts=config.num_moe_experts, use_te=False)
     else:
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return GPTModel(
@@ -97,8 +112,16 @@ def gpt_model(config, dispatcher: str, vocab_size: int = 128, seq_length: int = 
     )
 
 
-def grouped_expert_state(sequential_state: dict, num_local_experts: int) -> dict:
-    """Converts a state dict with SequentialMLP experts to MoKGroupedExperts' layout."""
+# Names of the grouped expert weights in a state dict, per dispatcher of the tests.
+GROUPED_WEIGHT_NAMES = {
+    "mok": {"linear_fc1": "weight1", "linear_fc2": "weight2"},
+    GROUPED: {"linear_fc1": "linear_fc1.weight", "linear_fc2": "linear_fc2.weight"},
+}
+
+
+def grouped_expert_state(sequential_state: dict, num_local_experts: int, dispatcher: str = "mok") -> dict:
+    """Converts a state dict with SequentialMLP experts to the grouped layout of `dispatcher`'s
+    experts (MoKGroupedExperts or GroupedMMExperts)."""
     pattern = re.compile(r"^(.*?)experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$")
     out, stacked = {}, {}
     for key, value in sequential_state.items():
@@ -108,7 +131,7 @@ def grouped_expert_state(sequential_state: dict, num_local_experts: int) -> dict
             continue
         head, index, linear, kind = match.groups()
         if kind == "weight":
-            name = {"linear_fc1": "weight1", "linear_fc2": "weight2"}[linear]
+            name = GROUPED_WEIGHT_NAMES[dispatcher][linear]
             stacked.setdefault(f"{head}experts.{name}", {})[int(index)] = value
     for key, per_expert in stacked.items():
         out[key] = torch.stack([per_expert[i] for i in range(num_local_experts)])

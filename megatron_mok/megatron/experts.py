@@ -1,16 +1,20 @@
-"""MoK's expert weights: one (E_local, 2F, H) and one (E_local, H, F) parameter per layer.
+"""Grouped expert weights: one (E_local, 2F, H) and one (E_local, H, F) tensor per layer.
 
-The fused kernel reads every local expert from one tensor, so the weights are stored grouped.
-They still behave like Megatron's expert weights:
+`GroupedExpertWeights` is what every module here that keeps its local experts in two grouped tensors
+shares: MoK's experts (the fused kernel reads every local expert from one tensor) and
+`GroupedMMExperts` (grouped_mm_experts.py). The weights still behave like Megatron's expert weights:
 - `allreduce=False` where Megatron's own experts set it, so DDP and the distributed optimizer
   reduce their gradients over the expert-data-parallel group;
 - the sharded state dict uses SequentialMLP's keys and offsets (per global expert, fc1 split into
   its gate and up halves as Megatron's SwiGLU factory does), so a `torch_dist` checkpoint saved
   with `mok` loads into `alltoall`/`allgather` layers (SequentialMLP or TEGroupedMLP) and back.
+
+Notation: E_local local experts, H hidden, F expert FFN (moe_ffn_hidden_size).
 """
 
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 import torch
@@ -27,8 +31,8 @@ from megatron.core.transformer.utils import (
 )
 
 # State-dict keys of the per-expert `_extra_state` entries that SequentialMLP's linears carry
-# (None for Megatron's local linears). MoK has no such state; it writes and accepts them only so
-# that checkpoints interchange with SequentialMLP/TEGroupedMLP.
+# (None for Megatron's local linears). Grouped weights have no such state; they write and accept
+# them only so that checkpoints interchange with SequentialMLP/TEGroupedMLP.
 _EXTRA_STATE = "sequential_extra_state"
 
 
@@ -38,9 +42,29 @@ def _param_device(config: TransformerConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-class MoKGroupedExperts(MegatronModule):
-    """The routed experts of one MoK layer (SwiGLU, no bias, expert-TP 1)."""
+@torch.no_grad()
+def _initialize(fc1: torch.Tensor, fc2: torch.Tensor, config: TransformerConfig) -> None:
+    """Per expert, fc1 then fc2, with Megatron's init methods: the order in which SequentialMLP
+    builds (and so draws the weights of) its experts' linears."""
+    tracker = get_cuda_rng_tracker()
+    rng_name = get_expert_parallel_rng_tracker_name()
+    # Same RNG stream as Megatron's expert linears when the tracker has it (GPU training).
+    use_tracker = fc1.is_cuda and rng_name in tracker.get_states()
+    for local_expert in range(fc1.shape[0]):
+        for weight, init_method in ((fc1, config.init_method), (fc2, config.output_layer_init_method)):
+            if use_tracker:
+                with tracker.fork(rng_name):
+                    init_method(weight[local_expert])
+            else:
+                init_method(weight[local_expert])
 
+
+class GroupedExpertWeights(MegatronModule, abc.ABC):
+    """Local experts kept in two grouped tensors (SwiGLU, no bias, expert-TP 1), checkpointed in
+    SequentialMLP's sharded layout. Subclasses check the config they run (`_check`), register the
+    two tensors where their layout keeps them (`_hold`) and name them in `_grouped_weights`."""
+
+    # Megatron's experts-builder signature, so that a MoE spec can name a subclass itself.
     def __init__(
         self,
         num_local_experts: int,
@@ -50,57 +74,50 @@ class MoKGroupedExperts(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
         name: Optional[str] = None,
     ) -> None:
+        self._check(config)
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.num_local_experts = num_local_experts
         self.ep_group = pg_collection.ep
         self.expt_dp_group = pg_collection.expt_dp
+        self._hold(*self._new_weights(config))
+
+    def _check(self, config: TransformerConfig) -> None:
+        """Raises ValueError naming the flags of a config the subclass does not run."""
+
+    @abc.abstractmethod
+    def _hold(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
+        """Registers fc1 (E_local, 2F, H) and fc2 (E_local, H, F) where the layout keeps them."""
+
+    @abc.abstractmethod
+    def _grouped_weights(self) -> tuple[tuple[str, torch.Tensor, str, bool], ...]:
+        """Per grouped tensor, fc1 first: (its name in this module's state dict, the tensor,
+        SequentialMLP's key for it, whether it splits into gate and up halves)."""
+
+    def _new_weights(self, config: TransformerConfig) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """fc1 (E_local, 2F, H), per expert gate rows then up rows as Megatron's fc1, and fc2
+        (E_local, H, F), as Megatron's fc2; marked and initialized like Megatron's expert weights."""
         hidden = config.hidden_size
         ffn_hidden = config.moe_ffn_hidden_size
         device = _param_device(config)
-        # (E_local, 2F, H): per expert, gate rows then up rows, as Megatron's fc1.
-        self.weight1 = torch.nn.Parameter(
-            torch.empty(num_local_experts, 2 * ffn_hidden, hidden, dtype=config.params_dtype, device=device)
-        )
-        # (E_local, H, F): per expert, Megatron's fc2.
-        self.weight2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden, ffn_hidden, dtype=config.params_dtype, device=device)
+        shapes = ((self.num_local_experts, 2 * ffn_hidden, hidden), (self.num_local_experts, hidden, ffn_hidden))
+        fc1, fc2 = (
+            torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device)) for shape in shapes
         )
         # Megatron's expert linears mark weights for expert-DP reduction exactly so.
         reduce_over_expert_dp = config.expert_model_parallel_size > 1 or (
             config.expert_tensor_parallel_size != config.tensor_model_parallel_size
         )
-        for weight, partition_dim in ((self.weight1, 1), (self.weight2, 2)):
+        for weight, partition_dim in ((fc1, 1), (fc2, 2)):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
             weight.allreduce = not reduce_over_expert_dp
         if config.perform_initialization:
-            self._initialize(config)
-
-    @torch.no_grad()
-    def _initialize(self, config: TransformerConfig) -> None:
-        tracker = get_cuda_rng_tracker()
-        rng_name = get_expert_parallel_rng_tracker_name()
-        # Same RNG stream as Megatron's expert linears when the tracker has it (GPU training).
-        use_tracker = self.weight1.is_cuda and rng_name in tracker.get_states()
-        for local_expert in range(self.num_local_experts):
-            for weight, init_method in (
-                (self.weight1, config.init_method),
-                (self.weight2, config.output_layer_init_method),
-            ):
-                if use_tracker:
-                    with tracker.fork(rng_name):
-                        init_method(weight[local_expert])
-                else:
-                    init_method(weight[local_expert])
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(
-            "MoKGroupedExperts holds weights only; the MoK layer runs them through mok_moe"
-        )
+            _initialize(fc1, fc2, config)
+        return fc1, fc2
 
     def backward_dw(self) -> None:
-        """Weight gradients are computed in the MoK backward itself (no delayed wgrad)."""
+        """Weight gradients are computed in the backward itself (no delayed wgrad)."""
 
     def _expert_shards(
         self,
@@ -165,7 +182,7 @@ class MoKGroupedExperts(MegatronModule):
         return objects
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The SequentialMLP-compatible extra states hold nothing MoK uses.
+        # The SequentialMLP-compatible extra states hold nothing grouped weights use.
         for key in [k for k in state_dict if k.startswith(f"{prefix}{_EXTRA_STATE}.")]:
             del state_dict[key]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -179,10 +196,7 @@ class MoKGroupedExperts(MegatronModule):
         # Replicated along expert-data-parallel only (expert-TP is 1): (PP, TP, DP) format.
         replica_id = (0, 0, self.expt_dp_group.rank())
         state = {}
-        for param_name, key_name, split_gate_up in (
-            ("weight1", "linear_fc1.weight", True),
-            ("weight2", "linear_fc2.weight", False),
-        ):
+        for param_name, tensor, key_name, split_gate_up in self._grouped_weights():
 
             def build(factory_key, tensor, factory_replica_id, flattened_range, _param=param_name, _key=key_name, _split=split_gate_up):
                 del flattened_range
@@ -199,12 +213,27 @@ class MoKGroupedExperts(MegatronModule):
                 experts = [torch.cat(shards[i : i + step], dim=0) for i in range(0, len(shards), step)]
                 return torch.stack(experts, dim=0)
 
-            tensor = getattr(self, param_name)
             state[f"{prefix}{param_name}"] = ShardedTensorFactory(
                 f"{prefix}{param_name}", tensor, build, merge, replica_id
             )
         state.update(self._extra_state_objects(prefix, sharded_offsets, replica_id, singleton_local_shards))
         return state
+
+
+class MoKGroupedExperts(GroupedExpertWeights):
+    """The routed experts of one MoK layer: `weight1` (E_local, 2F, H) and `weight2` (E_local, H, F),
+    which the MoK layer passes to `mok_moe` (the MoK layer checks the config: checks.py)."""
+
+    def _hold(self, fc1: torch.nn.Parameter, fc2: torch.nn.Parameter) -> None:
+        self.weight1, self.weight2 = fc1, fc2
+
+    def _grouped_weights(self) -> tuple[tuple[str, torch.Tensor, str, bool], ...]:
+        return (("weight1", self.weight1, "linear_fc1.weight", True), ("weight2", self.weight2, "linear_fc2.weight", False))
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "MoKGroupedExperts holds weights only; the MoK layer runs them through mok_moe"
+        )
 
 
 def expert_parallel_group(pg_collection: ProcessGroupCollection):

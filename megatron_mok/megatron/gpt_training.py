@@ -12,7 +12,8 @@ import torch
 
 def layer_spec(args: Any):
     """The GPT layer spec of Megatron's arguments: Transformer Engine's or the local one, with
-    MoK's MoE layer when --moe-token-dispatcher-type is mok."""
+    MoK's MoE layer when --moe-token-dispatcher-type is mok. (Megatron's specs build MoKMoELayer
+    after `register()`: with --mok-grouped-mm-experts its experts are GroupedMMExperts.)"""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,

@@ -2,12 +2,15 @@
 
 A MoELayer subclass (TransformerLayer checks isinstance): the router, aux losses, shared experts,
 recompute and everything outside the routed path stay Megatron's. With any other dispatcher type
-it is exactly Megatron's MoELayer, so `register()` can put it into Megatron's own specs.
+it is exactly Megatron's MoELayer, so `register()` can put it into Megatron's own specs; there, with
+`--mok-grouped-mm-experts` (or `config.mok_grouped_mm_experts = True`), its experts are
+GroupedMMExperts whatever experts the spec names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -17,27 +20,53 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mok.config import MoKConfig
-from megatron_mok.megatron.checks import check_mok_config
+from megatron_mok.megatron.checks import check_mok_config, expert_precision, parsed_args
 from megatron_mok.megatron.dispatcher import MoKTokenDispatcher
 from megatron_mok.megatron.experts import MoKGroupedExperts
+from megatron_mok.megatron.grouped_mm_experts import GroupedMMExperts
 from megatron_mok.moe import mok_moe
+
+
+def grouped_mm_experts_requested(config: TransformerConfig) -> bool:
+    """`config.mok_grouped_mm_experts` if set, else `--mok-grouped-mm-experts`."""
+    explicit = getattr(config, "mok_grouped_mm_experts", None)
+    if explicit is not None:
+        return bool(explicit)
+    return bool(getattr(parsed_args(), "mok_grouped_mm_experts", False))
+
+
+# The one-time lines of mok_config_for, as printed.
+precision_notes: set[str] = set()
+
+
+def _note_precision(config: TransformerConfig, precision: str) -> None:
+    """One line per process (rank 0 prints it) when the experts run FP8 and the rest of the model
+    does not (no --fp8-format): the user asked for FP8 and gets it only there."""
+    if precision != "fp8_blockwise" or getattr(config, "fp8", None) is not None:
+        return
+    line = (
+        "megatron_mok: --mok-precision fp8_blockwise: only the routed experts run FP8 (blockwise E4M3); "
+        "every other layer keeps its precision (no --fp8-format)"
+    )
+    if line not in precision_notes:
+        precision_notes.add(line)
+        if os.environ.get("RANK", "0") == "0":
+            print(line, flush=True)
 
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
     """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`,
-    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches` and `--mok-exchange`, else default."""
+    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches`, `--mok-exchange` and the precision
+    (checks.expert_precision: `--mok-precision`, or Megatron's --fp8-format e4m3 --fp8-recipe
+    blockwise), else default."""
     explicit = getattr(config, "mok_config", None)
     if explicit is not None:
         if not isinstance(explicit, MoKConfig):
             raise TypeError(f"TransformerConfig.mok_config must be a MoKConfig, got {type(explicit).__name__}")
         return explicit
-    try:
-        from megatron.training.global_vars import get_args
-
-        args = get_args()
-    except (ImportError, AssertionError):
-        args = None
-    fields = {}
+    args = parsed_args()
+    fields = {"precision": expert_precision(config)}
+    _note_precision(config, fields["precision"])
     for flag, field in (
         ("mok_backend", "backend"),
         ("mok_expert_gemm", "expert_gemm"),
@@ -61,10 +90,17 @@ class MoKMoELayer(MoELayer):
         name: Optional[str] = None,
     ) -> None:
         if config.moe_token_dispatcher_type != "mok":
+            if submodules is not None and grouped_mm_experts_requested(config):
+                submodules = dataclasses.replace(submodules, experts=GroupedMMExperts)
             super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
             self.uses_mok = False
             return
         check_mok_config(config)
+        if grouped_mm_experts_requested(config):
+            raise ValueError(
+                "--mok-grouped-mm-experts chooses the experts of Megatron's dispatchers (alltoall, "
+                "allgather, flex); mok computes its own: drop the flag or pick another dispatcher"
+            )
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         if submodules is None:

@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mok.megatron.experts import MoKGroupedExperts
+from megatron_mok.megatron.grouped_mm_experts import GroupedMMExperts
 from megatron_mok.megatron.moe_layer import MoKMoELayer
 
 
@@ -29,6 +30,16 @@ def get_mok_moe_module_spec(use_te: Optional[bool] = None):
 
     use_te: build the shared experts from Transformer Engine linears (default: if installed).
     """
+    return _moe_module_spec(MoKGroupedExperts, use_te)
+
+
+def get_grouped_mm_moe_module_spec(use_te: Optional[bool] = None):
+    """The MoE module spec of a layer whose experts run on torch's grouped GEMM (GroupedMMExperts)
+    under Megatron's dispatchers (alltoall, allgather, flex); use_te as for the MoK spec."""
+    return _moe_module_spec(GroupedMMExperts, use_te)
+
+
+def _moe_module_spec(experts, use_te: Optional[bool]):
     if use_te is None:
         use_te = _transformer_engine_available()
     if use_te:
@@ -45,7 +56,7 @@ def get_mok_moe_module_spec(use_te: Optional[bool] = None):
     return partial(
         MoKMoELayer,
         submodules=MoESubmodules(
-            experts=MoKGroupedExperts, shared_experts=partial(_build_shared_experts, submodules=shared_mlp)
+            experts=experts, shared_experts=partial(_build_shared_experts, submodules=shared_mlp)
         ),
     )
 
@@ -64,6 +75,22 @@ def get_gpt_layer_with_mok_spec(
     FusedLayerNorm where apex is installed, and that refuses RMSNorm); TE's norms read
     `config.normalization` themselves.
     """
+    return _gpt_layer_spec(MoKGroupedExperts, num_experts, use_te, qk_layernorm, normalization, **kwargs)
+
+
+def get_gpt_layer_with_grouped_mm_experts_spec(
+    num_experts: int,
+    use_te: Optional[bool] = None,
+    qk_layernorm: bool = False,
+    normalization: Optional[str] = None,
+    **kwargs,
+) -> ModuleSpec:
+    """The GPT layer spec of `get_gpt_layer_with_mok_spec` with GroupedMMExperts as the experts,
+    for Megatron's dispatchers (alltoall, allgather, flex)."""
+    return _gpt_layer_spec(GroupedMMExperts, num_experts, use_te, qk_layernorm, normalization, **kwargs)
+
+
+def _gpt_layer_spec(experts, num_experts, use_te, qk_layernorm, normalization, **kwargs) -> ModuleSpec:
     if use_te is None:
         use_te = _transformer_engine_available()
     if use_te:
@@ -78,5 +105,5 @@ def get_gpt_layer_with_mok_spec(
             normalization=normalization,
             **kwargs,
         )
-    spec.submodules.mlp = get_mok_moe_module_spec(use_te=use_te)
+    spec.submodules.mlp = _moe_module_spec(experts, use_te)
     return spec

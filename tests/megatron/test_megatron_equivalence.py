@@ -1,5 +1,6 @@
 """`mok` vs Megatron's `alltoall` from the same weights and routing: MoE layers (with TP/SP and
-EP) and whole GPT models (EP = 1, 2, 4), outputs and gradients.
+EP) and whole GPT models (EP = 1, 2, 4), outputs and gradients; `alltoall_grouped` (alltoall with
+GroupedMMExperts) likewise for layers at EP = 1 and 2.
 
 Tolerance: everything runs in fp32 on the same routing; the two paths differ only in summation
 order (alltoall's unpermute adds the k results in its own order, MoK in ascending k; GEMMs see
@@ -28,19 +29,21 @@ def _expert_grads(layer) -> tuple[torch.Tensor, torch.Tensor]:
     experts = layer.experts
     if hasattr(experts, "weight1"):
         return experts.weight1.grad, experts.weight2.grad
+    if hasattr(experts, "linear_fc1"):
+        return experts.linear_fc1.weight.grad, experts.linear_fc2.weight.grad
     fc1 = torch.stack([e.linear_fc1.weight.grad for e in experts.local_experts])
     fc2 = torch.stack([e.linear_fc2.weight.grad for e in experts.local_experts])
     return fc1, fc2
 
 
-def _layer_body(rank, world_size, tp, ep):
+def _layer_body(rank, world_size, tp, ep, dispatcher):
     import megatron_harness as mh
     from megatron.core import parallel_state
 
     mh.init_megatron(tp=tp, ep=ep)
     ref = mh.moe_layer(mh.transformer_config("alltoall", tp=tp, ep=ep, num_layers=1), "alltoall")
-    mok = mh.moe_layer(mh.transformer_config("mok", tp=tp, ep=ep, num_layers=1), "mok")
-    mok.load_state_dict(mh.grouped_expert_state(ref.state_dict(), ref.num_local_experts))
+    mok = mh.moe_layer(mh.transformer_config(dispatcher, tp=tp, ep=ep, num_layers=1), dispatcher)
+    mok.load_state_dict(mh.grouped_expert_state(ref.state_dict(), ref.num_local_experts, dispatcher))
     # Different tokens on every rank (sequence-parallel shards and data-parallel replicas).
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(8, 2, 32, generator=gen)
@@ -54,17 +57,18 @@ def _layer_body(rank, world_size, tp, ep):
         results.append((y.detach(), xi.grad, layer.router.weight.grad, *_expert_grads(layer)))
     names = ("output", "input grad", "router grad", "fc1 grad", "fc2 grad")
     for name, want, got in zip(names, results[0], results[1]):
-        _assert_close(got, want, f"rank {rank} tp={tp} ep={ep}: {name}")
+        _assert_close(got, want, f"rank {rank} tp={tp} ep={ep} {dispatcher}: {name}")
     parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize(
-    "tp,ep,world_size",
-    [(1, 1, 1), (1, 2, 2), (2, 1, 2), (1, 4, 4), (2, 2, 4)],
-    ids=["ep1", "ep2", "tp2_sp", "ep4", "ep2_tp2_sp"],
+    "tp,ep,world_size,dispatcher",
+    [(1, 1, 1, "mok"), (1, 2, 2, "mok"), (2, 1, 2, "mok"), (1, 4, 4, "mok"), (2, 2, 4, "mok"),
+     (1, 1, 1, "alltoall_grouped"), (1, 2, 2, "alltoall_grouped")],
+    ids=["ep1", "ep2", "tp2_sp", "ep4", "ep2_tp2_sp", "grouped_ep1", "grouped_ep2"],
 )
-def test_moe_layer_matches_alltoall(tp, ep, world_size):
-    run_distributed(_layer_body, world_size, tp, ep)
+def test_moe_layer_matches_alltoall(tp, ep, world_size, dispatcher):
+    run_distributed(_layer_body, world_size, tp, ep, dispatcher)
 
 
 def _gpt_body(rank, world_size, ep):
