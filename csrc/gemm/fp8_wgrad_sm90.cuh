@@ -258,15 +258,7 @@ struct Fp8ExpertWgradKernel {
         const uint64_t a_desc =
             sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
         const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
-        sm90::wgmma_fence();
-        sm90::fence_accumulators(partial);
-#pragma unroll
-        for (int kk = 0; kk < Tile::kMmasPerStage; ++kk) {
-          // +32 bytes of the swizzled token row (2 in descriptor units) per wgmma; the first
-          // restarts the partial sum.
-          sm90::wgmma_m64n128k32_e4m3(partial, a_desc + 2 * kk, b_desc + 2 * kk, kk != 0);
-        }
-        sm90::wgmma_commit_group();
+        sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
         // The scales of the thread's two rows and of its 32 columns (column pair j: 8 j + fragment_col
         // + {0, 1}), read while the MMAs run.
         const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
