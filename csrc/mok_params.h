@@ -231,6 +231,43 @@ struct Fp8SwigluEpilogueParams {
   int32_t act_scale_rows;  // num_rows rounded up to kFp8ScaleRowPad
 };
 
+// The FP8 blockwise weight gradient per expert (gemm/fp8_wgrad_sm90.cuh, docs/design.md §12.3) over
+// one window of the schedule's rows, [window_begin, window_begin + num_rows) (the whole schedule:
+// window_begin 0 and all its rows). With o_e = expert_offsets[e], expert e's rows in the window are
+// [max(o_e, b), min(o_e+1, b + num_rows)) (b = window_begin), and with blocks b of 128 of them,
+// ascending:
+//   out[e] (m, n) = (accumulate ? out[e] : 0) + sum_b grad_scales[b, i] * inputs_scales[b, j] * P_b[i, j]
+//   P_b[i, j] = sum over block b's 128 rows r of grad[i, r] * inputs[j, r]   (E4M3, fp32 partial)
+// accumulated in fp32 as acc = fma(grad_scale * inputs_scale, P_b, acc) from acc = out[e] (accumulate)
+// or 0: windows called in order, the first with accumulate = 0, give out bitwise equal to one call
+// over all their rows. An expert with no row in the window: zeros, or (accumulate) out[e] unchanged.
+// NOTES: every expert with rows in the window starts on a 128-row block of it (o_e % 128 == 0
+// where o_e >= b; checked in the kernel, kCheckFp8WgradSegmentAlignment); the rows of a segment's
+// last block past o_e+1 are padding, zero in both operands (not checked; the recipe pads so);
+// offsets non-decreasing (not checked).
+struct Fp8ExpertWgradProblem {
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device: the whole schedule's segments
+  int32_t num_experts;
+  int32_t num_rows;      // rows of the window (of both operands), a positive multiple of 128
+  int32_t m;             // grad's columns (out's rows), a multiple of 128
+  int32_t n;             // inputs' columns (out's columns), a multiple of 128
+  int32_t window_begin;  // schedule row of the window's first row, a multiple of 128
+  int32_t accumulate;    // 1: add to out (a later window), 0: overwrite it
+};
+
+struct Fp8ExpertWgradMaps {
+  const CUtensorMap* grad;    // grad (m, num_rows) e4m3 column-wise, boxes of 128 rows x 128 tokens
+  const CUtensorMap* inputs;  // inputs (n, num_rows) e4m3 column-wise, the same boxes
+};
+
+struct Fp8ExpertWgradParams {
+  Fp8ExpertWgradProblem problem;
+  const float* grad_scales;    // (num_rows / 128, m) fp32: block b's scales contiguous over columns
+  const float* inputs_scales;  // (num_rows / 128, n) fp32
+  float* out;                  // (num_experts, m, n) fp32
+  FailureRecord* failure_record;  // host-mapped; null: trap without a record
+};
+
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e]; every element of out is written (zeros
 // for an expert with no rows).

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from typing import Optional
+
 from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES, EXPERT_GEMM_GROUP_M
 from megatron_mok.limits import min_dispatch_ring_minibatches
+from megatron_mok.quantization import Fp8Recipe
 
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel")
@@ -14,6 +17,8 @@ ExpertGemm = Literal["auto", "grouped_mm", "sm90"]
 ExchangeKind = Literal["auto", "collective", "symmetric"]
 EXCHANGES: tuple[str, ...] = ("auto", "collective", "symmetric")
 EXPERT_GEMMS: tuple[str, ...] = tuple(EXPERT_GEMM_CHOICES)
+Precision = Literal["bf16", "fp8_blockwise"]
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8_blockwise")
 # The shortest ring the dispatching GEMM accepts at the raster the kernel backend runs (the op checks
 # the same bound for the group_m it is given).
 MIN_DISPATCH_RING_MINIBATCHES = min_dispatch_ring_minibatches(EXPERT_GEMM_GROUP_M)
@@ -66,6 +71,21 @@ class MoKConfig:
             fp32 (equal up to rounding). 1.0 (the default): a balanced routing
             fits one window, and memory matches EP = 1's (docs/performance.md, EP memory). The
             collective exchange runs one window of the whole schedule.
+        precision: the routed experts' GEMMs. "bf16" (the default): in the activation dtype (bf16,
+            or fp32 for fp32 inputs) with fp32 accumulation. "fp8_blockwise": DeepSeek-V3's recipe
+            (docs/design.md §12): E4M3 operands, 1x128 scales for activations and their gradients
+            (x quantized once where a rank publishes it, so the rows the exchange moves are FP8),
+            128x128 for the weights (quantized once per weight version, megatron_mok/fp8_weights.py),
+            accumulation promoted to fp32 every 128 of K; router, combine and everything outside
+            the routed experts' GEMMs stay in the activation dtype / fp32. Needs hidden and ffn_hidden
+            multiples of 128 (a ValueError naming the argument otherwise). The reference backend runs
+            it (on CPU too); the kernel backend runs bf16 only today (backend="kernel" is an error,
+            "auto" runs the reference); over the collective exchange only ("auto" takes it,
+            "symmetric" is an error).
+        fp8_weight_grad: with fp8_blockwise, the expert weight gradients in FP8 (both operands
+            quantized 1x128 along tokens from the high-precision values); False: in the activation
+            dtype, as with bf16.
+        fp8_pow2_scales: with fp8_blockwise, every scale rounded up to a power of two.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one
@@ -80,6 +100,9 @@ class MoKConfig:
     dispatch_ring_minibatches: int = 16
     exchange: ExchangeKind = "auto"
     receive_capacity_factor: float = 1.0
+    precision: Precision = "bf16"
+    fp8_weight_grad: bool = True
+    fp8_pow2_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -101,3 +124,19 @@ class MoKConfig:
             raise ValueError(
                 f"MoKConfig.segment_alignment must be a positive int, got {self.segment_alignment!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("fp8_weight_grad", "fp8_pow2_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.precision == "fp8_blockwise" and self.exchange == "symmetric":
+            raise ValueError(
+                "MoKConfig.exchange='symmetric' moves bf16 rows only today; precision='fp8_blockwise' runs over "
+                "exchange='collective' (or 'auto', which takes it)"
+            )
+
+    def fp8_recipe(self) -> Optional[Fp8Recipe]:
+        """The FP8 recipe a call runs, None for bf16."""
+        if self.precision != "fp8_blockwise":
+            return None
+        return Fp8Recipe(pow2_scales=self.fp8_pow2_scales, weight_grad=self.fp8_weight_grad)

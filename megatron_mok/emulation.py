@@ -17,6 +17,9 @@ Each emulated rank has its own tensors and buffers and its own CUDA stream. Two 
   (`timeout_s`): a rank that never arrives (or fails) is an error naming the waiting rank and the
   collective, never a hang. Not capturable (the rendezvous is on the host).
 
+With `MoKConfig(precision="fp8_blockwise")` the ranks run the collective form whichever the group's
+exchange is (FP8 rows cross over the collective exchange only today).
+
 Either way rank r's outputs and gradients are bitwise those of a real group's rank r. With the
 symmetric exchange every rank's y must take part in the backward (as on a real group, where every
 rank runs its backward): a rank whose backward never runs leaves the others waiting, and their
@@ -276,7 +279,9 @@ class EmulatedGroup:
                 xs[rank], topk_ids[rank], topk_weights[rank], fc1s[rank], fc2s[rank],
                 num_ranks=self.num_ranks, config=config,
             )
-        if self.exchange == "symmetric" and config.exchange != "collective":
+        # FP8 rows cross over the collective exchange only (MoKConfig.precision): then the ranks run
+        # in threads and meet at the in-process rendezvous, whichever exchange the group offers.
+        if self.exchange == "symmetric" and config.exchange != "collective" and config.precision == "bf16":
             # One autograd node per rank, as on a real group: their backwards meet on the device too,
             # in whatever order autograd runs them. Every rank's regions exist before any rank is
             # launched (comm/symmetric.py, emulated_allocator's NOTES).

@@ -7,11 +7,19 @@
 `mok_moe` wraps these in an autograd.Function. Each pass is one fixed sequence of stages: the
 backend chosen for the call (`MoKConfig.backend`, backends/) supplies the per-rank stages, and the
 exchange (comm/exchange.py) everything that crosses expert-parallel ranks.
+
+FP8 blockwise (MoKConfig.precision, docs/design.md §12) runs the same sequence with the recipe's
+stages; here it changes what a rank publishes (x and dY quantized 1x128 along H where they are
+produced, so the exchange moves FP8 rows), the schedule's alignment (segments padded to 128 rows for
+the column-wise weight-gradient operands), what forward keeps (gate_up only: its FP8 rows and act
+have no reader in backward, whose weight gradients quantize from the high-precision values), and
+what backward pulls besides (dY and x in the activation dtype, the weight gradients' operands).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -19,7 +27,10 @@ import torch
 from megatron_mok.backends import resolve_backend, stages_for
 from megatron_mok.comm import Exchange, ProcessGroup, exchange_for, get_expert_parallel_group
 from megatron_mok.backends.weight_grads import accumulator_for
+from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.config import MoKConfig
+from megatron_mok.limits import FP8_BLOCK
+from megatron_mok.quantization import Fp8Recipe, QuantizedRows
 from megatron_mok.receive import ReceivePlan, receive_plan, windows
 from megatron_mok.schedule import Schedule, build_schedule_from_gathered, check_expert_id_range
 from megatron_mok.validation import validate_moe_inputs
@@ -47,6 +58,7 @@ class ForwardContext:
     # forward dispatched through a bounded ring (MoKConfig.dispatch_ring_minibatches).
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
+    fp8: Optional[Fp8Recipe] = None  # MoKConfig.fp8_recipe(): backward runs the same recipe
 
     TENSOR_FIELDS = ("topk_ids", "topk_weights", "x", "gate_up", "route_table", "route_index", "rows", "act")
 
@@ -65,12 +77,25 @@ class Grads:
     fc2: Optional[torch.Tensor]  # (num_local_experts, hidden, ffn_hidden)
 
 
+def segment_alignment_for(config: MoKConfig) -> int:
+    """The schedule's segment alignment: MoKConfig.segment_alignment, raised to a multiple of 128 for
+    FP8 (a column-wise block of the weight gradients' operands is 128 rows of one segment)."""
+    if config.precision == "fp8_blockwise":
+        return math.lcm(config.segment_alignment, FP8_BLOCK)
+    return config.segment_alignment
+
+
 def plan_for(exchange: Exchange, num_tokens: int, topk: int, num_local_experts: int, config: MoKConfig) -> ReceivePlan:
     """The receive windows of a call (receive.py): the same on every rank of the group."""
     return receive_plan(
         num_ranks=exchange.num_ranks, num_tokens=num_tokens, topk=topk, num_local_experts=num_local_experts,
-        segment_alignment=config.segment_alignment, factor=config.receive_capacity_factor, windowed=exchange.windowed,
+        segment_alignment=segment_alignment_for(config), factor=config.receive_capacity_factor, windowed=exchange.windowed,
     )
+
+
+def _published(rows: torch.Tensor, fp8: Optional[Fp8Recipe]) -> torch.Tensor | QuantizedRows:
+    """What a rank publishes of its (T, H) rows: the rows, or with FP8 their 1x128 quantization."""
+    return rows if fp8 is None else QuantizedRows.quantize(rows, fp8.pow2_scales)
 
 
 def build_schedule(
@@ -86,7 +111,7 @@ def build_schedule(
         topk_ids: (num_tokens, topk) int32/int64 global expert ids, -1 = dropped; every rank of
             the group passes the same num_tokens and topk.
     """
-    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
+    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange, config.precision)
     plan = plan_for(exchange, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config)
     return _schedule_over(exchange, plan, topk_ids, num_local_experts, config)
 
@@ -143,10 +168,11 @@ def forward(
     # The pass's group, exchange and receive plan, resolved once here and passed down: to the
     # schedule's build, the windows and the context backward reads.
     ep_group = get_expert_parallel_group(group, x.device)
-    exchange = exchange_for(ep_group, config.exchange)
+    exchange = exchange_for(ep_group, config.exchange, config.precision)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
-    backend = resolve_backend(config.backend, x, fc1)
+    backend = resolve_backend(config.backend, x, fc1, config.precision)
+    fp8 = config.fp8_recipe()
     num_local_experts = fc1.shape[0]
     ep_group.agree_on_call_shape((x.shape[0], x.shape[1], topk_ids.shape[1], num_local_experts, str(x.dtype)))
     exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
@@ -161,11 +187,12 @@ def forward(
             # to check, which the group's own build would have done on every rank alike.)
             check_expert_id_range(topk_ids, num_local_experts * exchange.num_ranks)
 
-    stages = stages_for(backend, config.expert_gemm)
+    stages = stages_for(backend, config.expert_gemm, fp8)
     # Window by window (receive.py): dispatch, gate/up, down, and the push of the down rows to their
-    # sources; the first window's gate/up output is kept for backward.
-    keep_rows = schedule.num_ranks == 1 and plan.num_windows == 1
-    source = exchange.dispatch_source(x)
+    # sources; the first window's gate/up output is kept for backward. (FP8 keeps neither rows nor act:
+    # backward quantizes its weight gradients' operands from the high-precision values.)
+    keep_rows = schedule.num_ranks == 1 and plan.num_windows == 1 and fp8 is None
+    source = exchange.dispatch_source(_published(x, fp8))
     returned = exchange.open_return(schedule, x.shape[1], x.dtype)
     for window in windows(schedule, plan):
         # (One call per window: its buffers are freed before the next window's are allocated.)
@@ -191,6 +218,7 @@ def forward(
         route_index=route_index,
         rows=rows,  # (None after a ring)
         act=act,
+        fp8=fp8,
     )
     return y, ctx
 
@@ -241,7 +269,8 @@ def backward(
     if grad_y.shape != ctx.x.shape:
         raise ValueError(f"grad_y must be {tuple(ctx.x.shape)}, got {tuple(grad_y.shape)}")
     grad_y = grad_y.to(ctx.x.dtype).contiguous()
-    stages = stages_for(ctx.backend, ctx.expert_gemm)
+    fp8 = ctx.fp8
+    stages = stages_for(ctx.backend, ctx.expert_gemm, fp8)
     topk = schedule.topk
     passes = windows(schedule, ctx.plan)
     crosses_ranks = exchange.num_ranks > 1
@@ -249,29 +278,21 @@ def backward(
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
-    grad_source = exchange.grad_source(grad_y, ctx.topk_weights)
-    # The rows again, for the fc1 weight gradient and for the gate/up of every window after the first.
-    # What crosses ranks runs on every rank at EP > 1, whatever its own requires_grad flags say: a
-    # rank that skipped it would leave the others waiting. Whether forward kept its rows depends on
-    # the shapes, the ring and the EP size only, so it is the same on every rank.
-    pull_rows = ctx.rows is None and (need_weight_grads or crosses_ranks or len(passes) > 1)
-    x_source = exchange.dispatch_source(ctx.x) if pull_rows else None
+    sources = _backward_sources(exchange, ctx, grad_y, len(passes) > 1, need_weight_grads)
     # The dX rows go back to their sources (the push reverse-dispatch).
     returned = exchange.open_return(schedule, ctx.x.shape[1], ctx.x.dtype) if (need_input_grads or crosses_ranks) else None
     d_x = None
-    d_fc1 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes))
-    d_fc2 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes))
+    d_fc1 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes), stages.weight_grad_into)
+    d_fc2 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes), stages.weight_grad_into)
     for window in passes:
         # (One call per window: its buffers are freed before the next window's are allocated.)
         window_d_x = _backward_window(
-            stages, ctx, window, grad_source, x_source, returned, fc1, fc2, d_fc1, d_fc2,
+            stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
             need_input_grads, need_weight_grads, grad_y.dtype,
         )
         if window.last:
             d_x = window_d_x
-    exchange.release(grad_source)
-    if x_source is not None:
-        exchange.release(x_source)
+    sources.release(exchange)
 
     return Grads(
         x=d_x,
@@ -281,8 +302,50 @@ def backward(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _BackwardSources:
+    """What a backward pass pulls rows from. Without FP8 one source of each serves every stage;
+    with FP8 the dgrads read FP8 dY and the gate/up recompute FP8 x, the weight gradients dY and x in
+    the activation dtype (§12.4: their operands are quantized from the high-precision values)."""
+
+    grad: GradSource  # dY for the down dgrad
+    grad_for_weights: Optional[GradSource]  # dY for the fc2 weight gradient
+    rows: Optional[RowSource]  # x for the fc1 weight gradient
+    rows_for_gate_up: Optional[RowSource]  # x for the gate/up of windows after the first
+
+    def release(self, exchange: Exchange) -> None:
+        released = []
+        for source in (self.grad, self.grad_for_weights, self.rows, self.rows_for_gate_up):
+            if source is not None and not any(source is done for done in released):
+                exchange.release(source)
+                released.append(source)
+
+
+def _backward_sources(
+    exchange: Exchange, ctx: ForwardContext, grad_y: torch.Tensor, recompute: bool, need_weight_grads: bool
+) -> _BackwardSources:
+    """Publishes what backward pulls. What crosses ranks runs on every rank at EP > 1, whatever its
+    own requires_grad flags say: a rank that skipped it would leave the others waiting. Whether
+    forward kept its rows depends on the shapes, the ring, the EP size and the precision only, so it
+    is the same on every rank."""
+    fp8, crosses_ranks = ctx.fp8, exchange.num_ranks > 1
+    grad = exchange.grad_source(_published(grad_y, fp8), ctx.topk_weights)
+    if fp8 is None:
+        # The rows again, for the fc1 weight gradient and for the gate/up of every window after the first.
+        pull_rows = ctx.rows is None and (need_weight_grads or crosses_ranks or recompute)
+        rows = exchange.dispatch_source(ctx.x) if pull_rows else None
+        return _BackwardSources(grad, grad, rows, rows)
+    for_weights = need_weight_grads or crosses_ranks
+    return _BackwardSources(
+        grad=grad,
+        grad_for_weights=exchange.grad_source(grad_y, ctx.topk_weights) if for_weights else None,
+        rows=exchange.dispatch_source(ctx.x) if for_weights else None,
+        rows_for_gate_up=exchange.dispatch_source(_published(ctx.x, fp8)) if recompute else None,
+    )
+
+
 def _backward_window(
-    stages, ctx: ForwardContext, window, grad_source, x_source, returned, fc1, fc2, d_fc1, d_fc2,
+    stages, ctx: ForwardContext, window, sources: _BackwardSources, returned, fc1, fc2, d_fc1, d_fc2,
     need_input_grads: bool, need_weight_grads: bool, dtype: torch.dtype,
 ) -> Optional[torch.Tensor]:
     """One window of backward: pull dY, the down dgrad with the SwiGLU backward, the fc2 weight
@@ -296,12 +359,14 @@ def _backward_window(
     else:  # recomputed: forward kept only the first window's gate/up (receive.py). Its rows and act
         # are dropped at once (the rows are pulled again for the fc1 gradient, act made again from
         # gate/up: the SwiGLU kernels and the GEMM epilogue's give the same bits).
-        gate_up, act = stages.dispatch_gate_up(x_source, window.schedule, fc1, 0)[1], None
-    grad_slot_out = stages.pull_route_grads(grad_source, window.schedule)
+        gate_up, act = stages.dispatch_gate_up(sources.rows_for_gate_up, window.schedule, fc1, 0)[1], None
+    grad_slot_out = stages.pull_route_grads(sources.grad, window.schedule)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
     if need_weight_grads:
         if act is None:
             act = stages.swiglu(gate_up, offsets)
+        if sources.grad_for_weights is not sources.grad:  # (FP8: the dgrad's rows were FP8)
+            grad_slot_out = stages.pull_route_grads(sources.grad_for_weights, window.schedule)
         d_fc2.add(grad_slot_out, act, window)
     del grad_slot_out, gate_up, act
     d_x = None
@@ -311,7 +376,7 @@ def _backward_window(
             d_x = _return_grad_x(returned, ctx, stages, need_input_grads, dtype)
     if need_weight_grads:
         if rows is None:
-            rows = stages.dispatch_rows(x_source, window.schedule)
+            rows = stages.dispatch_rows(sources.rows, window.schedule)
         d_fc1.add(grad_gate_up, rows, window)
     return d_x
 

@@ -93,6 +93,11 @@ def layer_memory_bound(
         )
     if dtype != torch.bfloat16:
         raise ValueError(f"layer_memory_bound models the kernel backend, which runs bf16; got dtype {dtype}")
+    if config.precision != "bf16":
+        raise ValueError(
+            f"layer_memory_bound models the kernel backend, which runs bf16; MoKConfig.precision={config.precision!r} "
+            "runs on the reference backend (docs/design.md §12.4 compares what it keeps)"
+        )
     s = torch.empty((), dtype=dtype).element_size()
     weight_grad_family = EXPERT_GEMM_CHOICES[config.expert_gemm].weight_grads
     plan = receive_plan(

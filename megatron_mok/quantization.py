@@ -7,16 +7,82 @@ value = q * scale.
 
 Kernels must give the same q and scales bit for bit (tests compare them exactly); their GEMMs agree
 with `promoted_block_matmul` to the tensor cores' accumulation (SQNR, §12.3).
+
+A block's partial product P_b is exact here, whatever the summation order: every E4M3 value is a
+multiple of 2^-9 (the smallest subnormal) and at most 448, so a product of two is a multiple of 2^-18
+below 2^18, and a sum of 128 of them a multiple of 2^-18 below 2^25: an integer times 2^-18 below
+2^43, which float64 (53 bits) holds exactly at every partial sum. So P_b is computed in float64 and
+rounded once to float32, and the reference GEMMs are bitwise the same for any BLAS, any row grouping
+and any split of the rows (receive windows, expert-parallel ranks).
+
+`fp8_segment_matmul` and `fp8_segment_weight_grad` take any segments and read the offsets on the
+host (tests and tools); the layer's reference backend runs `fp8_grouped_matmul` and
+`fp8_grouped_weight_grad`, which need every segment to start at a multiple of 128 rows (the FP8
+schedule's alignment) and never synchronize with the host. On such segments both give the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from megatron_mok.limits import FP8_BLOCK, FP8_E4M3_MAX, fp8_scale_rows
 
 E4M3 = torch.float8_e4m3fn
 Tensor = torch.Tensor
+
+# Gathered weight blocks of one batch of fp8_grouped_matmul stay below this many bytes (float64).
+_GATHER_BYTES = 1 << 28
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """The options of the FP8 blockwise recipe a call runs (MoKConfig.precision="fp8_blockwise").
+
+    pow2_scales: every scale a power of two (block_scale's pow2).
+    weight_grad: the weight gradients in FP8 (both operands 1x128 along tokens); False: in the
+        activation dtype, as without FP8."""
+
+    pow2_scales: bool = False
+    weight_grad: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """Rows quantized 1x128 along their length, the row-wise source layout of §12.2: what a rank
+    publishes and the exchange moves in FP8, and the FP8 GEMMs' left operand.
+
+    values: (R, C) e4m3; scales: (R, C/128) fp32, a row's scales contiguous (they travel with it)."""
+
+    values: Tensor
+    scales: Tensor
+
+    @staticmethod
+    def quantize(x: Tensor, pow2: bool = False) -> "QuantizedRows":
+        """x (R, C) bf16/fp32 -> its 1x128 quantization along C."""
+        return QuantizedRows(*quantize_rowwise(x, pow2))
+
+    @property
+    def num_rows(self) -> int:
+        return self.values.shape[0]
+
+    def dequantize(self) -> Tensor:
+        """(R, C) fp32."""
+        return dequantize_rowwise(self.values, self.scales)
+
+    def gather(self, index: Tensor, valid: Tensor, scale_factor: Tensor | None = None) -> "QuantizedRows":
+        """Rows index (N,) int64 of these rows; where valid (N,) bool is False the row is an all-zero
+        block (values 0, scales 1). scale_factor (N,) fp32 multiplies a row's scales (its E4M3 values
+        unchanged): the pulled route row w * dY of §12.4."""
+        values = self.values.view(torch.uint8).index_select(0, index)  # (E4M3's +0 is the byte 0)
+        values = torch.where(valid.unsqueeze(1), values, torch.zeros((), dtype=torch.uint8, device=values.device))
+        scales = self.scales.index_select(0, index)
+        if scale_factor is not None:
+            scales = scales * scale_factor.unsqueeze(1)
+        scales = torch.where(valid.unsqueeze(1), scales, torch.ones((), dtype=scales.dtype, device=scales.device))
+        return QuantizedRows(values.view(E4M3), scales)
 
 
 def _check_multiple(name: str, size: int, multiple: int = FP8_BLOCK) -> None:
@@ -110,16 +176,16 @@ def promoted_block_matmul(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor) -> Ten
     """The FP8 GEMM with promotion per K block (§12.3).
 
     qa (M, K) e4m3, sa (K/128, M) fp32, qb (N, K) e4m3, sb (K/128, N) fp32 -> (M, N) fp32:
-    out = sum over blocks b ascending of (sa[b, :, None] * sb[b, None, :]) * P_b, P_b the fp32 product
-    of block b's E4M3 values (each product of two E4M3 values is exact in fp32)."""
+    out = sum over blocks b ascending of (sa[b, :, None] * sb[b, None, :]) * P_b in fp32, P_b the exact
+    product of block b's E4M3 values rounded once to fp32 (module docstring)."""
     m, k = qa.shape
     n = qb.shape[0]
     _check_multiple("the reduction dimension (K)", k)
     out = torch.zeros(m, n, dtype=torch.float32, device=qa.device)
-    fa, fb = qa.float(), qb.float()
+    fa, fb = qa.double(), qb.double()
     for block in range(k // FP8_BLOCK):
         cols = slice(block * FP8_BLOCK, (block + 1) * FP8_BLOCK)
-        partial = fa[:, cols] @ fb[:, cols].t()
+        partial = (fa[:, cols] @ fb[:, cols].t()).float()  # exact, rounded once (module docstring)
         out += (sa[block].unsqueeze(1) * sb[block].unsqueeze(0)) * partial
     return out
 
@@ -167,3 +233,73 @@ def fp8_segment_weight_grad(
         blocks = slice(begin // FP8_BLOCK, stop // FP8_BLOCK)
         out[expert] = promoted_block_matmul(qg[:, begin:stop], sg[blocks], qx[:, begin:stop], sx[blocks])
     return out
+
+
+def _tile_experts(offsets: Tensor, num_tiles: int) -> Tensor:
+    """(num_tiles,) int64: the segment holding each 128-row tile (its first row), or E for a tile at
+    or past offsets[-1]. Every segment starts at a multiple of 128 rows, so a tile lies in one segment."""
+    starts = torch.arange(num_tiles, device=offsets.device, dtype=torch.int64) * FP8_BLOCK
+    return torch.searchsorted(offsets[1:].to(torch.int64).contiguous(), starts, right=True)
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    return t if t.shape[0] == rows else F.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
+def fp8_grouped_matmul(
+    q_rows: Tensor, scale_rows: Tensor, q_weight: Tensor, scale_weight: Tensor, offsets: Tensor
+) -> Tensor:
+    """The grouped FP8 GEMM of fprop and dgrad in the layer (§12.3), without host synchronization.
+
+    q_rows (R, K) e4m3 in schedule order, scale_rows (R, K/128) fp32 (row-wise), q_weight (E, N, K)
+    e4m3, scale_weight (E, N/128, K/128) fp32, offsets (E + 1,) int, every offset a multiple of 128
+    -> (R, N) fp32: row r of segment e times q_weight[e]ᵀ, promoted per K block in ascending order;
+    rows at or past offsets[-1] are zero. Bitwise fp8_segment_matmul's result on such segments.
+
+    Each 128-row tile lies in one segment (the alignment), so its expert is found on the device and
+    the tiles are multiplied in batches against their experts' gathered weight blocks."""
+    rows, k = q_rows.shape
+    experts, n, _ = q_weight.shape
+    _check_multiple("the reduction dimension (K)", k)
+    num_tiles = -(-rows // FP8_BLOCK)
+    tile_expert = _tile_experts(offsets, num_tiles)  # (tiles,) in [0, E]
+    out = torch.zeros(num_tiles, FP8_BLOCK, n, dtype=torch.float32, device=q_rows.device)
+    batch = max(1, _GATHER_BYTES // (n * FP8_BLOCK * 8))
+    for block in range(k // FP8_BLOCK):
+        cols = slice(block * FP8_BLOCK, (block + 1) * FP8_BLOCK)
+        a = _pad_rows(q_rows[:, cols].double(), num_tiles * FP8_BLOCK).view(num_tiles, FP8_BLOCK, FP8_BLOCK)
+        sa = _pad_rows(scale_rows[:, block:block + 1], num_tiles * FP8_BLOCK).view(num_tiles, FP8_BLOCK, 1)
+        # Expert E (the tiles past the end) multiplies by zeros with scale 1.
+        w = F.pad(q_weight[:, :, cols].double(), (0, 0, 0, 0, 0, 1))  # (E + 1, N, 128)
+        sw = F.pad(scale_weight[:, :, block], (0, 0, 0, 1), value=1.0).repeat_interleave(FP8_BLOCK, dim=1)  # (E + 1, N)
+        for first in range(0, num_tiles, batch):
+            tiles = slice(first, min(first + batch, num_tiles))
+            experts_of = tile_expert[tiles]
+            partial = torch.bmm(a[tiles], w.index_select(0, experts_of).transpose(1, 2)).float()  # exact, rounded once
+            out[tiles] += (sa[tiles] * sw.index_select(0, experts_of).unsqueeze(1)) * partial
+    out = out.view(num_tiles * FP8_BLOCK, n)[:rows]
+    in_segment = torch.arange(rows, device=out.device) < offsets[-1]
+    return torch.where(in_segment.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def fp8_grouped_weight_grad(
+    q_grad: Tensor, scale_grad: Tensor, q_inputs: Tensor, scale_inputs: Tensor, offsets: Tensor, out: Tensor
+) -> None:
+    """The FP8 weight gradient (§12.3), added block by block into `out`, without host synchronization.
+
+    q_grad (N, R) e4m3 column-wise, scale_grad (R/128, N) fp32, q_inputs (K, R) e4m3 column-wise,
+    scale_inputs (R/128, K) fp32, offsets (E + 1,) int, every offset a multiple of 128; out (E + 1, N,
+    K) fp32: expert e's row gets (scale_grad[b] ⊗ scale_inputs[b]) * P_b for each block b of its
+    segment, in ascending order; row E takes the blocks at or past offsets[-1] (zeros), the caller
+    drops it. Adding the rows of a schedule window by window (its windows start at multiples of 128)
+    runs the same additions in the same order as adding them at once: bitwise the same sum, and
+    bitwise fp8_segment_weight_grad's on one window."""
+    rows = q_grad.shape[1]
+    _check_multiple("the number of rows (tokens)", rows)
+    tile_expert = _tile_experts(offsets, rows // FP8_BLOCK)
+    for block in range(rows // FP8_BLOCK):
+        cols = slice(block * FP8_BLOCK, (block + 1) * FP8_BLOCK)
+        partial = (q_grad[:, cols].double() @ q_inputs[:, cols].double().t()).float()  # exact, rounded once
+        contribution = (scale_grad[block].unsqueeze(1) * scale_inputs[block].unsqueeze(0)) * partial
+        # One index: each element of out[e] gets exactly one addition (deterministic on CUDA too).
+        out.index_add_(0, tile_expert[block:block + 1], contribution.unsqueeze(0))

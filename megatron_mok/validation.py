@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from megatron_mok.config import MoKConfig
+from megatron_mok.limits import FP8_BLOCK
 from megatron_mok.schedule import check_expert_id_range
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
@@ -107,6 +108,15 @@ def validate_moe_inputs(
             f"fc2 must be (num_local_experts, hidden, ffn_hidden) = "
             f"{(num_local_experts, hidden, ffn_hidden)}, got {tuple(fc2.shape)}"
         )
+
+    if config.precision == "fp8_blockwise":
+        # The recipe's 1x128 and 128x128 blocks tile H and F exactly (docs/design.md §12); never a
+        # silent bf16 run in its place.
+        for name, size in (("x's hidden size (H)", hidden), ("fc1's ffn_hidden (F, fc1.shape[1] // 2)", ffn_hidden)):
+            if size % FP8_BLOCK:
+                raise ValueError(
+                    f"{name} is {size}; MoKConfig.precision='fp8_blockwise' needs a multiple of {FP8_BLOCK}"
+                )
 
     if (shared_fc1 is None) != (shared_fc2 is None):
         raise ValueError("shared_fc1 and shared_fc2 must be given together")

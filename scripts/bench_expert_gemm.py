@@ -31,6 +31,12 @@ of a and per output column of w_e, no promotion: torch has no grouped blockwise 
 ours per mainloop variant (ops.fp8_gemm.FP8_GEMM_VARIANTS; fc1+swiglu has the default only), cluster
 size and raster group (g<group_m> in the column name when several are given). Quantization is done
 before timing for every FP8 column (GEMMs only).
+A second table, the FP8 weight gradients (ops.fp8_expert_wgrad, both operands quantized 1x128 along
+tokens, fp32 out): wgrad_fc1 (d fc1 (2F, H) = d gate_up^T . rows) and wgrad_fc2 (d fc2 (H, F) =
+dY^T . act), beside torch's bf16 grouped_mm (offsets on K), our bf16 sm90 wgrad kernel (bf16 out) and,
+where torch has it, torch._scaled_grouped_mm k-grouped with rowwise scales; ours writing out
+(the first or only window) and accumulating into it (a later receive window: out read too).
+TFLOP/s count the routed rows only (2 * t * topk * N * K), as for the GEMMs.
 """
 
 from __future__ import annotations
@@ -98,10 +104,19 @@ FP8_PROJECTIONS = {
 }
 
 
-def make_fp8_inputs(shape, seed):
+# The FP8 weight gradients: (grad's name, inputs' name, routed flops per (t * topk) row as a function of
+# h, f); out[e] (N, K) = grad[e]^T . inputs[e] over the expert's rows.
+FP8_WGRAD_PROJECTIONS = {
+    "wgrad_fc1": ("gate_up", "rows", lambda h, f: 2 * 2 * f * h),
+    "wgrad_fc2": ("grad_out", "act", lambda h, f: 2 * h * f),
+}
+
+
+def make_fp8_inputs(shape, seed, columnwise=False):
     """Operands of the FP8 projections: a schedule padded to 128 rows per segment, bf16 rows with zero
     padding rows, weights (E, N, K) bf16 contiguous (the dgrads' transposed), and every operand
-    quantized as the recipe does (blockwise for ours, rowwise for torch's)."""
+    quantized as the recipe does (blockwise for ours, rowwise for torch's); columnwise: also the
+    weight gradients' column-wise operands."""
     t, h, f, e, k = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
@@ -126,6 +141,11 @@ def make_fp8_inputs(shape, seed):
     for name in ("fc1", "fc2", "fc1_t", "fc2_t"):
         amax = s[name].float().abs().amax(dim=2).clamp(min=1e-12)  # (E, N)
         s[name + "_rowwise"] = ((s[name].float() * (448 / amax)[:, :, None]).to(torch.float8_e4m3fn), amax / 448)
+    # The weight gradients' operands, column-wise (1x128 along tokens): the rows padded with zero rows to
+    # a multiple of 128 (past the last segment: no expert reads them).
+    padded = -(-rows // 128) * 128
+    for name in ("rows", "act", "grad_out", "gate_up") if columnwise else ():
+        s[name + "_col"] = quantization.quantize_columnwise(torch.nn.functional.pad(s[name], (0, 0, 0, padded - rows)))
     return s
 
 
@@ -140,6 +160,57 @@ def fp8_column(variant: str, cluster_m: int, group_m: int | None = None) -> str:
     return name if group_m is None else f"{name}g{group_m}"
 
 
+def torch_fp8_rowwise_wgrad(s, grad_name, inputs_name):
+    """torch._scaled_grouped_mm k-grouped (2-D x 2-D, the offsets on K) on the column-wise E4M3 data with
+    unit rowwise scales: its time, not a result (torch has no blockwise scales here)."""
+    qg, _ = s[grad_name + "_col"]
+    qx, _ = s[inputs_name + "_col"]
+    key = (grad_name, inputs_name, "unit rowwise scales")
+    if key not in s:  # made once, outside the timed calls
+        experts = s["offsets"].shape[0] - 1
+        s[key] = (torch.ones(experts * qg.shape[0], device="cuda"), torch.ones(experts * qx.shape[0], device="cuda"))
+    scale_g, scale_x = s[key]
+    return torch._scaled_grouped_mm(qg, qx.t(), scale_g, scale_x, offs=s["offsets"][1:], out_dtype=torch.bfloat16)
+
+
+WGRAD_COLUMNS = ("torch bf16", "ours bf16", "torch fp8 rw", "fp8", "fp8 acc")
+
+
+def wgrad_table(name, shape, sets, labels) -> None:
+    """The FP8 weight gradients' rows of one shape (module doc)."""
+    t, h, f, e, k = shape
+    for label in labels:
+        grad_name, inputs_name, flops_per_row = FP8_WGRAD_PROJECTIONS[label]
+        flops = t * k * flops_per_row(h, f)
+        outs = [torch.zeros(e, s[grad_name].shape[1], s[inputs_name].shape[1], device="cuda") for s in sets]
+        for s, out in zip(sets, outs):
+            s["wgrad_out"] = out
+
+        def fp8(s, accumulate):
+            operands = (*s[grad_name + "_col"], *s[inputs_name + "_col"], s["offsets"])
+            return ops.fp8_expert_wgrad(*operands, s["wgrad_out"], accumulate=accumulate)
+
+        fns = {
+            "torch bf16": lambda s: segment_weight_grad(s[grad_name], s[inputs_name], s["offsets"]),
+            "ours bf16": lambda s: ops.expert_gemm_wgrad(s[grad_name], s[inputs_name], s["offsets"]),
+            "torch fp8 rw": lambda s: torch_fp8_rowwise_wgrad(s, grad_name, inputs_name),
+            "fp8": lambda s: fp8(s, False),
+            "fp8 acc": lambda s: fp8(s, True),
+        }
+        try:
+            torch_fp8_rowwise_wgrad(sets[0], grad_name, inputs_name)
+        except (RuntimeError, NotImplementedError, TypeError) as error:  # no k-grouped FP8 rowwise in this build
+            print(f"torch._scaled_grouped_mm k-grouped unavailable: {str(error).splitlines()[0]}")
+            del fns["torch fp8 rw"]
+        ms_by = median_ms_interleaved(fns, sets)
+        cell = {n: f"{flops / ms / 1e9:7.0f} ({ms:6.3f})" for n, ms in ms_by.items()}
+        ratio = f"{ms_by['ours bf16'] / ms_by['fp8']:5.2f}"
+        cols = " ".join(f"{cell.get(n, 'n/a'):>16}" for n in WGRAD_COLUMNS)
+        print(f"{name:<16} {label:<10} {cols} {ratio}", flush=True)
+        for s in sets:
+            s.pop("wgrad_out", None)
+
+
 def main_fp8(args) -> None:
     clusters = [int(v) for v in args.fp8_clusters.split(",")]
     variants = args.fp8_variants.split(",")
@@ -152,15 +223,24 @@ def main_fp8(args) -> None:
             for v in variants for c in clusters for g in groups if g % c == 0]
     dense = dense_gemm_tflops()
     print(f"device: {torch.cuda.get_device_name()}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print("TFLOP/s (ms); x: our fastest FP8 column over torch FP8 rowwise; segments padded to 128 rows; group_m",
-          args.fp8_group_m)
+    labels = args.fp8_projections.split(",")
+    gemm_labels = [label for label in labels if label in FP8_PROJECTIONS]
+    wgrad_labels = [label for label in labels if label in FP8_WGRAD_PROJECTIONS]
+    unknown = [label for label in labels if label not in gemm_labels + wgrad_labels]
+    if unknown:
+        raise SystemExit(f"--fp8-projections: unknown {unknown}; known: {[*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]}")
     width = max([16] + [len(column) for *_, column in ours])
     header = " ".join(f"{column:>{width}}" for *_, column in ours)
-    print(f"{'shape':<16} {'projection':<10} {'torch bf16':>16} {'ours bf16':>16} {'torch fp8 rw':>16} {header} {'x':>5}")
+    wgrad_header = " ".join(f"{c:>16}" for c in WGRAD_COLUMNS)
     for name in args.shapes.split(","):
         t, h, f, e, k = shape = SHAPES[name]
-        sets = [make_fp8_inputs(shape, seed) for seed in range(2)]
-        for label in args.fp8_projections.split(","):
+        sets = [make_fp8_inputs(shape, seed, columnwise=bool(wgrad_labels)) for seed in range(2)]
+        if gemm_labels:
+            print("TFLOP/s (ms); x: our fastest FP8 column over torch FP8 rowwise; segments padded to 128 rows; "
+                  "group_m", args.fp8_group_m)
+            print(f"{'shape':<16} {'projection':<10} {'torch bf16':>16} {'ours bf16':>16} {'torch fp8 rw':>16} "
+                  f"{header} {'x':>5}")
+        for label in gemm_labels:
             a_name, w_name, flops_per_row = FP8_PROJECTIONS[label]
             flops = t * k * flops_per_row(h, f)
             fns = {
@@ -197,6 +277,11 @@ def main_fp8(args) -> None:
             cols = " ".join(f"{cell.get(n, 'n/a'):>16}" for n in ["torch bf16", "ours bf16", "torch fp8 rw"])
             fp8_cols = " ".join(f"{cell.get(column, 'n/a'):>{width}}" for *_, column in ours)
             print(f"{name:<16} {label:<10} {cols} {fp8_cols} {ratio}", flush=True)
+        if wgrad_labels:
+            print("weight gradients, fp32 out (ours bf16: bf16 out); TFLOP/s (ms); x: ours FP8 over ours bf16; "
+                  "fp8 acc: accumulating into out (a later receive window)")
+            print(f"{'shape':<16} {'projection':<10} {wgrad_header} {'x':>5}")
+            wgrad_table(name, shape, sets, wgrad_labels)
         del sets
         torch.cuda.empty_cache()
 
@@ -209,7 +294,7 @@ def main() -> None:
                         help="comma-separated raster group sizes of the FP8 GEMM")
     parser.add_argument("--fp8-variants", default="default",
                         help=f"comma-separated mainloop variants of the FP8 GEMM, of {','.join(FP8_GEMM_VARIANTS)}")
-    parser.add_argument("--fp8-projections", default=",".join(FP8_PROJECTIONS))
+    parser.add_argument("--fp8-projections", default=",".join([*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]))
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--group-m", default=str(tuning.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")
     parser.add_argument("--shapes", default=",".join(SHAPES))

@@ -1,8 +1,11 @@
-"""Checks of a forward + backward step on a CUDA device (graph replay, sync-free reproducibility) and
-the marks of the tests that need the Hopper kernels."""
+"""Checks of a forward + backward step on a CUDA device (graph replay, sync-free reproducibility), the
+marks of the tests that need the Hopper kernels, the trapping-kernel harness and ptxas's report on a
+translation unit."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import time
@@ -98,3 +101,41 @@ def run_until_trap(script: str, timeout_s: float = 120) -> tuple[str, str, float
     out = result.stdout + result.stderr
     assert "record:" in out and "no error" not in out, out
     return out.split("record:", 1)[1], out, elapsed
+
+
+# The end of a run_until_trap script (after its kernels' launches): waits for them, then prints what
+# run_until_trap reads. The script must have imported torch and megatron_mok.ops as `ops`.
+TRAP_SCRIPT_TAIL = """
+try:
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as error:
+    print("error:", type(error).__name__)
+print("record:", ops.last_failure())
+"""
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
+def ptxas_report(binding: str, out_dir) -> tuple[str, list[tuple[str, int]]]:
+    """Compiles csrc/bindings/<binding> as setup.py does (its flags and megatron_mok/limits.py COMPILED),
+    with ptxas's report (-Xptxas=-v); asserts it compiled. Returns the log and, per entry function in
+    compile order, (its mangled name, its spill-store bytes): ptxas reports each function as it compiles
+    it, "Compiling entry function '<mangled>'" then its spill line."""
+    from torch.utils.cpp_extension import include_paths
+
+    from megatron_mok import limits
+
+    source = os.path.join(CSRC, "bindings", binding)
+    result = subprocess.run(
+        ["nvcc", "-O3", "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v", "--expt-relaxed-constexpr",
+         f"-I{CSRC}", *(f"-I{path}" for path in include_paths(device_type="cuda")),
+         *(f"-DMOK_{name}={value}" for name, value in limits.COMPILED.items()),
+         "-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1",
+         "-c", source, "-o", os.path.join(str(out_dir), binding + ".o")],
+        capture_output=True, text=True, timeout=1200,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    found = re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores", log, re.S)
+    return log, [(name, int(spill)) for name, spill in found]

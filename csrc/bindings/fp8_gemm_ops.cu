@@ -29,24 +29,11 @@ namespace {
 using Tile = Fp8GemmTile;
 constexpr size_t kSmemBytes = Fp8GemmSharedStorage::kSmemBytes;
 
-// A row-major E4M3 matrix (rows, k) read in boxes of box_rows rows x one 128-byte K block, 128-byte
-// swizzle (what wgmma's K-major descriptors expect); rows past the end read as zeros. k is a
-// multiple of 128, so every row is whole 16 bytes.
+// A row-major E4M3 matrix (rows, k) read in boxes of box_rows rows x one 128-byte K block
+// (common/tensor_map.h); k is a multiple of 128, so every row is whole 16 bytes.
 CUtensorMap e4m3_rows_map(const at::Tensor& t, int64_t rows, int64_t k, uint32_t box_rows, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fp8_expert_gemm: ", name,
-              " must start 16-byte aligned");
-  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
-  const cuuint64_t byte_strides[1] = {cuuint64_t(k)};
-  const cuuint32_t box[2] = {cuuint32_t(Tile::kK), box_rows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  CUtensorMap map;
-  const CUresult result = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, t.data_ptr(), dims, byte_strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(result == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for ", name, " (CUresult ",
-              std::to_string(int(result)), ")");
-  return map;
+  static_assert(Tile::kK == 128, "one box is one 128-byte K block");
+  return e4m3_tensor_map_sw128(t.data_ptr(), rows, k, box_rows, name);
 }
 
 // How many clusters of the kernel fit on the device at once, found once per kernel, device and

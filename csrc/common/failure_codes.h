@@ -12,6 +12,7 @@ enum FailingKernel : int {
   kScheduleKernel = 2,
   kExchangeKernel = 3,
   kFp8ExpertGemmKernel = 4,
+  kFp8ExpertWgradKernel = 5,
 };
 
 // The bounded waits of the sm90 GEMM pipeline (gemm/kernel_sm90_tma_wgmma_ws.cuh), in every GEMM kernel.
@@ -32,6 +33,12 @@ enum WgradWindowCheck : int {
   kCheckCarryKBlockAlignment = 4,  // a window boundary inside a 64-row K block of the expert it splits
   kCheckCarryInBuffer = 5,         // an expert continues into the window, but carry_in is null
   kCheckCarryOutBuffer = 6,        // an expert continues past the window, but carry_out is null
+};
+
+// The FP8 weight gradient's check of a tile's segment (gemm/fp8_wgrad_sm90.cuh, reported through
+// the watchdog like its waits); not a wait. Numbered after every GEMM wait and check.
+enum Fp8WgradCheck : int {
+  kCheckFp8WgradSegmentAlignment = 7,  // an expert's rows start inside a 128-row block of the window
 };
 
 // The schedule kernel's check (moe/schedule_sm90.cuh); not a wait.
@@ -68,7 +75,7 @@ inline constexpr const char* kExchangeSignalKindNames[] = {"ready", "free"};
 constexpr int exchange_wait(int phase, int kind) { return phase * kNumSignalKinds + kind; }
 
 inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange",
-                                                       "fp8_expert_gemm"};
+                                                       "fp8_expert_gemm", "fp8_expert_wgrad"};
 
 inline constexpr FailureName kFailureNames[] = {
     {kExpertGemmKernel, kWaitFreeStage, "expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
@@ -92,6 +99,13 @@ inline constexpr FailureName kFailureNames[] = {
     {kFp8ExpertGemmKernel, kWaitFreeStage, "FP8 expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
     {kFp8ExpertGemmKernel, kWaitLoadedStage,
      "FP8 expert GEMM consumer waiting for a loaded pipeline stage (full barrier)"},
+    {kFp8ExpertWgradKernel, kWaitFreeStage,
+     "FP8 expert weight-gradient producer waiting for a free pipeline stage (empty barrier)"},
+    {kFp8ExpertWgradKernel, kWaitLoadedStage,
+     "FP8 expert weight-gradient consumer waiting for a loaded pipeline stage (full barrier)"},
+    {kFp8ExpertWgradKernel, kCheckFp8WgradSegmentAlignment,
+     "FP8 expert weight gradient: an expert's rows start inside a 128-row block of the window "
+     "(offsets[e] % 128 != 0 for a segment with rows at or past window_begin)"},
 };
 
 }  // namespace mok

@@ -64,4 +64,27 @@ inline CUtensorMap bf16_tensor_map_3d_sw128(const void* base, int64_t batches, i
                                      {cuuint64_t(cols) * 2, cuuint64_t(rows * cols) * 2}, {64, box_rows, 1}, name);
 }
 
+// A row-major E4M3 matrix (rows, cols) at `base`, one byte per value, read in boxes of box_rows rows
+// x 128 bytes (one FP8 scale block along the rows) with 128-byte swizzle, what wgmma's K-major
+// descriptors expect; parts of a box past the rows or columns read as zeros. cols must be a
+// multiple of 16 (whole 16-byte rows).
+inline CUtensorMap e4m3_tensor_map_sw128(const void* base, int64_t rows, int64_t cols, uint32_t box_rows,
+                                         const char* name) {
+  TORCH_CHECK(cols % 16 == 0, name, ": rows must be a multiple of 16 bytes for TMA, got ", std::to_string(cols),
+              " columns");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, name, " must start 16-byte aligned");
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t byte_strides[1] = {cuuint64_t(cols)};
+  const cuuint32_t box[2] = {128, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  CUtensorMap map;
+  const CUresult result = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, byte_strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for ", name, " (CUresult ",
+              std::to_string(int(result)), ")");
+  return map;
+}
+
 }  // namespace mok

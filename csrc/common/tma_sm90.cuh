@@ -37,6 +37,15 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// Copies `bytes` (a multiple of 16) from a 16-byte aligned global address into shared memory,
+// completing on `bar` like a tensor load (counted toward the bytes its arrival announced).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
 // The same box into the same shared-memory offset of every CTA in `cta_mask`, each completing on
 // its own barrier at `bar`'s offset: one L2 read feeds several SMs.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t col,

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "common/wgmma_sm90.cuh"
+
 namespace mok::sm90 {
 
 // d: this thread's 64 fp32 accumulators of the warpgroup's 64 x 128 outputs (fragment layout of
@@ -31,6 +33,18 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// One 128-deep K block (an FP8 scale block: 128 bytes of each swizzled K row) of a warpgroup's 64 x
+// 128 product into d: four wgmma m64n128k32, each 32 bytes further along the rows (+2 in the
+// descriptors' 16-byte units), the first overwriting d (scale_d = 0: a partial never spans two
+// blocks), committed as one group for the caller to wait on.
+__device__ __forceinline__ void wgmma_block_m64n128k128_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  wgmma_fence();
+  fence_accumulators(d);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(d, desc_a + 2 * kk, desc_b + 2 * kk, kk != 0);
+  wgmma_commit_group();
 }
 
 // wgmma_m64n128k32_e4m3 with scale_d = 0 stated to the compiler: the empty asm statements define d

@@ -61,6 +61,8 @@ struct Fp8GemmTile {
   static constexpr int kK = kFp8Block;
   static constexpr int kMmaK = 32;  // K of one wgmma E4M3
   static constexpr int kMmasPerStage = kK / kMmaK;
+  static_assert(kMmasPerStage == 4 && kN == 128,
+                "a stage is four wgmma m64n128k32 per warpgroup (sm90::wgmma_block_m64n128k128_e4m3)");
   // fp32 registers per consumer thread for its warpgroup's 64 x kN outputs: the promoted sum and the
   // K block's partial each hold this many.
   static constexpr int kAccumulators = 64 * kN / kNumThreadsPerWarpGroup;
@@ -469,15 +471,7 @@ struct Fp8ExpertGemmKernel {
           const uint64_t a_desc =
               sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
           const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
-          sm90::wgmma_fence();
-          sm90::fence_accumulators(partial);
-#pragma unroll
-          for (int kk = 0; kk < Tile::kMmasPerStage; ++kk) {
-            // +32 bytes of the swizzled K row (2 in descriptor units) per wgmma; the first restarts
-            // the partial sum.
-            sm90::wgmma_m64n128k32_e4m3(partial, a_desc + 2 * kk, b_desc + 2 * kk, kk != 0);
-          }
-          sm90::wgmma_commit_group();
+          sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
           // The block's wgmmas are issued: the other warpgroup's turn.
           if constexpr (kTurns) sm90::named_barrier_arrive(kFp8TurnBarrier + (consumer ^ 1), Tile::kConsumerThreads);
           sm90::wgmma_wait_group<0>();

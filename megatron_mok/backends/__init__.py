@@ -1,8 +1,9 @@
-"""Backends: the stage contract (stages.py), the reference (reference.py), the CUDA kernels
-(kernel.py) with their tuning table (tuning.py), and here the choice of which one runs a call.
+"""Backends: the stage contract (stages.py), the reference (reference.py; its FP8 blockwise recipe in
+reference_fp8.py), the CUDA kernels (kernel.py) with their tuning table (tuning.py), and here the
+choice of which one runs a call.
 
-The kernel backend needs CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the
-extension loaded, bf16 activations, and hidden and ffn sizes
+The kernel backend needs MoKConfig.precision "bf16", CUDA tensors on a Hopper GPU (the extension is
+built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
 that are multiples of 8 (16-byte rows for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
 Any expert-parallel size: the stages are per rank, and what crosses ranks is the exchange's
@@ -17,12 +18,18 @@ from typing import Optional
 import torch
 
 from megatron_mok.backends.stages import Stages
+from megatron_mok.quantization import Fp8Recipe
 
 _warned: set[str] = set()
 
 
-def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[str]:
-    """None if the kernel backend can run this call, else why not."""
+def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, precision: str = "bf16") -> Optional[str]:
+    """None if the kernel backend can run this call (precision: MoKConfig.precision), else why not."""
+    if precision != "bf16":
+        # Named first, wherever the call runs: never a bf16 run in its place.
+        from megatron_mok.backends.kernel import unsupported_precision_reason
+
+        return unsupported_precision_reason(precision)
     if not x.is_cuda:
         return f"x is on {x.device}, the kernel needs CUDA tensors"
     from megatron_mok.ops import extension_error
@@ -40,13 +47,14 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor) -> Optional[st
     return None
 
 
-def resolve_backend(backend: str, x: torch.Tensor, fc1: torch.Tensor) -> str:
+def resolve_backend(backend: str, x: torch.Tensor, fc1: torch.Tensor, precision: str = "bf16") -> str:
     """Returns "reference" or "kernel" for this call of MoKConfig.backend `backend` ("auto",
-    "reference" or "kernel"), or raises where "kernel" cannot run. (The backends read the config's
-    fields, never the config: config.py sits above them and imports their tuning table.)"""
+    "reference" or "kernel") at MoKConfig.precision `precision`, or raises where "kernel" cannot run.
+    (The backends read the config's fields, never the config: config.py sits above them and imports
+    their tuning table.)"""
     if backend == "reference":
         return "reference"
-    reason = kernel_unsupported_reason(x, fc1)
+    reason = kernel_unsupported_reason(x, fc1, precision)
     if reason is None:
         return "kernel"
     if backend == "kernel":
@@ -57,16 +65,23 @@ def resolve_backend(backend: str, x: torch.Tensor, fc1: torch.Tensor) -> str:
     return "reference"
 
 
-def stages_for(backend: str, expert_gemm: str = "auto") -> Stages:
+def stages_for(backend: str, expert_gemm: str = "auto", fp8: Optional[Fp8Recipe] = None) -> Stages:
     """The stage table of a backend; expert_gemm (MoKConfig.expert_gemm) picks the kernel backend's
-    expert GEMMs. The tables import lazily: the reference needs no extension."""
+    expert GEMMs; fp8 (MoKConfig.fp8_recipe()) the FP8 blockwise recipe's stages, None for bf16. The
+    tables import lazily: the reference needs no extension."""
     if backend == "reference":
+        if fp8 is not None:
+            from megatron_mok.backends.reference_fp8 import reference_fp8_stages
+
+            return reference_fp8_stages(fp8)
         from megatron_mok.backends.reference import REFERENCE_STAGES
 
         return REFERENCE_STAGES
     if backend == "kernel":
-        from megatron_mok.backends.kernel import KERNEL_STAGES
+        from megatron_mok.backends.kernel import KERNEL_STAGES, unsupported_precision_reason
 
+        if fp8 is not None:
+            raise ValueError(unsupported_precision_reason("fp8_blockwise"))
         if expert_gemm not in KERNEL_STAGES:
             raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(KERNEL_STAGES)}")
         return KERNEL_STAGES[expert_gemm]

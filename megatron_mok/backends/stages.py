@@ -12,6 +12,13 @@ no stage reads them.
 The forward's two expert projections are their own stages (dispatch_gate_up: the pull dispatch and
 the gate/up projection with SwiGLU fused; expert_down) so the kernel backend can run them in its
 persistent sm90 GEMM, which dispatches the rows itself, overlapped with the GEMM.
+
+FP8 blockwise (docs/design.md §12, backends/reference_fp8.py): the same stages, with FP8 operands
+where the recipe has them: a source's rows, the rows dispatch_gate_up reads, its act and expert_down's
+input, pull_route_grads' rows from an FP8 dY source and dgrad_swiglu's grad_out are QuantizedRows
+(quantization.py); fc1 and fc2 are passed as stored, and the stages take their cached FP8 copies
+(fp8_weights.py). Every other tensor (gate_up, d gate_up, the pushed rows, the weight gradients'
+operands) keeps the activation dtype.
 """
 
 from __future__ import annotations
@@ -22,29 +29,32 @@ from typing import Optional, Protocol
 import torch
 
 from megatron_mok.comm.exchange import GradSource, RowSource
+from megatron_mok.quantization import QuantizedRows
 from megatron_mok.schedule import Schedule
 
 Tensor = torch.Tensor
+Rows = Tensor | QuantizedRows  # (capacity, C): in the activation dtype, or FP8 1x128 along C
 
 
 class DispatchRows(Protocol):
-    def __call__(self, source: RowSource, schedule: Schedule) -> Tensor:
-        """Exchange.dispatch_source's rows -> rows (capacity, H) in schedule order, zero padding rows."""
+    def __call__(self, source: RowSource, schedule: Schedule) -> Rows:
+        """Exchange.dispatch_source's rows -> rows (capacity, H) in schedule order, zero padding rows
+        (FP8 rows from an FP8 source)."""
         ...
 
 
 class DispatchGateUp(Protocol):
     def __call__(
         self, source: RowSource, schedule: Schedule, fc1: Tensor, ring_minibatches: int
-    ) -> tuple[Optional[Tensor], Tensor, Tensor]:
+    ) -> tuple[Optional[Rows], Tensor, Rows]:
         """-> (rows (capacity, H) or None, gate_up (capacity, 2F), act (capacity, F)). rows is None
         when they went through a bounded ring (MoKConfig.dispatch_ring_minibatches) and backward
-        must gather them again."""
+        must gather them again. FP8: rows and act are QuantizedRows (act 1x128 along F)."""
         ...
 
 
 class SegmentMatmul(Protocol):
-    def __call__(self, rows: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    def __call__(self, rows: Rows, weight: Tensor, offsets: Tensor) -> Tensor:
         """rows (capacity, K), weight (E, N, K) any strides, offsets (E + 1,) int32 -> (capacity, N)."""
         ...
 
@@ -67,8 +77,16 @@ class SegmentWeightGrad(Protocol):
         ...
 
 
+class WeightGradInto(Protocol):
+    def __call__(self, grad_out: Tensor, inputs: Tensor, offsets: Tensor, total: Tensor) -> None:
+        """grad_out (capacity, N), inputs (capacity, K): adds the segments' gradients into total
+        (E + 1, N, K) float32 (row E: rows past the segments, dropped), in an order that makes a pass
+        window by window bitwise one pass over every row (backends/weight_grads.py Fp32Carried)."""
+        ...
+
+
 class DgradSwiglu(Protocol):
-    def __call__(self, grad_out: Tensor, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> Tensor:
+    def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> Tensor:
         """grad_out (capacity, H), fc2 (E, H, F) -> grad_gate_up (capacity, 2F)."""
         ...
 
@@ -87,8 +105,9 @@ class Combine(Protocol):
 
 
 class PullRouteGrads(Protocol):
-    def __call__(self, source: GradSource, schedule: Schedule) -> Tensor:
-        """Exchange.grad_source's dY rows and weights -> (capacity, H): w[route] * dY[route // K]."""
+    def __call__(self, source: GradSource, schedule: Schedule) -> Rows:
+        """Exchange.grad_source's dY rows and weights -> (capacity, H): w[route] * dY[route // K]
+        (from an FP8 dY: its E4M3 rows with their scales times w)."""
         ...
 
 
@@ -112,6 +131,8 @@ class Stages:
     combine: Combine
     pull_route_grads: PullRouteGrads
     route_weight_grads: RouteWeightGrads
-    # Which GEMM family segment_weight_grad is ("sm90", "grouped_mm", "reference"): how a pass over
-    # several receive windows sums its weight gradients (backends/weight_grads.py).
+    # Which GEMM family segment_weight_grad is ("sm90", "grouped_mm", "reference", "fp32_carried"):
+    # how a pass over several receive windows sums its weight gradients (backends/weight_grads.py).
     weight_grad_family: str
+    # The "fp32_carried" family's stage: the weight gradients added into one fp32 total.
+    weight_grad_into: Optional[WeightGradInto] = None

@@ -11,7 +11,10 @@ window. `accumulator_for` gives the stage that adds each window's rows, one per 
   writes another's);
 - grouped_mm and the reference, several windows: per-window partial gradients summed in fp32 in
   window order (deterministic; equal to one window's only up to rounding), in an fp32 (E, m, n)
-  buffer.
+  buffer;
+- fp32_carried (the FP8 reference's weight gradients), any number of windows: each window's blocks
+  added straight into one fp32 (E + 1, m, n) total in row order (Stages.weight_grad_into), so the sum
+  is bitwise the one-window sum.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from megatron_mok.receive import Window
 
 Tensor = torch.Tensor
 SegmentWeightGrad = Callable[[Tensor, Tensor, Tensor], Tensor]
+WeightGradInto = Callable[[Tensor, Tensor, Tensor, Tensor], None]
 
 
 class WeightGradAccumulator(Protocol):
@@ -88,8 +92,31 @@ class CarriedWindows:
         return self.out
 
 
-def accumulator_for(family: str, segment_weight_grad: SegmentWeightGrad, num_windows: int) -> WeightGradAccumulator:
-    """family: the weight gradients' GEMM family ("sm90", "grouped_mm", or "reference")."""
+class Fp32Carried:
+    def __init__(self, weight_grad_into: WeightGradInto):
+        self.weight_grad_into = weight_grad_into
+        self.total: Optional[Tensor] = None  # (E + 1, m, n) float32; row E: rows past the segments
+        self.dtype: Optional[torch.dtype] = None
+
+    def add(self, grad_out: Tensor, inputs: Tensor, window: Window) -> None:
+        if self.total is None:
+            num_experts = window.full_offsets.shape[0] - 1
+            shape = (num_experts + 1, grad_out.shape[1], inputs.shape[1])
+            self.total = torch.zeros(shape, dtype=torch.float32, device=grad_out.device)
+            self.dtype = grad_out.dtype
+        self.weight_grad_into(grad_out, inputs, window.schedule.expert_offsets, self.total)
+
+    def result(self) -> Tensor:
+        return self.total[:-1].to(self.dtype)
+
+
+def accumulator_for(
+    family: str, segment_weight_grad: SegmentWeightGrad, num_windows: int, weight_grad_into: Optional[WeightGradInto] = None
+) -> WeightGradAccumulator:
+    """family: the weight gradients' GEMM family ("sm90", "grouped_mm", "reference" or
+    "fp32_carried", which adds through weight_grad_into)."""
+    if family == "fp32_carried":
+        return Fp32Carried(weight_grad_into)
     if num_windows == 1:
         return OneWindow(segment_weight_grad)
     if family == "sm90":

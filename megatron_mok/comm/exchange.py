@@ -15,6 +15,11 @@ another implementation of the same contract, so it replaces this stage and nothi
 
 Determinism: each route is computed by exactly one rank (the owner of its expert) and returned to
 exactly one slot, so nothing is ever summed across ranks.
+
+FP8 blockwise (docs/design.md §12): a source may be published as QuantizedRows (its rows quantized
+1x128 along H where they are produced); the collective exchange then gathers the E4M3 rows and their
+scales, half the bytes of bf16 rows, and the stages read them as published. The symmetric exchange
+moves rows in the activation dtype only today.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ import torch
 
 from megatron_mok import ops
 from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.quantization import E4M3, QuantizedRows
 from megatron_mok.schedule import Schedule
 
 if TYPE_CHECKING:
     from megatron_mok.receive import Window
+
+Rows = Union[torch.Tensor, QuantizedRows]  # (num_tokens, hidden) a rank publishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +47,17 @@ class RowSource:
     the routing weights g = route). The one description the stages read, whichever exchange made it.
 
     tensor: with peer_ptrs None, the stacked rows themselves, (R * T, *row), one tensor of this rank
-    (gathered by a collective). Otherwise this rank's (T, *row) copy of a symmetric region
-    (comm/symmetric.py), and peer_ptrs every rank's address of its copy in rank order (this rank's
-    among them): the kernels read the rows in place, over the peer mappings."""
+    (gathered by a collective), or their QuantizedRows (FP8 values and scales, gathered alike).
+    Otherwise this rank's (T, *row) copy of a symmetric region (comm/symmetric.py), and peer_ptrs
+    every rank's address of its copy in rank order (this rank's among them): the kernels read the
+    rows in place, over the peer mappings."""
 
-    tensor: torch.Tensor
+    tensor: Union[torch.Tensor, QuantizedRows]
     peer_ptrs: Optional[tuple[int, ...]] = None
 
-    def materialize(self) -> torch.Tensor:
-        """(R * T, *row): the stacked rows in one tensor, for stages that need one (the reference)."""
+    def materialize(self) -> Union[torch.Tensor, QuantizedRows]:
+        """(R * T, *row): the stacked rows in one tensor (or QuantizedRows), for stages that need one
+        (the reference)."""
         if self.peer_ptrs is None:
             return self.tensor
         return ops.gather_peer_regions(self.tensor, list(self.peer_ptrs)).flatten(0, 1)
@@ -83,13 +93,14 @@ class Exchange(Protocol):
         """(num_tokens, topk) int ids -> (num_ranks, num_tokens, topk) int64, every rank's in rank order."""
         ...
 
-    def dispatch_source(self, x: torch.Tensor) -> RowSource:
-        """(num_tokens, hidden) -> where the group's rows can be pulled from: route r reads row
-        r // topk of the group's (num_ranks * num_tokens, hidden) rows (schedule.py)."""
+    def dispatch_source(self, x: Rows) -> RowSource:
+        """(num_tokens, hidden), or its QuantizedRows -> where the group's rows can be pulled from:
+        route r reads row r // topk of the group's (num_ranks * num_tokens, hidden) rows (schedule.py)."""
         ...
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
-        """(dY (num_tokens, hidden), w (num_tokens, topk) fp32) -> the pull reverse-combine's source."""
+    def grad_source(self, grad_y: Rows, topk_weights: torch.Tensor) -> GradSource:
+        """(dY (num_tokens, hidden) or its QuantizedRows, w (num_tokens, topk) fp32) -> the pull
+        reverse-combine's source."""
         ...
 
     def release(self, source: RowSource | GradSource) -> None:
@@ -143,11 +154,19 @@ class CollectiveExchange:
     def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
         pass  # the collectives allocate their outputs per call
 
-    def dispatch_source(self, x: torch.Tensor) -> RowSource:
-        return RowSource(self.group.all_gather(x).reshape(-1, x.shape[1]))
+    def _gather_rows(self, rows: Rows) -> Rows:
+        """(T, C) rows of every rank, stacked in rank order: (R * T, C)."""
+        if not isinstance(rows, QuantizedRows):
+            return self.group.all_gather(rows).flatten(0, 1)
+        # E4M3 travels as its bytes (gloo has no float8 type; the bits are what arrive).
+        values = self.group.all_gather(rows.values.view(torch.uint8)).flatten(0, 1).view(E4M3)
+        return QuantizedRows(values, self.group.all_gather(rows.scales).flatten(0, 1))
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
-        grad_y_all = self.group.all_gather(grad_y).reshape(-1, grad_y.shape[1])
+    def dispatch_source(self, x: Rows) -> RowSource:
+        return RowSource(self._gather_rows(x))
+
+    def grad_source(self, grad_y: Rows, topk_weights: torch.Tensor) -> GradSource:
+        grad_y_all = self._gather_rows(grad_y)
         weights_all = self.group.all_gather(topk_weights).reshape(-1)
         return GradSource(RowSource(grad_y_all), RowSource(weights_all))
 
@@ -202,14 +221,19 @@ class CollectiveReturn:
         self.slot_rows = None  # the table is this rank's own tensor: freed with the last reference
 
 
-def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
-    """The exchange a call runs over `group` (kind: MoKConfig.exchange): through symmetric memory
-    (comm/symmetric_exchange.py) when asked for, or with "auto" wherever the group offers it
-    (emulated ranks; a process group whose ranks can share symmetric memory, comm/placement.py),
-    else the collective one. The choice depends only on the group (what every rank reported) and
-    the config, so every rank of a group decides alike; a process group of CUDA ranks says once
-    which it took and why (`exchange_notes`)."""
+def exchange_for(group: ExpertParallelGroup, kind: str = "auto", precision: str = "bf16") -> Exchange:
+    """The exchange a call runs over `group` (kind: MoKConfig.exchange, precision:
+    MoKConfig.precision): through symmetric memory (comm/symmetric_exchange.py) when asked for, or
+    with "auto" wherever the group offers it (emulated ranks; a process group whose ranks can share
+    symmetric memory, comm/placement.py) and the rows are bf16, else the collective one. The choice
+    depends only on the group (what every rank reported) and the config, so every rank of a group
+    decides alike; a process group of CUDA ranks says once which it took and why (`exchange_notes`)."""
     if kind == "collective" or group.num_ranks == 1 and kind == "auto":
+        return CollectiveExchange(group)
+    if precision != "bf16":
+        if kind == "symmetric":  # (MoKConfig refuses it first)
+            raise ValueError(f"MoKConfig.exchange='symmetric' moves bf16 rows only today, not {precision}")
+        _note_once(group, f"the collective exchange (MoKConfig.exchange='auto'): the in-kernel exchange moves bf16 rows only today, and MoKConfig.precision={precision!r} moves FP8 rows")
         return CollectiveExchange(group)
     pool, reason = group.symmetric_pool()
     if pool is None:

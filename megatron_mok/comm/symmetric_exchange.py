@@ -21,9 +21,17 @@ from megatron_mok import ops
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.comm.symmetric import SymmetricPool, SymmetricRegion
+from megatron_mok.quantization import QuantizedRows
 from megatron_mok.schedule import Schedule
 
 READY, FREE = 0, 1
+
+
+def _require_unquantized(rows, what: str) -> None:
+    # Its regions hold rows in the activation dtype (comm/symmetric.py REGIONS); exchange_for and
+    # MoKConfig send FP8 calls to the collective exchange.
+    if isinstance(rows, QuantizedRows):
+        raise ValueError(f"the symmetric exchange moves {what} in the activation dtype only today, not FP8 rows")
 
 
 class SymmetricExchange:
@@ -74,6 +82,7 @@ class SymmetricExchange:
         return ids_all
 
     def dispatch_source(self, x: torch.Tensor) -> RowSource:
+        _require_unquantized(x, "x")
         # The group's rows in the ranks' `tokens` regions: rank r's token t at row r * T + t.
         tokens = self.pool.region("tokens", x.shape[0], x.shape[1], 0, x.dtype)
         self._publish("tokens", [(tokens.own, x)])
@@ -82,6 +91,7 @@ class SymmetricExchange:
     def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
         # dY in the ranks' `grad_tokens` regions, (T, H) each; the routing weights in `grad_weights`,
         # (T * K,) float32 each.
+        _require_unquantized(grad_y, "dY")
         num_tokens, topk = topk_weights.shape
         grad_tokens = self.pool.region("grad_tokens", num_tokens, grad_y.shape[1], 0, grad_y.dtype)
         grad_weights = self.pool.region("grad_weights", num_tokens, 0, topk, torch.float32)

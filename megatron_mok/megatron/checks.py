@@ -2,12 +2,56 @@
 (before Megatron's own __post_init__ checks, so only fields as the user set them are read).
 
 Each message names the command-line flag to change.
+
+Precision: the routed experts run MoKConfig.precision `expert_precision(config)`: "fp8_blockwise"
+under `--fp8-format e4m3 --fp8-recipe blockwise` (Transformer Engine, where present, runs the dense
+layers in that recipe as it does without mok) or `--mok-precision fp8_blockwise` (the experts alone,
+e.g. without Transformer Engine), else "bf16". Any other FP8 format or recipe is an error naming the
+flag: mok's experts run DeepSeek-V3's E4M3 blockwise recipe only (docs/design.md §12).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mok.limits import FP8_BLOCK
+
+FP8_FLAGS = "--fp8-format e4m3 --fp8-recipe blockwise"
+
+
+def parsed_args() -> Optional[object]:
+    """Megatron's parsed arguments, None where there are none (a model built outside its launcher)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+def _recipe_name(config: TransformerConfig) -> str:
+    recipe = getattr(config, "fp8_recipe", None)  # a str, or megatron.core.enums.Fp8Recipe (a str enum)
+    return getattr(recipe, "value", recipe)
+
+
+def megatron_fp8_blockwise(config: TransformerConfig) -> bool:
+    """Whether the model runs FP8 through Megatron's flags in the recipe mok's experts run."""
+    return getattr(config, "fp8", None) == "e4m3" and _recipe_name(config) == "blockwise"
+
+
+def expert_precision(config: TransformerConfig) -> str:
+    """The routed experts' MoKConfig.precision: `config.mok_config`'s if set, else --mok-precision,
+    else "fp8_blockwise" under --fp8-format e4m3 --fp8-recipe blockwise, else "bf16"."""
+    explicit = getattr(config, "mok_config", None)
+    if explicit is not None and hasattr(explicit, "precision"):
+        return explicit.precision
+    chosen = getattr(parsed_args(), "mok_precision", None)
+    if chosen is not None:
+        return chosen
+    return "fp8_blockwise" if megatron_fp8_blockwise(config) else "bf16"
 
 
 def _unsupported(config: TransformerConfig) -> list[str]:
@@ -40,7 +84,27 @@ def _unsupported(config: TransformerConfig) -> list[str]:
     flag(bool(config.moe_apply_probs_on_input), "--moe-apply-probs-on-input is not supported with mok")
     flag(bool(config.moe_latent_size), "--moe-latent-size is not supported with mok")
     flag(bool(config.moe_pad_expert_input_to_capacity), "--moe-pad-expert-input-to-capacity is not supported with mok")
-    flag(config.fp8 is not None or config.fp4 is not None, "--fp8-format/--fp4-format are not supported with mok yet (BF16 only)")
+    flag(config.fp4 is not None, "--fp4-format is not supported with mok: its experts run bf16 or FP8 blockwise")
+    flag(
+        config.fp8 is not None and config.fp8 != "e4m3",
+        f"--fp8-format {config.fp8} is not supported with mok: its experts' FP8 is E4M3 throughout ({FP8_FLAGS})",
+    )
+    flag(
+        config.fp8 is not None and _recipe_name(config) != "blockwise",
+        f"--fp8-recipe {_recipe_name(config)} is not supported with mok: its experts run DeepSeek-V3's blockwise "
+        f"recipe ({FP8_FLAGS}, or --mok-precision fp8_blockwise for the experts alone)",
+    )
+    if expert_precision(config) == "fp8_blockwise":
+        for name, size in (("--hidden-size", config.hidden_size), ("--moe-ffn-hidden-size", config.moe_ffn_hidden_size)):
+            flag(
+                size is not None and size % FP8_BLOCK != 0,
+                f"{name} {size} must be a multiple of {FP8_BLOCK} for the experts' FP8 blockwise recipe",
+            )
+        flag(
+            getattr(parsed_args(), "mok_backend", None) == "kernel",
+            "--mok-backend kernel runs bf16 only today; the experts' fp8_blockwise runs on the reference backend "
+            "(--mok-backend reference or auto)",
+        )
     flag(
         getattr(config, "activation_func_clamp_value", None) is not None,
         "--activation-func-clamp-value is not supported with mok",

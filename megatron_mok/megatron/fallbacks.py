@@ -100,10 +100,13 @@ def resolve(sources: Sources, probe: Probe = import_error) -> Resolution:
             value = _value(argv, flag)
             if value is not None and (wanted is None or value == wanted):
                 given = f"{flag} {value}"
+                hint = ""
+                if flag == "--fp8-format" and _value(argv, "--moe-token-dispatcher-type") == "mok":
+                    hint = "; with mok, --mok-precision fp8_blockwise runs the routed experts in FP8 without it"
                 raise MissingPackageError(
                     f"{given} (from {_where(sources, flag)}) needs Transformer Engine, but "
                     f"{TE_MODULE} does not import here ({te_error}); install transformer_engine "
-                    f"or drop {flag} (megatron_mok then runs Megatron's local implementation)"
+                    f"or drop {flag} (megatron_mok then runs Megatron's local implementation){hint}"
                 )
 
     added: list[str] = []

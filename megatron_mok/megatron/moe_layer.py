@@ -10,6 +10,7 @@ GroupedMMExperts whatever experts the spec names.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -19,21 +20,11 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mok.config import MoKConfig
-from megatron_mok.megatron.checks import check_mok_config
+from megatron_mok.megatron.checks import check_mok_config, expert_precision, parsed_args
 from megatron_mok.megatron.dispatcher import MoKTokenDispatcher
 from megatron_mok.megatron.experts import MoKGroupedExperts
 from megatron_mok.megatron.grouped_mm_experts import GroupedMMExperts
 from megatron_mok.moe import mok_moe
-
-
-def _megatron_args():
-    """Megatron's parsed arguments, None when Megatron's training loop did not parse any."""
-    try:
-        from megatron.training.global_vars import get_args
-
-        return get_args()
-    except (ImportError, AssertionError):
-        return None
 
 
 def grouped_mm_experts_requested(config: TransformerConfig) -> bool:
@@ -41,19 +32,41 @@ def grouped_mm_experts_requested(config: TransformerConfig) -> bool:
     explicit = getattr(config, "mok_grouped_mm_experts", None)
     if explicit is not None:
         return bool(explicit)
-    return bool(getattr(_megatron_args(), "mok_grouped_mm_experts", False))
+    return bool(getattr(parsed_args(), "mok_grouped_mm_experts", False))
+
+
+# The one-time lines of mok_config_for, as printed.
+precision_notes: set[str] = set()
+
+
+def _note_precision(config: TransformerConfig, precision: str) -> None:
+    """One line per process (rank 0 prints it) when the experts run FP8 and the rest of the model
+    does not (no --fp8-format): the user asked for FP8 and gets it only there."""
+    if precision != "fp8_blockwise" or getattr(config, "fp8", None) is not None:
+        return
+    line = (
+        "megatron_mok: --mok-precision fp8_blockwise: only the routed experts run FP8 (blockwise E4M3); "
+        "every other layer keeps its precision (no --fp8-format)"
+    )
+    if line not in precision_notes:
+        precision_notes.add(line)
+        if os.environ.get("RANK", "0") == "0":
+            print(line, flush=True)
 
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
     """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`,
-    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches` and `--mok-exchange`, else default."""
+    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches`, `--mok-exchange` and the precision
+    (checks.expert_precision: `--mok-precision`, or Megatron's --fp8-format e4m3 --fp8-recipe
+    blockwise), else default."""
     explicit = getattr(config, "mok_config", None)
     if explicit is not None:
         if not isinstance(explicit, MoKConfig):
             raise TypeError(f"TransformerConfig.mok_config must be a MoKConfig, got {type(explicit).__name__}")
         return explicit
-    args = _megatron_args()
-    fields = {}
+    args = parsed_args()
+    fields = {"precision": expert_precision(config)}
+    _note_precision(config, fields["precision"])
     for flag, field in (
         ("mok_backend", "backend"),
         ("mok_expert_gemm", "expert_gemm"),

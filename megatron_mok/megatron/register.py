@@ -3,7 +3,7 @@
 - widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
   parser takes the choices of --moe-token-dispatcher-type;
 - adds MoK's own flags (--mok-backend, --mok-expert-gemm, --mok-dispatch-ring-minibatches,
-  --mok-exchange, --mok-grouped-mm-experts) to every Megatron argument parser;
+  --mok-exchange, --mok-precision, --mok-grouped-mm-experts) to every Megatron argument parser;
 - checks mok's unsupported combinations when a TransformerConfig is built;
 - makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok (with
   --mok-grouped-mm-experts, MoELayer with GroupedMMExperts).
@@ -15,7 +15,7 @@ import argparse
 import functools
 import typing
 
-from megatron_mok.config import BACKENDS, EXCHANGES, EXPERT_GEMMS, MoKConfig
+from megatron_mok.config import BACKENDS, EXCHANGES, EXPERT_GEMMS, PRECISIONS, MoKConfig
 from megatron_mok.limits import DISPATCH_MINIBATCH_ROWS
 
 DISPATCHER_TYPE = "mok"
@@ -65,8 +65,18 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default="auto",
         help="How rows cross expert-parallel ranks: symmetric (the in-kernel exchange through "
         "symmetric memory: GPUs of one node with peer access), collective (torch.distributed "
-        "all-gather / all-to-all, anywhere), or auto (collective over process groups for now: the symmetric "
-        "path has not run on a multi-GPU node yet).",
+        "all-gather / all-to-all, anywhere), or auto (symmetric wherever every rank of the group reaches "
+        "every other on one node and the extension is loaded, else collective; rank 0 prints which and why).",
+    )
+    group.add_argument(
+        "--mok-precision",
+        choices=PRECISIONS,
+        default=None,
+        help="Precision of the routed experts' GEMMs: bf16, or fp8_blockwise (DeepSeek-V3's recipe: E4M3, "
+        "1x128 activation and 128x128 weight scales, fp32 promotion every 128 of K; hidden and expert ffn "
+        "sizes multiples of 128). Default: fp8_blockwise under --fp8-format e4m3 --fp8-recipe blockwise "
+        "(Transformer Engine runs the dense layers), else bf16. --mok-precision fp8_blockwise without "
+        "--fp8-format runs the experts alone in FP8 (no Transformer Engine needed).",
     )
     group.add_argument(
         "--mok-grouped-mm-experts",

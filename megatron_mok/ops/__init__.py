@@ -11,6 +11,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          expert_gemm_wgrad_window (and wgrad_carry_numel, its carries' size)
     fp8_gemm.py          fp8_expert_gemm (FP8 blockwise, fprop and dgrad), fp8_expert_gemm_swiglu (gate/up
                          with SwiGLU, act quantized 1x128); their references beside them
+    fp8_wgrad.py         fp8_expert_wgrad (FP8 blockwise weight gradients, column-wise operands, fp32 out
+                         accumulated across receive windows); its reference beside it
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
@@ -52,6 +54,7 @@ from megatron_mok.ops.fp8_gemm import (
     fp8_expert_gemm_swiglu,
     fp8_expert_gemm_swiglu_reference,
 )
+from megatron_mok.ops.fp8_wgrad import fp8_expert_wgrad, fp8_expert_wgrad_reference
 from megatron_mok.ops.schedule import build_schedule
 from megatron_mok.ops.swiglu import swiglu_backward, swiglu_forward
 
@@ -78,6 +81,8 @@ __all__ = [
     "fp8_expert_gemm_reference",
     "fp8_expert_gemm_swiglu",
     "fp8_expert_gemm_swiglu_reference",
+    "fp8_expert_wgrad",
+    "fp8_expert_wgrad_reference",
     "gather_peer_regions",
     "last_failure",
     "pull_grad_rows",

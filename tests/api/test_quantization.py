@@ -145,3 +145,74 @@ def test_not_a_multiple_of_128_is_a_value_error(fn, shape, name):
 def test_weight_not_a_multiple_of_128_is_a_value_error():
     with pytest.raises(ValueError, match=r"\(K\) must be a multiple of 128"):
         fq.quantize_weight(torch.zeros(1, 128, 96))
+
+
+def test_block_products_are_exact():
+    """A 128-block's sum of E4M3 products is exact in float64 in any order (quantization.py's
+    docstring): the largest products (448 * 448) mixed with the smallest (2^-9 * 2^-9) sum to the same
+    value forwards and backwards, and to the exact rational sum."""
+    from fractions import Fraction
+
+    values = torch.tensor([448.0, -448.0, 2.0**-9, 448.0, -2.0**-9, 3 * 2.0**-9] * 21 + [448.0, 2.0**-9])
+    a = values.to(fq.E4M3)
+    assert torch.equal(a.float(), values), "the values must be E4M3 values"
+    forwards = torch.dot(a.double(), a.double())
+    backwards = torch.dot(a.double().flip(0), a.double().flip(0))
+    exact = sum(Fraction(float(v)) ** 2 for v in values)
+    assert forwards == backwards and Fraction(float(forwards)) == exact
+
+
+ALIGNED_OFFSETS = {
+    "two_experts": [0, 128, 384],
+    "empty_first": [0, 0, 256, 384],
+    "empty_last": [0, 256, 256],
+    "past_the_end": [0, 128, 128],  # the last 256 rows belong to no expert
+}
+
+
+@pytest.mark.parametrize("offsets", list(ALIGNED_OFFSETS))
+def test_grouped_matmul_is_bitwise_the_segment_matmul(offsets):
+    """The layer's sync-free grouped GEMM against the per-segment reference on 128-aligned segments:
+    the same exact block products promoted in the same order, so the same bits."""
+    bounds = torch.tensor(ALIGNED_OFFSETS[offsets])
+    rows, k, n = 384 + 5, 3 * FP8_BLOCK, 2 * FP8_BLOCK  # (rows past a 128-multiple: a partial tile)
+    qa, sa = fq.quantize_rowwise(_rows(rows, k, seed=6))
+    g = torch.Generator().manual_seed(7)
+    qw, sw = fq.quantize_weight(torch.randn(len(bounds) - 1, n, k, generator=g).to(torch.bfloat16))
+    got = fq.fp8_grouped_matmul(qa, sa, qw, sw, bounds)
+    want = fq.fp8_segment_matmul(qa, fq.gemm_a_scales(sa), qw, sw, bounds)
+    assert torch.equal(got, want)
+    assert bool((got[int(bounds[-1]):] == 0).all())
+
+
+def test_grouped_weight_grad_windows_are_bitwise_one_pass():
+    """fp8_grouped_weight_grad over a schedule at once, window by window (windows at multiples of 128
+    rows, offsets relative and clamped as receive.windows makes them), and fp8_segment_weight_grad:
+    the same additions in the same order, the same bits."""
+    rows, n, k = 5 * FP8_BLOCK, FP8_BLOCK, 2 * FP8_BLOCK
+    offsets = torch.tensor([0, 2 * FP8_BLOCK, 2 * FP8_BLOCK, 4 * FP8_BLOCK])  # rows past 512: none
+    qg, sg = fq.quantize_columnwise(_rows(rows, n, seed=8))
+    qx, sx = fq.quantize_columnwise(_rows(rows, k, seed=9))
+    whole = torch.zeros(4, n, k)
+    fq.fp8_grouped_weight_grad(qg, sg, qx, sx, offsets, whole)
+    assert torch.equal(whole[:3], fq.fp8_segment_weight_grad(qg, sg, qx, sx, offsets))
+    windowed = torch.zeros(4, n, k)
+    window = 2 * FP8_BLOCK
+    for begin in range(0, rows, window):
+        cols = slice(begin, begin + window)
+        blocks = slice(begin // FP8_BLOCK, (begin + window) // FP8_BLOCK)
+        local = (offsets - begin).clamp(0, window)
+        fq.fp8_grouped_weight_grad(qg[:, cols], sg[blocks], qx[:, cols], sx[blocks], local, windowed)
+    assert torch.equal(windowed, whole)
+
+
+def test_quantized_rows_gather_zeroes_invalid_rows_and_scales_by_the_factor():
+    qr = fq.QuantizedRows.quantize(_rows(4, 2 * FP8_BLOCK, seed=10))
+    index = torch.tensor([2, 0, 3])
+    valid = torch.tensor([True, False, True])
+    factor = torch.tensor([0.5, 7.0, 2.0])
+    got = qr.gather(index, valid, factor)
+    assert torch.equal(got.values[0].view(torch.uint8), qr.values[2].view(torch.uint8))
+    assert torch.equal(got.values[1].view(torch.uint8), torch.zeros(2 * FP8_BLOCK, dtype=torch.uint8))
+    assert torch.equal(got.scales[1], torch.ones(2)), "an invalid row is an all-zero block, scale 1"
+    assert torch.equal(got.scales[2], qr.scales[3] * 2.0)

@@ -88,3 +88,50 @@ def _check_routing(rank, world_size, routing):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_matches_oracle(world_size):
     run_distributed(_ep_body, world_size)
+
+
+FP8_HIDDEN, FP8_FFN = 128, 128
+
+
+def _fp8_body(rank, world_size):
+    """FP8 blockwise over a gloo process group: x and dY cross as E4M3 bytes (gloo all-gathers of
+    uint8) and fp32 scales; every rank's results bitwise those of EP = 1 on the whole problem, computed
+    in the same process (the reference's block products are exact, so no BLAS or row grouping
+    shows: tests/comm/test_fp8_emulation.py says why the comparison is exact)."""
+    import torch.distributed as dist
+
+    from megatron_mok import MoKConfig, mok_moe
+
+    config = MoKConfig(precision="fp8_blockwise")
+    gen = torch.Generator().manual_seed(2000 + world_size)
+    num_experts = world_size * LOCAL_EXPERTS
+    x = torch.randn(world_size, NUM_TOKENS, FP8_HIDDEN, generator=gen).bfloat16()
+    ids = torch.randint(0, num_experts, (world_size, NUM_TOKENS, TOPK), generator=gen)
+    ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.2, -1, ids)
+    weights = torch.rand(world_size, NUM_TOKENS, TOPK, generator=gen)
+    fc1 = (torch.randn(num_experts, 2 * FP8_FFN, FP8_HIDDEN, generator=gen) / FP8_HIDDEN**0.5).bfloat16()
+    fc2 = (torch.randn(num_experts, FP8_HIDDEN, FP8_FFN, generator=gen) / FP8_FFN**0.5).bfloat16()
+    grad = torch.randn(world_size, NUM_TOKENS, FP8_HIDDEN, generator=gen).bfloat16()
+
+    own = slice(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+    leaves = [t.clone().requires_grad_() for t in (x[rank], weights[rank], fc1[own], fc2[own])]
+    y = mok_moe(leaves[0], ids[rank], leaves[1], leaves[2], leaves[3], group=dist.group.WORLD, config=config)
+    y.backward(grad[rank])
+
+    whole = [t.clone().requires_grad_() for t in (x.flatten(0, 1), weights.flatten(0, 1), fc1, fc2)]
+    y_whole = mok_moe(whole[0], ids.flatten(0, 1), whole[1], whole[2], whole[3], config=config)
+    y_whole.backward(grad.flatten(0, 1))
+    mine = slice(rank * NUM_TOKENS, (rank + 1) * NUM_TOKENS)
+    checks = {
+        "y": (y.detach(), y_whole.detach()[mine]),
+        "dx": (leaves[0].grad, whole[0].grad[mine]),
+        "dweights": (leaves[1].grad, whole[1].grad[mine]),
+        "dfc1": (leaves[2].grad, whole[2].grad[own]),
+        "dfc2": (leaves[3].grad, whole[3].grad[own]),
+    }
+    for name, (got, want) in checks.items():
+        assert torch.equal(got, want), f"rank {rank}: FP8 {name} differs from EP = 1"
+
+
+def test_expert_parallel_fp8_equals_ep1_bitwise():
+    run_distributed(_fp8_body, 2)

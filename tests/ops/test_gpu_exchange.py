@@ -17,7 +17,7 @@ from megatron_mok import limits, ops
 from megatron_mok.backends.tuning import EXPERT_GEMM_GROUP_M
 from megatron_mok.comm.symmetric import emulated_allocator
 from megatron_mok.schedule import build_schedule_from_gathered
-from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator, run_until_trap
+from cuda_checks import NEEDS_HOPPER_KERNELS, TRAP_SCRIPT_TAIL, poison_allocator, run_until_trap
 
 pytestmark = NEEDS_HOPPER_KERNELS
 
@@ -342,13 +342,7 @@ for r in range(2):
 with torch.cuda.stream(streams[0]):
     ops.exchange_signal(calls[0], pads[0].own, ptrs, 0, phase, 1)
     ops.exchange_begin(calls[0], pads[0].own, 0, phase)
-try:
-    torch.cuda.synchronize()
-    print("no error")
-except Exception as error:
-    print("error:", type(error).__name__)
-print("record:", ops.last_failure())
-"""
+""" + TRAP_SCRIPT_TAIL
 
 
 def test_a_peer_that_never_frees_is_a_named_bounded_wait():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_mok import ops
-from cuda_checks import NEEDS_HOPPER_KERNELS, run_until_trap
+from cuda_checks import NEEDS_HOPPER_KERNELS, TRAP_SCRIPT_TAIL, run_until_trap
 
 pytestmark = NEEDS_HOPPER_KERNELS
 
@@ -157,13 +157,7 @@ out = torch.zeros(len({offsets}) - 1, m, n, dtype=torch.bfloat16, device="cuda")
 carries = [torch.zeros(ops.wgrad_carry_numel(m, n), device="cuda") for _ in range(2)]
 begin, end = {begin}, {begin} + {window}
 ops.expert_gemm_wgrad_window(grad[begin:end], inputs[begin:end], offsets, begin, {last}, out, {carry_in}, {carry_out})
-try:
-    torch.cuda.synchronize()
-    print("no error")
-except Exception as error:
-    print("error:", type(error).__name__)
-print("record:", ops.last_failure())
-"""
+""" + TRAP_SCRIPT_TAIL
 
 # name: (offsets, window_begin, window rows, last_window, carry_in, carry_out, the record's words)
 TRAPS = {

@@ -1,0 +1,297 @@
+// The FP8 blockwise weight gradient of the expert projections (sm_90a; docs/design.md §12.3), tokens
+// as the reduction dimension, k-grouped by expert segment:
+//   out[e] (m, n) = (accumulate ? out[e] : 0) + sum over the 128-row blocks b of e's rows, ascending,
+//                   of grad_scales[b, i] * inputs_scales[b, j] * P_b[i, j],
+//   P_b[i, j]     = sum over the 128 rows r of block b of grad[i, r] * inputs[j, r]  (E4M3, exact products)
+// Both operands are column-wise (quantization.quantize_columnwise: the matrix transposed, tokens
+// contiguous, one fp32 scale per column and 128-token block), which is K-major for this GEMM: what
+// sm90's FP8 wgmma reads. d fc1 = (d gate_up column-wise, x rows column-wise); d fc2 = (w dY
+// column-wise, act column-wise). mok_params.h Fp8ExpertWgradProblem has the window and the offsets.
+//
+// Persistent and warp-specialized like gemm/fp8_gemm_sm90.cuh (one CTA per SM, 384 threads), 128 x
+// 128 output tiles:
+//   warpgroup 0, producer: thread 0 walks the CTA's tiles (Fp8WgradTileScheduler) and per 128-token
+//     block of the tile's segment waits for a free stage and loads it, all onto the stage's `full`
+//     barrier: by TMA the 128 x 128-byte grad and inputs boxes (128-byte swizzle), and by bulk copy
+//     the block's 128 grad scales and 128 inputs scales (contiguous in the column-wise scale
+//     layout). A tile whose segment starts off a 128-row block is a failed check: the producer loads
+//     nothing of it and the watchdog traps, naming it. Thread 32 is the watchdog.
+//   warpgroups 1 and 2, consumers, 64 output rows each: per block four wgmma m64n128k32 E4M3 into a
+//     fresh fp32 partial (the first with scale_d = 0, so a partial never spans two token blocks),
+//     wait, and promote: acc = fma(sa[i] * sb[j], partial, acc), the scale product rounded to fp32
+//     first, blocks ascending (bitwise reproducible). The stage's scales are read from shared
+//     memory while the MMAs run; each warp releases the stage once the MMAs and its reads are
+//     done, before promoting. The two consumer warpgroups alternate on the tensor cores: one
+//     promotes while the other's MMAs run.
+//   With accumulate, acc starts as the tile's out (loaded before its first block, prefetched into L2
+//   by the producer when it starts the tile) instead of zero:
+//   a sequence of windows continues each expert's chain exactly where the previous window stored it,
+//   so windows give out bitwise equal to one pass over all their rows. A tile whose expert has no
+//   block in the window stores zeros, or (accumulate) is skipped. out is written from registers with
+//   8-byte stores (a quad's four lanes cover one 32-byte sector of a row).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "common/failure_codes.h"
+#include "common/limits.h"
+#include "common/pipeline_sm90.cuh"
+#include "common/sync_sm90.cuh"
+#include "common/tma_sm90.cuh"
+#include "common/watchdog_sm90.cuh"
+#include "common/wgmma_fp8_sm90.cuh"
+#include "common/wgmma_sm90.cuh"
+#include "gemm/fp8_gemm_sm90.cuh"
+#include "gemm/kernel_sm90_tma_wgmma_ws.cuh"
+#include "gemm/tile_sm90.cuh"
+#include "mok_params.h"
+
+namespace mok {
+
+// The FP8 GEMM's tile (gemm/fp8_gemm_sm90.cuh: 128 x 128 outputs, two consumer warpgroups of 64 rows,
+// one 128-deep scale block per stage, wgmma m64n128k32 into 64 fp32 registers per thread), with the
+// stage's scales in shared memory and no staging buffers. The promoted sums and the block's partial
+// (64 registers each) live through the K loop: 128 of the 168 registers ptxas allocates per thread at
+// 384 threads, whatever setmaxnreg hands the warpgroup at run time (a 128 x 256 tile would need 192
+// and spill).
+struct Fp8WgradTile : Fp8GemmTile {
+  static_assert(kM == 128 && kN == 128 && kK == kFp8Block, "128 x 128 tiles, one scale block (128 tokens) per stage");
+  static constexpr uint32_t kAScaleBytes = kM * sizeof(float);
+  static constexpr uint32_t kBScaleBytes = kN * sizeof(float);
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes + kAScaleBytes + kBScaleBytes;
+  // As many stages as fit in the 227 KB an sm90 block may opt into (out is written from registers):
+  // 6 x 33 KB.
+  static constexpr int kStages = 6;
+  // Each consumer warp releases a stage on its own (after its own scale reads).
+  static constexpr uint32_t kEmptyArrivals = kConsumerThreads / 32;
+};
+
+// The dynamic shared memory, carved from a 1024-byte aligned base (128-byte swizzled TMA boxes),
+// in bytes, S = kStages:
+//   a         S * kABytes (16 KB)          the stages' grad boxes: 128 rows x 128 tokens
+//   b         S * kBBytes (16 KB)          the stages' inputs boxes: 128 rows x 128 tokens
+//   a_scales  S * kAScaleBytes (512)       the stages' grad scales: kM floats
+//   b_scales  S * kBScaleBytes (512)       the stages' inputs scales: kN floats
+//   full      S * 8                        a stage's loads landed (mbarriers)
+//   empty     S * 8                        every consumer warp released a stage
+//   watch     8                            the bounded waits' watch (WaitWatch)
+struct Fp8WgradSharedStorage {
+  using Tile = Fp8WgradTile;
+  static constexpr size_t kBytes =
+      size_t(Tile::kStages) * Tile::kStageBytes + 2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+  static constexpr size_t kSmemBytes = Tile::kSwizzleAlign + kBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm90 block may opt into");
+  static_assert(Tile::kABytes % Tile::kSwizzleAlign == 0 && Tile::kBBytes % Tile::kSwizzleAlign == 0,
+                "every stage's operand boxes start on a 1024-byte swizzle atom");
+  static_assert(Tile::kAScaleBytes % 16 == 0 && Tile::kBScaleBytes % 16 == 0, "bulk copies of whole 16 bytes");
+
+  __device__ explicit Fp8WgradSharedStorage(uint8_t* smem_raw)
+      : a(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + Tile::kSwizzleAlign - 1) &
+                                     ~uintptr_t(Tile::kSwizzleAlign - 1))),
+        b(a + Tile::kStages * Tile::kABytes),
+        a_scales(reinterpret_cast<float*>(b + Tile::kStages * Tile::kBBytes)),
+        b_scales(a_scales + Tile::kStages * Tile::kM),
+        full(reinterpret_cast<uint64_t*>(b_scales + Tile::kStages * Tile::kN)),
+        empty(full + Tile::kStages),
+        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)) {}
+
+  uint8_t* a;
+  uint8_t* b;
+  float* a_scales;
+  float* b_scales;
+  uint64_t* full;
+  uint64_t* empty;
+  sm90::WaitWatch* watch;
+};
+
+// A tile: output rows [m0, m0 + kM) and columns [n0, n0 + kN) of expert `expert`, and the
+// expert's rows inside the window (relative to its first row).
+struct Fp8WgradTileCoord {
+  int expert, m0, n0;
+  int row_begin;  // the expert's first row in the window
+  int k_blocks;   // its 128-row blocks in the window (the last may end in padding rows)
+  bool aligned;   // row_begin is a multiple of 128, or the expert has no row here
+};
+
+// The tiles, expert-major, then n-tiles, m fastest (the CTAs working at once share the expert's
+// operands in L2); CTA c takes tiles c, c + grid, ... The tile count does not depend on the routing:
+// a tile of an expert with no rows in the window stores zeros or is skipped.
+class Fp8WgradTileScheduler {
+ public:
+  using Tile = Fp8WgradTile;
+
+  __device__ explicit Fp8WgradTileScheduler(const Fp8ExpertWgradProblem& problem)
+      : p_(problem), m_tiles_(problem.m / Tile::kM), per_expert_(m_tiles_ * (problem.n / Tile::kN)) {}
+
+  __device__ unsigned first_tile() const { return blockIdx.x; }
+  __device__ unsigned tile_step() const { return gridDim.x; }
+
+  __device__ bool at(int64_t tile, Fp8WgradTileCoord& c) const {
+    if (tile >= int64_t(per_expert_) * p_.num_experts) return false;
+    c.expert = int(tile / per_expert_);
+    const int local = int(tile - int64_t(per_expert_) * c.expert);
+    c.m0 = (local % m_tiles_) * Tile::kM;
+    c.n0 = (local / m_tiles_) * Tile::kN;
+    // The segment [o, o_next) of the whole schedule, clamped to the window's rows.
+    const int begin = p_.window_begin, end = p_.window_begin + p_.num_rows;
+    const int o = __ldg(p_.expert_offsets + c.expert), o_next = __ldg(p_.expert_offsets + c.expert + 1);
+    const int first = min(max(o, begin), end);
+    const int last = min(max(o_next, first), end);
+    c.row_begin = first - begin;
+    c.k_blocks = (last - first + Tile::kK - 1) / Tile::kK;
+    c.aligned = last == first || c.row_begin % Tile::kK == 0;
+    return true;
+  }
+
+ private:
+  Fp8ExpertWgradProblem p_;
+  int m_tiles_, per_expert_;
+};
+
+// Launched through gemm_kernel_sm90<Fp8ExpertWgradKernel, Fp8ExpertWgradMaps, Fp8ExpertWgradParams,
+// CUtensorMap, CUtensorMap> without clusters.
+struct Fp8ExpertWgradKernel {
+  using Tile = Fp8WgradTile;
+  using SharedStorage = Fp8WgradSharedStorage;
+  using Scheduler = Fp8WgradTileScheduler;
+  using Maps = Fp8ExpertWgradMaps;
+  using Params = Fp8ExpertWgradParams;
+  using Accumulators = float[Tile::kAccumulators];
+
+  static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
+    SharedStorage shared(smem_raw);
+    if (threadIdx.x == 0) {
+      sm90::init_stage_barriers<Tile::kStages>(shared.full, shared.empty, Tile::kEmptyArrivals);
+      shared.watch->failed = 0;
+      shared.watch->finished = 0;
+    }
+    if (threadIdx.x == 32) {
+      sm90::prefetch_tensor_map(maps.grad);
+      sm90::prefetch_tensor_map(maps.inputs);
+    }
+    // No clusters: no other CTA arrives on this CTA's barriers, so a CTA barrier orders their setup,
+    // and the producer need not wait for the stages' release before it exits.
+    __syncthreads();
+
+    const Scheduler scheduler(p.problem);
+    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    if (warpgroup == 0) {
+      sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
+      if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertWgradKernel);
+      if (threadIdx.x == 0) produce(maps, p, scheduler, shared);
+      return;
+    }
+    sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
+    consume(p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+  }
+
+ private:
+  static __device__ __forceinline__ void produce(const Maps& maps, const Params& p, const Scheduler& scheduler,
+                                                 const SharedStorage& shared) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int64_t m = p.problem.m, n = p.problem.n;
+    Fp8WgradTileCoord c;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      // A block that straddled two segments would mix two experts' tokens: stop, name it, trap.
+      if (!c.aligned) sm90::fail_check(kCheckFp8WgradSegmentAlignment, watch);
+      if (p.problem.accumulate != 0 && c.k_blocks > 0) {
+        // The consumers start this tile's chain from its out: bring its 128 rows of 512 bytes into
+        // L2 while they finish the previous tile (the producer runs up to kStages blocks ahead).
+        const float* out = p.out + (int64_t(c.expert) * m + c.m0) * n + c.n0;
+        for (int r = 0; r < Tile::kM; ++r) sm90::prefetch_l2_bulk(out + r * n, Tile::kN * sizeof(float));
+      }
+      const int first_block = c.row_begin / Tile::kK;
+      for (int kb = 0; kb < c.k_blocks; ++kb) {
+        sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
+        uint64_t* full = &shared.full[stage];
+        sm90::mbarrier_arrive_expect_tx(full, Tile::kStageBytes);
+        const int row = c.row_begin + kb * Tile::kK;
+        sm90::tma_load_2d(shared.a + stage * Tile::kABytes, maps.grad, full, row, c.m0);
+        sm90::tma_load_2d(shared.b + stage * Tile::kBBytes, maps.inputs, full, row, c.n0);
+        const int64_t block = first_block + kb;
+        sm90::bulk_load(shared.a_scales + stage * Tile::kM, p.grad_scales + block * m + c.m0, Tile::kAScaleBytes, full);
+        sm90::bulk_load(shared.b_scales + stage * Tile::kN, p.inputs_scales + block * n + c.n0, Tile::kBScaleBytes,
+                        full);
+        sm90::advance_stage<Tile::kStages>(stage, phase);
+      }
+    }
+    sm90::mark_finished(watch);
+  }
+
+  static __device__ __forceinline__ void consume(const Params& p, const Scheduler& scheduler,
+                                                 const SharedStorage& shared, int consumer, int thread) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int64_t m = p.problem.m, n = p.problem.n;
+    const bool accumulate = p.problem.accumulate != 0;
+    const int lane = thread % 32;
+    // This thread's first row of the tile (the second is 8 further) and first column of each
+    // 8-column group: the fragment layout.
+    const int fragment_row = 64 * consumer + 16 * (thread / 32) + lane / 4;
+    const int fragment_col = 2 * (lane % 4);
+    Accumulators acc, partial;
+#pragma unroll
+    for (int i = 0; i < Tile::kAccumulators; ++i) partial[i] = 0.f;  // (overwritten: scale_d = 0)
+    int stage = 0;
+    uint32_t phase = 0;
+    Fp8WgradTileCoord c;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      if (accumulate && c.k_blocks == 0) continue;  // nothing to add: out[e] stays as it is
+      // acc[4 j + 2 h + {0, 1}] is element (fragment_row + 8 h, 8 j + fragment_col + {0, 1}) of the
+      // tile of out[e].
+      float* out = p.out + (int64_t(c.expert) * m + c.m0 + fragment_row) * n + c.n0 + fragment_col;
+#pragma unroll
+      for (int i = 0; i < Tile::kAccumulators; i += 2) {
+        float2 v = make_float2(0.f, 0.f);
+        if (accumulate) v = *reinterpret_cast<const float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4));
+        acc[i] = v.x;
+        acc[i + 1] = v.y;
+      }
+#pragma unroll 1
+      for (int kb = 0; kb < c.k_blocks; ++kb) {
+        sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
+        const uint32_t a_scales = sm90::smem_u32(shared.a_scales + stage * Tile::kM + fragment_row);
+        const uint32_t b_scales = sm90::smem_u32(shared.b_scales + stage * Tile::kN + fragment_col);
+        const uint64_t a_desc =
+            sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
+        const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
+        sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
+        // The scales of the thread's two rows and of its 32 columns (column pair j: 8 j + fragment_col
+        // + {0, 1}), read while the MMAs run.
+        const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
+        float2 sb[Tile::kAccumulators / 4];
+#pragma unroll
+        for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
+          sb[j] = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
+        }
+        sm90::wgmma_wait_group<0>();
+        sm90::fence_accumulators(partial);
+        // The warp's shared-memory reads of the stage (the MMAs' and the scales') are done: hand it
+        // back before promoting, lane 0 for the warp (__syncwarp orders the other lanes' loads
+        // before its arrival).
+        __syncwarp();
+        if (lane == 0) sm90::mbarrier_arrive(&shared.empty[stage]);
+        sm90::advance_stage<Tile::kStages>(stage, phase);
+#pragma unroll
+        for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = 4 * j + 2 * h;
+            acc[i] = __fmaf_rn(__fmul_rn(sa[h], sb[j].x), partial[i], acc[i]);
+            acc[i + 1] = __fmaf_rn(__fmul_rn(sa[h], sb[j].y), partial[i + 1], acc[i + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < Tile::kAccumulators; i += 2) {
+        *reinterpret_cast<float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4)) = make_float2(acc[i], acc[i + 1]);
+      }
+    }
+    if (thread == 0) sm90::mark_finished(watch);
+  }
+};
+
+}  // namespace mok

@@ -1,0 +1,162 @@
+"""ops.fp8_expert_wgrad on the CPU: its argument checks (types, dtypes, shapes, multiples of 128, flags and
+contiguity before devices, so every error but the device's shows without a GPU and before any kernel
+runs), its reference against the formula, and ptxas's verdict on the kernel (the kernel's results:
+tests/ops/test_gpu_fp8_wgrad.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_mok import ops
+
+E4M3 = torch.float8_e4m3fn
+M, N, R, E = 256, 384, 512, 3
+
+
+def wgrad_args(**changes):
+    """Valid arguments (but for the device: CPU tensors), with `changes` applied."""
+    args = dict(
+        grad=torch.zeros(M, R, dtype=E4M3),
+        grad_scales=torch.ones(R // 128, M),
+        inputs=torch.zeros(N, R, dtype=E4M3),
+        inputs_scales=torch.ones(R // 128, N),
+        expert_offsets=torch.tensor([0, 128, 128, 512], dtype=torch.int32),
+        out=torch.zeros(E, M, N),
+        accumulate=False,
+        window_begin=0,
+    )
+    args.update(changes)
+    return args
+
+
+# name: (the changed arguments, the error's words)
+BAD_ARGS = {
+    "grad_bf16": (dict(grad=torch.zeros(M, R, dtype=torch.bfloat16)), "grad must be torch.float8_e4m3fn"),
+    "inputs_e5m2": (dict(inputs=torch.zeros(N, R, dtype=torch.float8_e5m2)), "inputs must be torch.float8_e4m3fn"),
+    "grad_scales_bf16": (dict(grad_scales=torch.ones(R // 128, M, dtype=torch.bfloat16)),
+                         "grad_scales must be torch.float32"),
+    "inputs_scales_fp64": (dict(inputs_scales=torch.ones(R // 128, N, dtype=torch.float64)),
+                           "inputs_scales must be torch.float32"),
+    "offsets_int64": (dict(expert_offsets=torch.tensor([0, 128, 128, 512])), "expert_offsets must be torch.int32"),
+    "out_bf16": (dict(out=torch.zeros(E, M, N, dtype=torch.bfloat16)), "out must be torch.float32"),
+    "grad_not_tensor": (dict(grad=[[0.0] * R] * M), "grad must be a tensor"),
+    "grad_3d": (dict(grad=torch.zeros(1, M, R, dtype=E4M3)), r"grad must be \(m, R\)"),
+    "inputs_1d": (dict(inputs=torch.zeros(N * R, dtype=E4M3)), r"inputs must be \(n, R\)"),
+    # Row-wise (R, n) instead of column-wise (n, R): R no longer matches.
+    "inputs_row_wise": (dict(inputs=torch.zeros(R, N, dtype=E4M3)), r"inputs \(n, R\) must have grad's R = 512"),
+    "rows_not_multiple_of_128": (
+        dict(grad=torch.zeros(M, 200, dtype=E4M3), inputs=torch.zeros(N, 200, dtype=E4M3)),
+        "R .* must be a multiple of 128, got 200",
+    ),
+    "m_not_multiple_of_128": (dict(grad=torch.zeros(192, R, dtype=E4M3)), "m .* must be a positive multiple of 128"),
+    "n_not_multiple_of_128": (dict(inputs=torch.zeros(320, R, dtype=E4M3)), "n .* must be a positive multiple of 128"),
+    "grad_scales_row_layout": (dict(grad_scales=torch.ones(M, R // 128)), r"grad_scales must be \(R/128, m\)"),
+    "inputs_scales_short": (dict(inputs_scales=torch.ones(R // 128 - 1, N)), r"inputs_scales must be \(R/128, n\)"),
+    "offsets_2d": (dict(expert_offsets=torch.zeros(1, 4, dtype=torch.int32)), r"expert_offsets must be \(E \+ 1,\)"),
+    "offsets_no_expert": (dict(expert_offsets=torch.zeros(1, dtype=torch.int32)),
+                          r"expert_offsets must be \(E \+ 1,\)"),
+    "out_wrong_experts": (dict(out=torch.zeros(E + 1, M, N)), r"out must be \(E, m, n\) = \(3, 256, 384\)"),
+    "out_transposed": (dict(out=torch.zeros(E, N, M)), r"out must be \(E, m, n\)"),
+    "accumulate_int": (dict(accumulate=1), "accumulate must be a bool"),
+    "accumulate_without_out": (dict(out=None, accumulate=True), "accumulate=True adds to out: out must be given"),
+    "window_begin_float": (dict(window_begin=128.0), "window_begin must be an int"),
+    "window_begin_bool": (dict(window_begin=True), "window_begin must be an int"),
+    "window_begin_negative": (dict(window_begin=-128), "window_begin must be a non-negative multiple of 128"),
+    "window_begin_inside_a_block": (dict(window_begin=64), "window_begin must be a non-negative multiple of 128"),
+    "window_past_2_31": (dict(window_begin=(1 << 31) - 128), "window_begin \\+ R and E must be below 2\\^31"),
+    "grad_not_contiguous": (dict(grad=torch.zeros(R, M, dtype=E4M3).t()), "grad must be contiguous"),
+    "out_not_contiguous": (dict(out=torch.zeros(E, N, M).transpose(1, 2)), "out must be contiguous"),
+    "grad_scales_misaligned": (dict(grad_scales=torch.ones(R // 128 * M + 1)[1:].view(R // 128, M)),
+                               "grad_scales must start 16-byte aligned"),
+    "cpu_tensors": ({}, r"grad must be a CUDA tensor on grad's device"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_bad_argument_is_a_value_error_naming_it(case):
+    changes, words = BAD_ARGS[case]
+    args = wgrad_args(**changes)
+    out = args.pop("out")
+    with pytest.raises(ValueError, match=f"fp8_expert_wgrad: {words}"):
+        ops.fp8_expert_wgrad(**args, out=out) if out is not None else ops.fp8_expert_wgrad(**args)
+
+
+def formula_float64(grad, grad_scales, inputs, inputs_scales, offsets, window_begin):
+    """docs/design.md §12.3 written out in float64, block by block, for the window's rows."""
+    rows = grad.shape[1]
+    want = torch.zeros(offsets.shape[0] - 1, grad.shape[0], inputs.shape[0], dtype=torch.float64)
+    for e in range(want.shape[0]):
+        lo = min(max(int(offsets[e]) - window_begin, 0), rows)
+        hi = min(max(int(offsets[e + 1]) - window_begin, lo), rows)
+        for start in range(lo, hi, 128):
+            b = start // 128
+            cols = slice(start, start + 128)
+            partial = grad[:, cols].double() @ inputs[:, cols].double().T
+            want[e] += grad_scales[b].double()[:, None] * inputs_scales[b].double()[None, :] * partial
+    return want
+
+
+# (window_begin, the schedule's offsets): over the window's 640 rows, expert 2 is empty and expert 3
+# ends at the window's row 600, inside a block (rows 600..639 are padding, zero); with window_begin
+# 256, expert 0 lies before the window and expert 1 straddles its start.
+WINDOWS = {"whole_schedule": (0, [0, 128, 512, 512, 600]), "later_window": (256, [0, 128, 384, 384, 856])}
+
+
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_reference_is_the_promoted_block_formula(window):
+    """The reference on CPU tensors against the formula in float64. Small integer values and
+    power-of-two scales make every product, partial and sum exact in fp32, so the two must be equal."""
+    window_begin, offsets = WINDOWS[window]
+    gen = torch.Generator().manual_seed(0)
+    rows = 640
+    grad = torch.randint(-4, 5, (M, rows), generator=gen).float()
+    inputs = torch.randint(-4, 5, (N, rows), generator=gen).float()
+    grad[:, 600:] = 0
+    inputs[:, 600:] = 0
+    grad, inputs = grad.to(E4M3), inputs.to(E4M3)
+    grad_scales = 2.0 ** torch.randint(-3, 4, (rows // 128, M), generator=gen).float()
+    inputs_scales = 2.0 ** torch.randint(-3, 4, (rows // 128, N), generator=gen).float()
+    offsets = torch.tensor(offsets, dtype=torch.int32)
+    got = ops.fp8_expert_wgrad_reference(grad, grad_scales, inputs, inputs_scales, offsets, window_begin)
+    want = formula_float64(grad, grad_scales, inputs, inputs_scales, offsets, window_begin)
+    assert got.dtype == torch.float32 and got.shape == (4, M, N)
+    assert torch.equal(got.double(), want)
+    assert torch.equal(got[2], torch.zeros(M, N))  # the empty expert
+    assert (got[3] != 0).any() and (got[1] != 0).any()
+
+
+def test_reference_clamps_every_expert_to_the_window():
+    """Experts entirely before or after the window contribute zeros; the one straddling its start
+    contributes its rows inside it only."""
+    grad = torch.ones(128, 256).to(E4M3)
+    inputs = torch.ones(128, 256).to(E4M3)
+    scales = torch.ones(2, 128)
+    offsets = torch.tensor([0, 128, 384, 1024], dtype=torch.int32)  # window: rows [256, 512)
+    got = ops.fp8_expert_wgrad_reference(grad, scales, inputs, scales, offsets, window_begin=256)
+    assert torch.equal(got[0], torch.zeros(128, 128))
+    assert torch.equal(got[1], torch.full((128, 128), 128.0))  # rows [256, 384)
+    assert torch.equal(got[2], torch.full((128, 128), 128.0))  # rows [384, 512)
+
+
+REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
+HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
+
+
+@pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
+    """ptxas's verdict on the kernel (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py does): no
+    spill (the promoted sums, the block's partial and the stage's 34 scales fit the 168 registers a
+    thread has at 384 threads), and none of the silent losses test_extension.py lists for the BF16
+    kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized)."""
+    from cuda_checks import ptxas_report
+
+    log, found = ptxas_report("fp8_wgrad_ops.cu", tmp_path)
+    for warning in ("C7510", "C7507", "C7518", "C7515"):
+        assert warning not in log, log
+    kernels = [(name, spill) for name, spill in found if "Fp8ExpertWgradKernel" in name]
+    assert len(kernels) == 1, log[-4000:]
+    assert kernels[0][1] == 0, f"{kernels[0][1]} bytes spilled in {kernels[0][0]}"
