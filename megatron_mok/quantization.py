@@ -28,7 +28,11 @@ def block_scale(amax: Tensor, pow2: bool = False) -> Tensor:
     """amax (...) fp32, each block's max |v| -> scale (...) fp32: amax / 448 (1 for an all-zero block).
     pow2: the smallest power of two >= amax / 448. A NaN or inf amax gives a NaN or inf scale."""
     amax = amax.float()
-    scale = amax / FP8_E4M3_MAX
+    # A tensor divisor, never the Python number: torch computes `cuda_tensor / python_number` as a
+    # multiplication by the number's rounded reciprocal (1/448 is inexact in fp32), which differs
+    # from the IEEE quotient in about half of all amax values, and from what the same call gives on
+    # CPU. tensor / tensor is IEEE division on every device.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     if pow2:
         # frexp: scale = m * 2**e with 0.5 <= m < 1; a power of two has m == 0.5 and stays itself.
         mantissa, exponent = torch.frexp(scale)

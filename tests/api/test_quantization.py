@@ -32,6 +32,23 @@ def test_rowwise_block_max_maps_to_e4m3_max_or_below(pow2):
         assert torch.all(blocks == 448)
 
 
+def test_block_scale_is_the_ieee_quotient():
+    """scale = amax / 448 rounded once to fp32 (docs/design.md §12.1), the quotient kernels compute
+    with IEEE division. The float64 quotient rounded to fp32 is that quotient (53 >= 2 * 24 + 2 bits:
+    double rounding of a quotient is innocuous). Half of these amax values tell it apart from
+    amax * fp32(1 / 448), which is what torch computes for `cuda_tensor / 448`."""
+    g = torch.Generator().manual_seed(6)
+    amax = torch.cat([
+        torch.randn(4096, generator=g).abs().bfloat16().float(),
+        (torch.rand(1024, generator=g) * 2.0**-130).clamp(min=2.0**-149),  # bf16's subnormal range: the scale is subnormal too
+        torch.rand(1024, generator=g) * 3e38,
+    ])
+    want = (amax.double() / 448).float()
+    assert torch.equal(fq.block_scale(amax), want)
+    reciprocal = amax * torch.tensor(1 / 448, dtype=torch.float32)
+    assert (reciprocal != want).sum() > 1000, "these amax values must tell division from the reciprocal's product"
+
+
 def test_rowwise_reconstructs_within_e4m3_precision():
     x = _rows(7, 2 * FP8_BLOCK, seed=1)
     q, scale = fq.quantize_rowwise(x)
