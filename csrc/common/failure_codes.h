@@ -12,6 +12,7 @@ enum FailingKernel : int {
   kScheduleKernel = 2,
   kExchangeKernel = 3,
   kFp8ExpertGemmKernel = 4,
+  kFp8QuantizeKernel = 5,
 };
 
 // The bounded waits of the sm90 GEMM pipeline (gemm/kernel_sm90_tma_wgmma_ws.cuh), in every GEMM kernel.
@@ -36,6 +37,9 @@ enum WgradWindowCheck : int {
 
 // The schedule kernel's check (moe/schedule_sm90.cuh); not a wait.
 enum ScheduleCheck : int { kCheckExpertIds = 0 };
+
+// The row-wise FP8 quantization's check of its row gather (quant/quantize_rows_sm90.cuh).
+enum Fp8QuantizeCheck : int { kCheckRowIndex = 0 };
 
 struct FailureName {
   int kernel;
@@ -68,7 +72,7 @@ inline constexpr const char* kExchangeSignalKindNames[] = {"ready", "free"};
 constexpr int exchange_wait(int phase, int kind) { return phase * kNumSignalKinds + kind; }
 
 inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange",
-                                                       "fp8_expert_gemm"};
+                                                       "fp8_expert_gemm", "fp8_quantize_rows"};
 
 inline constexpr FailureName kFailureNames[] = {
     {kExpertGemmKernel, kWaitFreeStage, "expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
@@ -92,6 +96,8 @@ inline constexpr FailureName kFailureNames[] = {
     {kFp8ExpertGemmKernel, kWaitFreeStage, "FP8 expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
     {kFp8ExpertGemmKernel, kWaitLoadedStage,
      "FP8 expert GEMM consumer waiting for a loaded pipeline stage (full barrier)"},
+    {kFp8QuantizeKernel, kCheckRowIndex,
+     "FP8 row-wise quantization: row_index holds a row outside [-1, the number of source rows)"},
 };
 
 }  // namespace mok
