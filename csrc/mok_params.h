@@ -268,6 +268,57 @@ struct Fp8ExpertWgradParams {
   FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 
+// FP8 blockwise quantization (quant/, docs/design.md §12.1-12.2), each kernel bit for bit the
+// function of megatron_mok/quantization.py named beside it; pow2: power-of-two scales.
+//
+// 1x128 along the columns (quantization.quantize_rowwise, gemm_a_scales): row r of the output is
+// source row row_index[r] (row r when row_index is null; a zero row for -1), quantized per 128
+// columns. Either scale layout may be null. Every output element is written, the GEMM-A layout's
+// padding columns [num_rows, gemm_a_rows) with 1.
+struct Fp8QuantizeRowsParams {
+  const void* src;            // (num_src_rows, cols) bf16
+  const int64_t* row_index;   // (num_rows,) or null: the source row of each output row, -1 for a zero row
+  uint8_t* q;                 // (num_rows, cols) e4m3
+  float* scales;              // (num_rows, cols / 128) fp32 or null: the source layout, a row's scales contiguous
+  float* gemm_a_scales;       // (cols / 128, gemm_a_rows) fp32 or null: the GEMM-A layout
+  int64_t num_src_rows;
+  int64_t num_rows;
+  int64_t cols;               // a multiple of 128
+  int64_t gemm_a_rows;        // num_rows rounded up to kFp8ScaleRowPad
+  int32_t pow2;
+  FailureRecord* failure_record;  // host-mapped; null: trap without a record (an index out of range)
+};
+
+// 1x128 along the rows (tokens) for the weight gradients (quantization.quantize_columnwise): q is
+// the matrix transposed, q[c][r] of source row r, over padded_rows = num_rows rounded up to 128; rows
+// at or past min(num_rows, *row_end) quantize as zeros (their memory is never read), so a schedule's
+// unused tail and the last block's padding need not be zero in memory. Every output element is
+// written.
+struct Fp8QuantizeColumnsParams {
+  const void* src;            // (num_rows, cols) bf16
+  const int32_t* row_end;     // null, or the schedule's end row on the device (expert_offsets[E])
+  uint8_t* q;                 // (cols, padded_rows) e4m3
+  float* scales;              // (padded_rows / 128, cols) fp32
+  int64_t num_rows;
+  int64_t cols;               // a multiple of 128
+  int64_t padded_rows;        // num_rows rounded up to 128
+  int32_t pow2;
+};
+
+// 128x128 blocks of a weight (quantization.quantize_weight), and with q_t its transposed copy
+// (quantization.transpose_weight of it): one pass over the weight.
+struct Fp8QuantizeWeightParams {
+  const void* src;            // (num_experts, n, k) bf16 or fp32
+  uint8_t* q;                 // (num_experts, n, k) e4m3
+  float* scales;              // (num_experts, n / 128, k / 128) fp32
+  uint8_t* q_t;               // (num_experts, k, n) e4m3, or null (then scales_t is null too)
+  float* scales_t;            // (num_experts, k / 128, n / 128) fp32
+  int64_t num_experts;
+  int64_t n;                  // a multiple of 128
+  int64_t k;                  // a multiple of 128
+  int32_t pow2;
+};
+
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e]; every element of out is written (zeros
 // for an expert with no rows).

@@ -79,8 +79,8 @@ class MoKConfig:
             accumulation promoted to fp32 every 128 of K; router, combine and everything outside
             the routed experts' GEMMs stay in the activation dtype / fp32. Needs hidden and ffn_hidden
             multiples of 128 (a ValueError naming the argument otherwise). The reference backend runs
-            it (on CPU too); the kernel backend runs bf16 only today (backend="kernel" is an error,
-            "auto" runs the reference); over the collective exchange only ("auto" takes it,
+            it (on CPU too); the kernel backend's FP8 path is not verified on a GPU yet (backend="kernel"
+            is an error unless MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1, "auto" runs the reference); over the collective exchange only ("auto" takes it,
             "symmetric" is an error).
         fp8_weight_grad: with fp8_blockwise, the expert weight gradients in FP8 (both operands
             quantized 1x128 along tokens from the high-precision values); False: in the activation

@@ -282,8 +282,12 @@ def backward(
     # The dX rows go back to their sources (the push reverse-dispatch).
     returned = exchange.open_return(schedule, ctx.x.shape[1], ctx.x.dtype) if (need_input_grads or crosses_ranks) else None
     d_x = None
-    d_fc1 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes), stages.weight_grad_into)
-    d_fc2 = accumulator_for(stages.weight_grad_family, stages.segment_weight_grad, len(passes), stages.weight_grad_into)
+    d_fc1, d_fc2 = (
+        accumulator_for(
+            stages.weight_grad_family, stages.segment_weight_grad, len(passes), stages.weight_grad_into, stages.weight_grad_window
+        )
+        for _ in range(2)
+    )
     for window in passes:
         # (One call per window: its buffers are freed before the next window's are allocated.)
         window_d_x = _backward_window(
@@ -363,10 +367,11 @@ def _backward_window(
     grad_slot_out = stages.pull_route_grads(sources.grad, window.schedule)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
     if need_weight_grads:
+        if sources.grad_for_weights is not sources.grad:  # (FP8: the dgrad's rows were FP8)
+            grad_slot_out = None  # (freed before the rows in the activation dtype are pulled)
+            grad_slot_out = stages.pull_route_grads(sources.grad_for_weights, window.schedule)
         if act is None:
             act = stages.swiglu(gate_up, offsets)
-        if sources.grad_for_weights is not sources.grad:  # (FP8: the dgrad's rows were FP8)
-            grad_slot_out = stages.pull_route_grads(sources.grad_for_weights, window.schedule)
         d_fc2.add(grad_slot_out, act, window)
     del grad_slot_out, gate_up, act
     d_x = None

@@ -90,16 +90,29 @@ def _check_multiple(name: str, size: int, multiple: int = FP8_BLOCK) -> None:
         raise ValueError(f"{name} must be a multiple of {multiple} for FP8 blockwise, got {size}")
 
 
+def _pow2_at_least(scale: Tensor) -> Tensor:
+    """scale (...) fp32, positive and finite -> the smallest power of two >= scale, exactly and alike
+    on every device: from the bits (a mantissa other than zero moves the exponent up one), not from
+    torch.ldexp or torch.pow, which compute 2**e in floating point. fp32's subnormals (< 2**-126)
+    are lifted by 2**64 into the normal range and brought back, both products exact."""
+    tiny = scale < 2.0**-126
+    bits = torch.where(tiny, scale * 2.0**64, scale).view(torch.int32)
+    rounded = torch.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits).view(torch.float32)
+    return torch.where(tiny, rounded * 2.0**-64, rounded)
+
+
 def block_scale(amax: Tensor, pow2: bool = False) -> Tensor:
     """amax (...) fp32, each block's max |v| -> scale (...) fp32: amax / 448 (1 for an all-zero block).
     pow2: the smallest power of two >= amax / 448. A NaN or inf amax gives a NaN or inf scale."""
     amax = amax.float()
-    scale = amax / FP8_E4M3_MAX
+    # A tensor divisor, never the Python number: torch computes `cuda_tensor / python_number` as a
+    # multiplication by the number's rounded reciprocal (1/448 is inexact in fp32), which differs
+    # from the IEEE quotient in about half of all amax values, and from what the same call gives on
+    # CPU. tensor / tensor is IEEE division on every device.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     if pow2:
-        # frexp: scale = m * 2**e with 0.5 <= m < 1; a power of two has m == 0.5 and stays itself.
-        mantissa, exponent = torch.frexp(scale)
-        rounded = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
-        scale = torch.where(torch.isfinite(scale) & (scale > 0), rounded, scale)
+        regular = torch.isfinite(scale) & (scale > 0)
+        scale = torch.where(regular, _pow2_at_least(torch.where(regular, scale, torch.ones_like(scale))), scale)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 

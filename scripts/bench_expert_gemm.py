@@ -37,6 +37,18 @@ dY^T . act), beside torch's bf16 grouped_mm (offsets on K), our bf16 sm90 wgrad 
 where torch has it, torch._scaled_grouped_mm k-grouped with rowwise scales; ours writing out
 (the first or only window) and accumulating into it (a later receive window: out read too).
 TFLOP/s count the routed rows only (2 * t * topk * N * K), as for the GEMMs.
+
+    python3 scripts/bench_expert_gemm.py --fp8-quant [--shapes ...]
+
+prints the FP8 quantization kernels (ops.fp8_quantize_rows / _columns / _weight) beside the same
+functions of megatron_mok/quantization.py run by torch on the GPU, in one interleaved run on the same
+inputs: rows of x (T, H), the dispatch's gather of x into the schedule's rows (segments padded to 128,
+-1 rows zero), act (R, F) 1x128 along F; the weight-gradient operands (act, the dispatched rows, dY,
+d gate_up) 1x128 along tokens up to the schedule's end; fc1 and fc2 128x128 with their transposed
+copies. GB/s counts the bytes the op must move once: every input element read once (a gathered row
+once per output row; the columns' rows up to the schedule's end) and every output byte written once,
+scales included; L2 is flushed before each
+rep (timing.py), so this is HBM traffic over time. The H200's HBM3e peaks at 4.8 TB/s.
 """
 
 from __future__ import annotations
@@ -286,9 +298,85 @@ def main_fp8(args) -> None:
         torch.cuda.empty_cache()
 
 
+def torch_gather(x, index):
+    """x[index] with zero rows for -1, without a host synchronization (the reference's mask indexing has one)."""
+    return x.index_select(0, index.clamp(min=0)).masked_fill((index < 0).unsqueeze(1), 0)
+
+
+def torch_columns(x, offsets):
+    """quantization.quantize_columnwise of x with rows at or past offsets[-1] zeroed and padded to 128."""
+    rows = x.shape[0]
+    padded = -(-rows // 128) * 128
+    kept = torch.arange(rows, device=x.device).unsqueeze(1) < offsets[-1]
+    x = torch.cat([torch.where(kept, x, torch.zeros_like(x)), x.new_zeros(padded - rows, x.shape[1])])
+    return quantization.quantize_columnwise(x)
+
+
+def main_fp8_quant(args) -> None:
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("ms and GB/s (bytes moved once / time); x: ours over torch (quantization.py on the GPU)")
+    print(f"{'shape':<16} {'op':<34} {'MB moved':>9} {'torch ms':>9} {'GB/s':>7} {'ours ms':>9} {'GB/s':>7} {'x':>6}")
+    for name in args.shapes.split(","):
+        t, h, f, e, k = SHAPES[name]
+        sets = []
+        for seed in range(2):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+            schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=e, segment_alignment=128)
+            rows = schedule.slot_to_route.shape[0]
+
+            def randn(*shape):
+                return torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+
+            sets.append(dict(
+                x=randn(t, h), index=schedule.slot_to_route.div(k, rounding_mode="floor"),
+                offsets=schedule.expert_offsets, act=randn(rows, f), rows=randn(rows, h), grad_out=randn(rows, h),
+                gate_up=randn(rows, 2 * f), fc1=randn(e, 2 * f, h), fc2=randn(e, h, f),
+            ))
+        rows = sets[0]["index"].shape[0]
+        r_pad = -(-rows // 128) * 128
+        end = int(sets[0]["offsets"][-1])  # the columns read rows up to the schedule's end (outside the timing)
+
+        def row_bytes(r, c, layouts=2):
+            return r * c * 3 + layouts * 4 * r * c // 128
+
+        cases = {
+            f"rows x ({t}, {h})": (
+                lambda s: quantization.gemm_a_scales(quantization.quantize_rowwise(s["x"])[1]),
+                lambda s: ops.fp8_quantize_rows(s["x"]),
+                row_bytes(t, h)),
+            f"gather x -> rows ({rows}, {h})": (
+                lambda s: quantization.gemm_a_scales(quantization.quantize_rowwise(torch_gather(s["x"], s["index"]))[1]),
+                lambda s: ops.fp8_quantize_rows(s["x"], s["index"]),
+                row_bytes(rows, h)),
+            f"rows act ({rows}, {f})": (
+                lambda s: quantization.gemm_a_scales(quantization.quantize_rowwise(s["act"])[1]),
+                lambda s: ops.fp8_quantize_rows(s["act"], source_scales=False),
+                row_bytes(rows, f, layouts=1)),
+        }
+        for label, c in (("act", f), ("rows", h), ("grad_out", h), ("gate_up", 2 * f)):
+            cases[f"columns {label} ({rows}, {c})"] = (
+                lambda s, label=label: torch_columns(s[label], s["offsets"]),
+                lambda s, label=label: ops.fp8_quantize_columns(s[label], s["offsets"]),
+                end * c * 2 + r_pad * c + 4 * r_pad * c // 128)
+        for label, (n, kk) in (("fc1", (2 * f, h)), ("fc2", (h, f))):
+            cases[f"weight {label} ({e}, {n}, {kk}) + transposed"] = (
+                lambda s, label=label: quantization.transpose_weight(*quantization.quantize_weight(s[label])),
+                lambda s, label=label: ops.fp8_quantize_weight(s[label]),
+                e * n * kk * 4 + 2 * 4 * e * n * kk // (128 * 128))
+        for label, (torch_fn, ours_fn, moved) in cases.items():
+            ms = median_ms_interleaved({"torch": torch_fn, "ours": ours_fn}, sets)
+            gbs = {key: moved / value / 1e6 for key, value in ms.items()}
+            print(f"{name:<16} {label:<34} {moved / 1e6:9.1f} {ms['torch']:9.3f} {gbs['torch']:7.0f} {ms['ours']:9.3f} "
+                  f"{gbs['ours']:7.0f} {ms['torch'] / ms['ours']:6.2f}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise grouped GEMM table instead")
+    parser.add_argument("--fp8-quant", action="store_true", help="the FP8 quantization kernels' table instead")
     parser.add_argument("--fp8-clusters", default="1,2")
     parser.add_argument("--fp8-group-m", default=str(tuning.FP8_EXPERT_GEMM_GROUP_M),
                         help="comma-separated raster group sizes of the FP8 GEMM")
@@ -308,6 +396,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.fp8:
         main_fp8(args)
+        return
+    if args.fp8_quant:
+        main_fp8_quant(args)
         return
     settings = [
         (c, g)

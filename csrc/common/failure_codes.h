@@ -13,6 +13,7 @@ enum FailingKernel : int {
   kExchangeKernel = 3,
   kFp8ExpertGemmKernel = 4,
   kFp8ExpertWgradKernel = 5,
+  kFp8QuantizeKernel = 6,
 };
 
 // The bounded waits of the sm90 GEMM pipeline (gemm/kernel_sm90_tma_wgmma_ws.cuh), in every GEMM kernel.
@@ -43,6 +44,9 @@ enum Fp8WgradCheck : int {
 
 // The schedule kernel's check (moe/schedule_sm90.cuh); not a wait.
 enum ScheduleCheck : int { kCheckExpertIds = 0 };
+
+// The row-wise FP8 quantization's check of its row gather (quant/quantize_rows_sm90.cuh).
+enum Fp8QuantizeCheck : int { kCheckRowIndex = 0 };
 
 struct FailureName {
   int kernel;
@@ -75,7 +79,8 @@ inline constexpr const char* kExchangeSignalKindNames[] = {"ready", "free"};
 constexpr int exchange_wait(int phase, int kind) { return phase * kNumSignalKinds + kind; }
 
 inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange",
-                                                       "fp8_expert_gemm", "fp8_expert_wgrad"};
+                                                       "fp8_expert_gemm", "fp8_expert_wgrad",
+                                                       "fp8_quantize_rows"};
 
 inline constexpr FailureName kFailureNames[] = {
     {kExpertGemmKernel, kWaitFreeStage, "expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
@@ -106,6 +111,8 @@ inline constexpr FailureName kFailureNames[] = {
     {kFp8ExpertWgradKernel, kCheckFp8WgradSegmentAlignment,
      "FP8 expert weight gradient: an expert's rows start inside a 128-row block of the window "
      "(offsets[e] % 128 != 0 for a segment with rows at or past window_begin)"},
+    {kFp8QuantizeKernel, kCheckRowIndex,
+     "FP8 row-wise quantization: row_index holds a row outside [-1, the number of source rows)"},
 };
 
 }  // namespace mok

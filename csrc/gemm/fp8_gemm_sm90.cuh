@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "common/failure_codes.h"
+#include "common/fp8_block_math.cuh"
 #include "common/limits.h"
 #include "common/pipeline_sm90.cuh"
 #include "common/swiglu_math.cuh"
@@ -162,22 +163,6 @@ struct Fp8StoreEpilogue {
   }
 };
 
-// max that returns NaN if either operand is NaN (fmaxf drops it): a block holding a NaN gets a NaN
-// amax and scale, as torch.amax gives the reference.
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-// Two fp32 values -> two E4M3 bytes (lo at the lower address), round to nearest even, saturating to
-// +-448 (NaN stays NaN): what torch's (v).clamp(-448, 448).to(float8_e4m3fn) gives.
-__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
-  uint16_t d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
 // The gate/up projection with SwiGLU, act quantized 1x128 along F (mok_params.h
 // Fp8SwigluEpilogueParams). A tile is 128 act columns [n0, n0 + 128): pass p multiplies gate rows
 // [n0 + 64p, +64) (accumulator columns 0-63) and their up partners n_out rows further (64-127).
@@ -185,7 +170,8 @@ __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
 // the rounded values (swiglu_pair: swiglu_forward_kernel's arithmetic); pass 0 keeps its act in
 // registers. After pass 1 a row's 128 act columns lie in the four threads of its quad: the amax is
 // a quad reduction, then scale = amax / 448 (1 for an all-zero block; IEEE division) and q =
-// e4m3(act / scale), exactly quantization.quantize_rowwise of the bf16 act (docs/design.md §12.1).
+// e4m3(act / scale) (common/fp8_block_math.cuh), exactly quantization.quantize_rowwise of the bf16
+// act (docs/design.md §12.1).
 // Plain stores with a row mask (rows inside the segment and the schedule).
 struct Fp8SwigluEpilogue {
   using Maps = Fp8SwigluEpilogueMaps;
@@ -261,8 +247,9 @@ struct Fp8SwigluEpilogue {
       // The row's other 96 columns: the other three threads of its quad (every lane shuffles).
       amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kFp8E4m3Max);
+      const float scale = fp8_block_scale(amax, false);
       if (!row_in[h]) continue;
+      const Fp8BlockQuantizer quantizer(scale);
 #pragma unroll
       for (int j = 0; j < kGroups; ++j) {
 #pragma unroll
@@ -271,7 +258,7 @@ struct Fp8SwigluEpilogue {
           const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&pair);
           const int64_t col = c.n0 + 64 * p + 8 * j + 2 * quad_lane;
           *reinterpret_cast<uint16_t*>(act_q + rows[h] * n_out + col) =
-              e4m3x2(__fdiv_rn(__low2float(v), scale), __fdiv_rn(__high2float(v), scale));
+              uint16_t(quantizer.pair(__low2float(v), __high2float(v)));
         }
       }
       if (quad_lane == 0) e.act_scales[int64_t(c.n0 / kFp8Block) * e.act_scale_rows + rows[h]] = scale;

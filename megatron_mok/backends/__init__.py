@@ -1,8 +1,10 @@
 """Backends: the stage contract (stages.py), the reference (reference.py; its FP8 blockwise recipe in
-reference_fp8.py), the CUDA kernels (kernel.py) with their tuning table (tuning.py), and here the
-choice of which one runs a call.
+reference_fp8.py), the CUDA kernels (kernel.py; FP8 blockwise in kernel_fp8.py) with their tuning
+table (tuning.py), and here the choice of which one runs a call.
 
-The kernel backend needs MoKConfig.precision "bf16", CUDA tensors on a Hopper GPU (the extension is
+The kernel backend needs MoKConfig.precision "bf16" (or "fp8_blockwise" where the environment sets
+MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1: that path is not verified on a GPU yet, and "auto" never
+picks it), CUDA tensors on a Hopper GPU (the extension is
 built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
 that are multiples of 8 (16-byte rows for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
@@ -27,9 +29,11 @@ def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, precision: str
     """None if the kernel backend can run this call (precision: MoKConfig.precision), else why not."""
     if precision != "bf16":
         # Named first, wherever the call runs: never a bf16 run in its place.
-        from megatron_mok.backends.kernel import unsupported_precision_reason
+        from megatron_mok.backends.kernel_fp8 import fp8_gate_reason
 
-        return unsupported_precision_reason(precision)
+        reason = fp8_gate_reason(precision)
+        if reason is not None:
+            return reason
     if not x.is_cuda:
         return f"x is on {x.device}, the kernel needs CUDA tensors"
     from megatron_mok.ops import extension_error
@@ -55,6 +59,9 @@ def resolve_backend(backend: str, x: torch.Tensor, fc1: torch.Tensor, precision:
     if backend == "reference":
         return "reference"
     reason = kernel_unsupported_reason(x, fc1, precision)
+    if backend == "auto" and precision != "bf16" and reason is None:
+        # (Only where the environment unlocks the FP8 kernels: "auto" picks the verified path.)
+        reason = f"MoKConfig.backend='auto' runs the reference recipe for MoKConfig.precision={precision!r} (the FP8 kernel path is not verified on a GPU yet)"
     if reason is None:
         return "kernel"
     if backend == "kernel":
@@ -78,10 +85,15 @@ def stages_for(backend: str, expert_gemm: str = "auto", fp8: Optional[Fp8Recipe]
 
         return REFERENCE_STAGES
     if backend == "kernel":
-        from megatron_mok.backends.kernel import KERNEL_STAGES, unsupported_precision_reason
+        from megatron_mok.backends.kernel import KERNEL_STAGES
 
         if fp8 is not None:
-            raise ValueError(unsupported_precision_reason("fp8_blockwise"))
+            from megatron_mok.backends.kernel_fp8 import fp8_gate_reason, kernel_fp8_stages
+
+            reason = fp8_gate_reason("fp8_blockwise")
+            if reason is not None:
+                raise ValueError(reason)
+            return kernel_fp8_stages(fp8, expert_gemm)
         if expert_gemm not in KERNEL_STAGES:
             raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(KERNEL_STAGES)}")
         return KERNEL_STAGES[expert_gemm]

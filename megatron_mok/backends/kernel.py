@@ -179,18 +179,3 @@ def kernel_stages_for(choice: ExpertGemmChoice) -> Stages:
 
 
 KERNEL_STAGES = {name: kernel_stages_for(choice) for name, choice in EXPERT_GEMM_CHOICES.items()}
-
-# The MoKConfig.precision values these stages run.
-KERNEL_PRECISIONS = ("bf16",)
-
-
-def unsupported_precision_reason(precision: str) -> Optional[str]:
-    """None if the kernel stages run `precision` (MoKConfig.precision), else why not: a call at
-    another precision is an error (backend="kernel") or runs the reference backend's recipe
-    (backend="auto"), never these bf16 stages in its place."""
-    if precision in KERNEL_PRECISIONS:
-        return None
-    return (
-        f"MoKConfig.precision={precision!r}: the kernel backend runs bf16 only today; {precision} runs on "
-        "the reference backend (MoKConfig.backend='reference' or 'auto')"
-    )

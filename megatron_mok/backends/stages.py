@@ -16,7 +16,9 @@ persistent sm90 GEMM, which dispatches the rows itself, overlapped with the GEMM
 FP8 blockwise (docs/design.md §12, backends/reference_fp8.py): the same stages, with FP8 operands
 where the recipe has them: a source's rows, the rows dispatch_gate_up reads, its act and expert_down's
 input, pull_route_grads' rows from an FP8 dY source and dgrad_swiglu's grad_out are QuantizedRows
-(quantization.py); fc1 and fc2 are passed as stored, and the stages take their cached FP8 copies
+(quantization.py), except that act, which goes from dispatch_gate_up to expert_down of the same
+table only, is the kernel backend's GEMM operand (backends/kernel_fp8.py GemmOperand: scales in the
+GEMM-A layout); fc1 and fc2 are passed as stored, and the stages take their cached FP8 copies
 (fp8_weights.py). Every other tensor (gate_up, d gate_up, the pushed rows, the weight gradients'
 operands) keeps the activation dtype.
 """
@@ -85,6 +87,14 @@ class WeightGradInto(Protocol):
         ...
 
 
+class WeightGradWindow(Protocol):
+    def __call__(self, grad_out: Tensor, inputs: Tensor, window, carried: Optional[Tensor]) -> Tensor:
+        """grad_out (W, N), inputs (W, K): a receive window's rows (receive.Window) -> their weight
+        gradients added to `carried` (None for the first window), returned as what the next window
+        carries; after the last window (E, N, K) in grad_out's dtype, bitwise one pass over every row."""
+        ...
+
+
 class DgradSwiglu(Protocol):
     def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> Tensor:
         """grad_out (capacity, H), fc2 (E, H, F) -> grad_gate_up (capacity, 2F)."""
@@ -131,8 +141,11 @@ class Stages:
     combine: Combine
     pull_route_grads: PullRouteGrads
     route_weight_grads: RouteWeightGrads
-    # Which GEMM family segment_weight_grad is ("sm90", "grouped_mm", "reference", "fp32_carried"):
+    # Which GEMM family segment_weight_grad is ("sm90", "grouped_mm", "reference", "fp32_carried",
+    # "fp8_kernel"):
     # how a pass over several receive windows sums its weight gradients (backends/weight_grads.py).
     weight_grad_family: str
     # The "fp32_carried" family's stage: the weight gradients added into one fp32 total.
     weight_grad_into: Optional[WeightGradInto] = None
+    # The "fp8_kernel" family's stage: the weight gradients carried from window to window.
+    weight_grad_window: Optional[WeightGradWindow] = None

@@ -59,3 +59,10 @@ EXPERT_GEMM_GROUP_M = 16
 # many bytes per FLOP as a 128 x 256 bf16 one, at twice the rate).
 FP8_EXPERT_GEMM_CLUSTER_M = 2
 FP8_EXPERT_GEMM_GROUP_M = 16
+
+# The FP8 weight gradient (ops.fp8_expert_wgrad) writes fp32; the kernel backend launches it once per
+# group of experts whose fp32 (experts, m, n) fits this many bytes, each group rounded into the bf16
+# result before the next, so the fp32 never exceeds this beside the bf16 gradients BF16 also holds
+# (DeepSeek-V3's d fc1: 117 MiB per expert, two per launch, 1792 tiles of 128 x 128 each; Qwen3-30B's:
+# 12 MiB per expert, 21 per launch). Not yet measured: fewer, larger launches trade memory for tail.
+FP8_WGRAD_OUT_BYTES = 256 << 20

@@ -14,7 +14,10 @@ window. `accumulator_for` gives the stage that adds each window's rows, one per 
   buffer;
 - fp32_carried (the FP8 reference's weight gradients), any number of windows: each window's blocks
   added straight into one fp32 (E + 1, m, n) total in row order (Stages.weight_grad_into), so the sum
-  is bitwise the one-window sum.
+  is bitwise the one-window sum;
+- fp8_kernel (the FP8 kernel backend's weight gradients), any number of windows: the stage
+  (Stages.weight_grad_window) carries what it needs from window to window and returns the result
+  after the last (backends/kernel_fp8.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron_mok.receive import Window
 Tensor = torch.Tensor
 SegmentWeightGrad = Callable[[Tensor, Tensor, Tensor], Tensor]
 WeightGradInto = Callable[[Tensor, Tensor, Tensor, Tensor], None]
+WeightGradWindow = Callable[[Tensor, Tensor, Window, Optional[Tensor]], Tensor]
 
 
 class WeightGradAccumulator(Protocol):
@@ -110,11 +114,29 @@ class Fp32Carried:
         return self.total[:-1].to(self.dtype)
 
 
+class StageCarried:
+    def __init__(self, weight_grad_window: WeightGradWindow):
+        self.weight_grad_window = weight_grad_window
+        self.carried: Optional[Tensor] = None  # what the stage hands from one window to the next
+
+    def add(self, grad_out: Tensor, inputs: Tensor, window: Window) -> None:
+        self.carried = self.weight_grad_window(grad_out, inputs, window, self.carried)
+
+    def result(self) -> Tensor:
+        return self.carried
+
+
 def accumulator_for(
-    family: str, segment_weight_grad: SegmentWeightGrad, num_windows: int, weight_grad_into: Optional[WeightGradInto] = None
+    family: str,
+    segment_weight_grad: SegmentWeightGrad,
+    num_windows: int,
+    weight_grad_into: Optional[WeightGradInto] = None,
+    weight_grad_window: Optional[WeightGradWindow] = None,
 ) -> WeightGradAccumulator:
-    """family: the weight gradients' GEMM family ("sm90", "grouped_mm", "reference" or
-    "fp32_carried", which adds through weight_grad_into)."""
+    """family: the weight gradients' GEMM family ("sm90", "grouped_mm", "reference", "fp32_carried",
+    which adds through weight_grad_into, or "fp8_kernel", whose weight_grad_window carries its own)."""
+    if family == "fp8_kernel":
+        return StageCarried(weight_grad_window)
     if family == "fp32_carried":
         return Fp32Carried(weight_grad_into)
     if num_windows == 1:

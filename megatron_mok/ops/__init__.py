@@ -13,6 +13,9 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          with SwiGLU, act quantized 1x128); their references beside them
     fp8_wgrad.py         fp8_expert_wgrad (FP8 blockwise weight gradients, column-wise operands, fp32 out
                          accumulated across receive windows); its reference beside it
+    fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_columns (1x128
+                         along tokens, transposed), fp8_quantize_weight (128x128 and its transposed
+                         copy); their references beside them
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
@@ -55,6 +58,14 @@ from megatron_mok.ops.fp8_gemm import (
     fp8_expert_gemm_swiglu_reference,
 )
 from megatron_mok.ops.fp8_wgrad import fp8_expert_wgrad, fp8_expert_wgrad_reference
+from megatron_mok.ops.fp8_quant import (
+    fp8_quantize_columns,
+    fp8_quantize_columns_reference,
+    fp8_quantize_rows,
+    fp8_quantize_rows_reference,
+    fp8_quantize_weight,
+    fp8_quantize_weight_reference,
+)
 from megatron_mok.ops.schedule import build_schedule
 from megatron_mok.ops.swiglu import swiglu_backward, swiglu_forward
 
@@ -83,6 +94,12 @@ __all__ = [
     "fp8_expert_gemm_swiglu_reference",
     "fp8_expert_wgrad",
     "fp8_expert_wgrad_reference",
+    "fp8_quantize_columns",
+    "fp8_quantize_columns_reference",
+    "fp8_quantize_rows",
+    "fp8_quantize_rows_reference",
+    "fp8_quantize_weight",
+    "fp8_quantize_weight_reference",
     "gather_peer_regions",
     "last_failure",
     "pull_grad_rows",

@@ -328,10 +328,11 @@ def test_bad_config_is_a_value_error(fields, message):
         MoKConfig(**fields)
 
 
-KERNEL_REFUSAL = "the kernel backend runs bf16 only today; fp8_blockwise runs on the reference backend"
+KERNEL_REFUSAL = "the kernel backend's FP8 path is not verified on a GPU yet; fp8_blockwise runs on the reference backend"
 
 
-def test_kernel_backend_refuses_fp8_naming_the_setting():
+def test_kernel_backend_refuses_fp8_naming_the_setting(monkeypatch):
+    monkeypatch.delenv("MEGATRON_MOK_UNVERIFIED_FP8_KERNELS", raising=False)
     x, ids, weights, fc1, fc2, _ = make_problem(SHAPES["odd_t"], "uniform", torch.bfloat16)
     with pytest.raises(ValueError, match=r"MoKConfig.backend='kernel' cannot run this call: MoKConfig.precision='fp8_blockwise': " + KERNEL_REFUSAL):
         mok_moe(x, ids, weights, fc1, fc2, config=MoKConfig(backend="kernel", precision="fp8_blockwise"))

@@ -32,6 +32,46 @@ def test_rowwise_block_max_maps_to_e4m3_max_or_below(pow2):
         assert torch.all(blocks == 448)
 
 
+def test_block_scale_is_the_ieee_quotient():
+    """scale = amax / 448 rounded once to fp32 (docs/design.md §12.1), the quotient kernels compute
+    with IEEE division. The float64 quotient rounded to fp32 is that quotient (53 >= 2 * 24 + 2 bits:
+    double rounding of a quotient is innocuous). Half of these amax values tell it apart from
+    amax * fp32(1 / 448), which is what torch computes for `cuda_tensor / 448`."""
+    g = torch.Generator().manual_seed(6)
+    amax = torch.cat([
+        torch.randn(4096, generator=g).abs().bfloat16().float(),
+        (torch.rand(1024, generator=g) * 2.0**-130).clamp(min=2.0**-149),  # bf16's subnormal range: the scale is subnormal too
+        torch.rand(1024, generator=g) * 3e38,
+    ])
+    want = (amax.double() / 448).float()
+    assert torch.equal(fq.block_scale(amax), want)
+    reciprocal = amax * torch.tensor(1 / 448, dtype=torch.float32)
+    assert (reciprocal != want).sum() > 1000, "these amax values must tell division from the reciprocal's product"
+
+
+def test_pow2_scale_is_the_smallest_power_of_two_at_least_the_quotient():
+    """The bit-built power of two (exact on every device) against float64 arithmetic on the IEEE
+    quotient: amax values across fp32's range, subnormal quotients included, and quotients that are
+    powers of two themselves (kept), or one ulp either side of one."""
+    g = torch.Generator().manual_seed(7)
+    powers = 448 * 2.0 ** torch.arange(-140, 118, dtype=torch.float64)  # amax / 448 = 2^k exactly
+    amax = torch.cat([
+        torch.randn(4096, generator=g).abs().bfloat16().float(),
+        (torch.rand(1024, generator=g) * 2.0**-130).clamp(min=2.0**-149),
+        torch.rand(1024, generator=g) * 3e38,
+        powers.float(),
+        torch.nextafter(powers.float(), torch.tensor(0.0)),
+        torch.nextafter(powers.float(), torch.tensor(float("inf"))),
+    ])
+    quotient = (amax.double() / 448).float().double()
+    want = 2.0 ** torch.ceil(torch.log2(quotient))  # exact in float64 for these powers of two
+    got = fq.block_scale(amax, pow2=True)
+    assert torch.equal(got.double(), want), f"first miss at amax {float(amax[(got.double() != want).nonzero()[0]]):.9g}"
+    special = torch.tensor([0.0, float("inf"), float("nan")])
+    s = fq.block_scale(special, pow2=True)
+    assert s[0] == 1 and torch.isinf(s[1]) and torch.isnan(s[2])
+
+
 def test_rowwise_reconstructs_within_e4m3_precision():
     x = _rows(7, 2 * FP8_BLOCK, seed=1)
     q, scale = fq.quantize_rowwise(x)

@@ -187,10 +187,9 @@ def assert_registered_without_mutation(op, args):
         assert torch.equal(was, now), f"{op}: tensor argument {index} was written"
 
 
-# Seen failing on an H200 (2026-12-02): some act bytes differ from quantize_rowwise(swiglu_forward(gate_up))
-# at every case; not diagnosed yet (the SwiGLU's bf16 rounding or the quad amax are the suspects). The
-# epilogue is therefore not used by any backend. strict: a pass is reported, so the mark goes with the fix.
-@pytest.mark.xfail(strict=True, reason="the FP8 SwiGLU epilogue's act differs from the recipe in some elements (H200, 2026-12-02)")
+# The reference side of this comparison runs quantization.quantize_rowwise on the GPU: its scale must be
+# the IEEE quotient amax / 448 as the epilogue's is (quantization.block_scale divides by a tensor, see
+# there), and its act the SwiGLU kernel's, whose arithmetic the epilogue shares (common/swiglu_math.cuh).
 @pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("case", list(SWIGLU_CASES))
 def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
@@ -207,8 +206,12 @@ def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
     assert_matches_recipe_and_fp32(gate_up, args, fp32, end)
     act_bf16 = ops.swiglu_forward(gate_up, offsets)[:end]
     want_q, want_scales = quantization.quantize_rowwise(act_bf16)
-    assert torch.equal(act[:end].view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(act_scales[:, :end], want_scales.t())
+    # Scales first: a scale one ulp off changes only a few bytes of its block, so the scale is the
+    # telling comparison.
+    wrong_scales = int((act_scales[:, :end] != want_scales.t()).sum())
+    assert wrong_scales == 0, f"{wrong_scales} of {want_scales.numel()} act scales differ from quantize_rowwise's"
+    wrong_bytes = int((act[:end].view(torch.uint8) != want_q.view(torch.uint8)).sum())
+    assert wrong_bytes == 0, f"{wrong_bytes} of {want_q.numel()} act bytes differ from quantize_rowwise's"
     assert torch.equal(act_scales[:, rows:], torch.ones_like(act_scales[:, rows:]))  # the layout's padding
     gate, up = fp32.chunk(2, dim=-1)
     act_fp32 = torch.nn.functional.silu(gate) * up

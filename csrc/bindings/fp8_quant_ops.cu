@@ -1,0 +1,205 @@
+// Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
+// fp8_quantize_columns and fp8_quantize_weight of the `megatron_mok` library (validated wrappers,
+// fake implementations and references in megatron_mok/ops/fp8_quant.py, which raise ValueError
+// before these run; the checks here are the same, for callers of torch.ops directly). Each fills its
+// params struct (mok_params.h) once and launches one kernel. An output a caller did not ask for is
+// returned as an empty (0,) tensor (a schema cannot return None).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "bindings/checks.h"
+#include "common/device_info.h"
+#include "common/failure_record.h"
+#include "common/limits.h"
+#include "mok_params.h"
+#include "quant/quantize_columns_sm90.cuh"
+#include "quant/quantize_rows_sm90.cuh"
+#include "quant/quantize_weight_sm90.cuh"
+
+namespace mok {
+namespace {
+
+// CTAs of `kernel` (kQuantizeThreads threads, no dynamic shared memory) resident on the device at
+// once, found once per kernel and device: the grid-stride row kernel launches no more.
+template <typename Kernel>
+int resident_blocks(Kernel kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> found;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = found.find(key); it != found.end()) return it->second;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kQuantizeThreads, 0));
+  const int blocks = std::max(1, per_sm) * multiprocessor_count();
+  found.emplace(key, blocks);
+  return blocks;
+}
+
+void check_bf16_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, "x must be a contiguous CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, "x must be bfloat16, got ", c10::toString(x.scalar_type()));
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.size(1) % kFp8Block == 0, op,
+              "x must be (rows, C) with C a positive multiple of ", std::to_string(kFp8Block), ", got ", sizes_str(x));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, "x must start 16-byte aligned");
+}
+
+uint8_t* e4m3_ptr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kFloat)); }
+
+// (q (R, C) e4m3, scales (R, C/128) fp32 or (0,), gemm_a_scales (C/128, fp8_scale_rows(R)) fp32 or
+// (0,)): x (num_src_rows, C) bf16 quantized 1x128 along C, row r from x[row_index[r]] (zeros for -1)
+// when row_index (R,) int64 is given, else R = num_src_rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_rows(const at::Tensor& x,
+                                                                 const std::optional<at::Tensor>& row_index,
+                                                                 bool source_scales, bool gemm_a_scales, bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_rows: ";
+  check_bf16_rows(kOp, x);
+  if (row_index.has_value()) {
+    const at::Tensor& index = *row_index;
+    TORCH_CHECK(index.is_cuda() && index.is_contiguous() && index.device() == x.device() &&
+                    index.scalar_type() == at::kLong && index.dim() == 1,
+                kOp, "row_index must be a contiguous 1-D int64 CUDA tensor on x's device");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = row_index.has_value() ? row_index->numel() : x.size(0), cols = x.size(1);
+  const int64_t blocks = cols / kFp8Block;
+  const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
+  auto q = at::empty({rows, cols}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scales = source_scales ? at::empty({rows, blocks}, x.options().dtype(at::kFloat)) : nothing(x);
+  auto a_scales = gemm_a_scales ? at::empty({blocks, gemm_a_rows}, x.options().dtype(at::kFloat)) : nothing(x);
+  if (rows == 0) return {q, scales, a_scales};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Fp8QuantizeRowsParams p{};
+  p.src = x.data_ptr();
+  p.row_index = row_index.has_value() ? row_index->data_ptr<int64_t>() : nullptr;
+  p.q = e4m3_ptr(q);
+  p.scales = source_scales ? scales.data_ptr<float>() : nullptr;
+  p.gemm_a_scales = gemm_a_scales ? a_scales.data_ptr<float>() : nullptr;
+  p.num_src_rows = x.size(0);
+  p.num_rows = rows;
+  p.cols = cols;
+  p.gemm_a_rows = gemm_a_rows;
+  p.pow2 = pow2 ? 1 : 0;
+  p.failure_record = row_index.has_value() ? failure_record(stream) : nullptr;
+  auto launch = [&](auto kernel) {
+    const int64_t wanted = (rows + kQuantizeThreads / 32 - 1) / (kQuantizeThreads / 32);  // a warp per row
+    const int grid = int(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel))));
+    kernel<<<grid, kQuantizeThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (row_index.has_value()) {
+    launch(quantize_rows_kernel<true>);
+  } else {
+    launch(quantize_rows_kernel<false>);
+  }
+  return {q, scales, a_scales};
+}
+
+// (q (C, R_pad) e4m3, scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: x (R, C) bf16
+// quantized 1x128 along R; rows at or past expert_offsets[-1] (when given) and past R as zeros.
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
+                                                        const std::optional<at::Tensor>& expert_offsets, bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_columns: ";
+  check_bf16_rows(kOp, x);
+  if (expert_offsets.has_value()) {
+    const at::Tensor& offsets = *expert_offsets;
+    TORCH_CHECK(offsets.is_cuda() && offsets.is_contiguous() && offsets.device() == x.device() &&
+                    offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() >= 1,
+                kOp, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on x's device");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
+  auto q = at::empty({cols, padded_rows}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scales = at::empty({padded_rows / kFp8Block, cols}, x.options().dtype(at::kFloat));
+  if (rows == 0) return {q, scales};
+  const int64_t tiles = (padded_rows / kColumnsTileRows) * (cols / kColumnsTileCols);
+  TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 tiles of 128 x 128");
+  Fp8QuantizeColumnsParams p{};
+  p.src = x.data_ptr();
+  p.row_end = expert_offsets.has_value() ? expert_offsets->data_ptr<int32_t>() + (expert_offsets->numel() - 1) : nullptr;
+  p.q = e4m3_ptr(q);
+  p.scales = scales.data_ptr<float>();
+  p.num_rows = rows;
+  p.cols = cols;
+  p.padded_rows = padded_rows;
+  p.pow2 = pow2 ? 1 : 0;
+  quantize_columns_kernel<<<int(tiles), kColumnsThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, scales};
+}
+
+// (q (E, N, K) e4m3, scales (E, N/128, K/128) fp32, q_t (E, K, N) e4m3 or (0,), scales_t
+// (E, K/128, N/128) fp32 or (0,)): weight (E, N, K) bf16 or fp32 quantized 128 x 128, and with
+// `transposed` its transposed copy.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(const at::Tensor& weight,
+                                                                               bool transposed, bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_weight: ";
+  TORCH_CHECK(weight.is_cuda() && weight.is_contiguous(), kOp, "weight must be a contiguous CUDA tensor");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, kOp,
+              "weight must be bfloat16 or float32, got ", c10::toString(weight.scalar_type()));
+  TORCH_CHECK(weight.dim() == 3 && weight.size(1) > 0 && weight.size(1) % kFp8Block == 0 && weight.size(2) > 0 &&
+                  weight.size(2) % kFp8Block == 0,
+              kOp, "weight must be (E, N, K) with N and K positive multiples of ", std::to_string(kFp8Block), ", got ",
+              sizes_str(weight));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0, kOp, "weight must start 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t experts = weight.size(0), n = weight.size(1), k = weight.size(2);
+  const auto e4m3 = weight.options().dtype(at::kFloat8_e4m3fn);
+  const auto fp32 = weight.options().dtype(at::kFloat);
+  auto q = at::empty({experts, n, k}, e4m3);
+  auto scales = at::empty({experts, n / kFp8Block, k / kFp8Block}, fp32);
+  auto q_t = transposed ? at::empty({experts, k, n}, e4m3) : nothing(weight);
+  auto scales_t = transposed ? at::empty({experts, k / kFp8Block, n / kFp8Block}, fp32) : nothing(weight);
+  const int64_t tiles = experts * (n / kFp8Block) * (k / kFp8Block);
+  if (tiles == 0) return {q, scales, q_t, scales_t};
+  TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 blocks of 128 x 128");
+  Fp8QuantizeWeightParams p{};
+  p.src = weight.data_ptr();
+  p.q = e4m3_ptr(q);
+  p.scales = scales.data_ptr<float>();
+  p.q_t = transposed ? e4m3_ptr(q_t) : nullptr;
+  p.scales_t = transposed ? scales_t.data_ptr<float>() : nullptr;
+  p.num_experts = experts;
+  p.n = n;
+  p.k = k;
+  p.pow2 = pow2 ? 1 : 0;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (weight.scalar_type() == at::kBFloat16) {
+    quantize_weight_kernel<__nv_bfloat16><<<int(tiles), kWeightThreads, 0, stream>>>(p);
+  } else {
+    quantize_weight_kernel<float><<<int(tiles), kWeightThreads, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, scales, q_t, scales_t};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
+  m.def(
+      "fp8_quantize_rows(Tensor x, Tensor? row_index, bool source_scales, bool gemm_a_scales, bool pow2) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2) -> (Tensor, Tensor)");
+  m.def("fp8_quantize_weight(Tensor weight, bool transposed, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("fp8_quantize_rows", &fp8_quantize_rows);
+  m.impl("fp8_quantize_columns", &fp8_quantize_columns);
+  m.impl("fp8_quantize_weight", &fp8_quantize_weight);
+}
+
+}  // namespace mok

@@ -1,0 +1,108 @@
+// FP8 1x128 quantization along the rows (tokens) of bf16 rows, transposed
+// (mok_params.h Fp8QuantizeColumnsParams): quantization.quantize_columnwise bit for bit, the
+// operands of the FP8 weight gradients (tokens contiguous: K-major for a GEMM reducing over tokens).
+//
+// One CTA per tile of 128 rows x 128 columns, in three steps:
+//   load      the tile's 128 rows of 256 bytes into shared memory, 16-byte loads (a half-warp per
+//             row), zeros for rows at or past the end (min(num_rows, *row_end)), not read;
+//   amax      thread (pair p, part g) walks rows 32g .. 32g + 31 of columns 2p, 2p + 1; the four
+//             parts of a pair are lanes of one quad: two shuffles give each column's amax;
+//   quantize  each thread quantizes its 32 rows of both columns (read again from shared memory)
+//             into 32 contiguous bytes of each column's output row (the quad writes the column's
+//             128 bytes of this row block).
+// Shared memory, 32 KB: row r's 64 words (bf16 pairs) at r * 256 bytes, pair p at word
+// p ^ (8 * ((r / 32) % 4)): the four parts of a pair read rows 32 apart, and the swizzle puts
+// them on different banks (the 16-byte pieces the loads write stay whole: it moves bits 3-4 only).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/fp8_block_math.cuh"
+#include "common/limits.h"
+#include "mok_params.h"
+
+namespace mok {
+
+constexpr int kColumnsTileRows = kFp8Block;
+constexpr int kColumnsTileCols = 128;
+constexpr int kColumnsThreads = 256;  // 64 column pairs x 4 parts of 32 rows
+constexpr int kColumnsRowWords = kColumnsTileCols / 2;
+constexpr int kColumnsRowsPerPart = kColumnsTileRows / 4;
+static_assert(kColumnsThreads == (kColumnsTileCols / 2) * 4, "a thread per column pair and part");
+
+__device__ __forceinline__ int columns_swizzle(int row) { return 8 * ((row / kColumnsRowsPerPart) % 4); }
+
+__global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(const Fp8QuantizeColumnsParams p) {
+  __shared__ uint4 tile[kColumnsTileRows * kColumnsRowWords / 4];
+  auto* words = reinterpret_cast<uint32_t*>(tile);
+  const int64_t col_tiles = p.cols / kColumnsTileCols;
+  const int64_t row_block = blockIdx.x / col_tiles;
+  const int64_t col0 = (blockIdx.x % col_tiles) * kColumnsTileCols;
+  const int64_t row0 = row_block * kColumnsTileRows;
+  int64_t end = p.num_rows;
+  if (p.row_end != nullptr) end = min(end, int64_t(*p.row_end));
+  const auto* src = static_cast<const __nv_bfloat16*>(p.src);
+
+  // Load: 128 rows x 16 pieces of 16 bytes, 8 per thread, all issued before the first store.
+  constexpr int kPieces = kColumnsTileRows * (kColumnsTileCols * 2 / 16) / kColumnsThreads;
+  uint4 raw[kPieces];
+#pragma unroll
+  for (int s = 0; s < kPieces; ++s) {
+    const int i = threadIdx.x + s * kColumnsThreads, row = i / 16, piece = i % 16;
+    raw[s] = make_uint4(0, 0, 0, 0);
+    if (row0 + row < end) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + (row0 + row) * p.cols + col0) + piece);
+  }
+#pragma unroll
+  for (int s = 0; s < kPieces; ++s) {
+    const int i = threadIdx.x + s * kColumnsThreads, row = i / 16, piece = i % 16;
+    tile[row * (kColumnsRowWords / 4) + (piece ^ (columns_swizzle(row) / 4))] = raw[s];
+  }
+  __syncthreads();  // every row of the tile is in shared memory before any column is read
+
+  const int pair = threadIdx.x / 4, part = threadIdx.x % 4;
+  const int first_row = part * kColumnsRowsPerPart;
+  // The bf16 pair (column 2p low, 2p + 1 high) of row first_row + i, read twice (amax, then
+  // quantize) rather than held in registers.
+  const auto pair_of = [&](int i) {
+    const int row = first_row + i;
+    return words[row * kColumnsRowWords + (pair ^ columns_swizzle(row))];
+  };
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kColumnsRowsPerPart; ++i) {
+    const uint32_t w = pair_of(i);
+    amax[0] = max_nan(amax[0], fabsf(__uint_as_float(w << 16)));
+    amax[1] = max_nan(amax[1], fabsf(__uint_as_float(w & 0xFFFF0000u)));
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    amax[c] = max_nan(amax[c], __shfl_xor_sync(0xffffffffu, amax[c], 1));
+    amax[c] = max_nan(amax[c], __shfl_xor_sync(0xffffffffu, amax[c], 2));
+  }
+  const float scale[2] = {fp8_block_scale(amax[0], p.pow2 != 0), fp8_block_scale(amax[1], p.pow2 != 0)};
+  if (part == 0) {
+    *reinterpret_cast<float2*>(p.scales + row_block * p.cols + col0 + 2 * pair) = make_float2(scale[0], scale[1]);
+  }
+  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale[0]), Fp8BlockQuantizer(scale[1])};
+  uint32_t out[2][kColumnsRowsPerPart / 4];  // each column's 32 bytes, row first_row + 4j + i in byte i of word j
+#pragma unroll
+  for (int j = 0; j < kColumnsRowsPerPart / 4; ++j) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = pair_of(4 * j + i);
+    out[0][j] = quantizer[0].quad(__uint_as_float(w[0] << 16), __uint_as_float(w[1] << 16),
+                                  __uint_as_float(w[2] << 16), __uint_as_float(w[3] << 16));
+    out[1][j] = quantizer[1].quad(__uint_as_float(w[0] & 0xFFFF0000u), __uint_as_float(w[1] & 0xFFFF0000u),
+                                  __uint_as_float(w[2] & 0xFFFF0000u), __uint_as_float(w[3] & 0xFFFF0000u));
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    uint4* dst = reinterpret_cast<uint4*>(p.q + (col0 + 2 * pair + c) * p.padded_rows + row0 + first_row);
+    dst[0] = make_uint4(out[c][0], out[c][1], out[c][2], out[c][3]);
+    dst[1] = make_uint4(out[c][4], out[c][5], out[c][6], out[c][7]);
+  }
+}
+
+}  // namespace mok

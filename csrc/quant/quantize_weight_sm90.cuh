@@ -1,0 +1,108 @@
+// FP8 128x128 quantization of a weight and its transposed copy in one pass
+// (mok_params.h Fp8QuantizeWeightParams): quantization.quantize_weight, and
+// quantization.transpose_weight of it, bit for bit. Once per weight version (the weight cache).
+//
+// One CTA per 128x128 block of one expert's (n, k) weight:
+//   load      thread t holds rows t / 16 + 16 s (s = 0..7), columns 8 (t % 16) .. + 8 (a half-warp
+//             reads a row's 128 values in order);
+//   amax      over its 64 values, then the warp (shuffles) and the CTA (shared memory);
+//   quantize  its 8 x 8 bytes to q (a half-warp writes a row's 128 bytes), and, with the transposed
+//             copy, into a 128 x 128 byte tile in shared memory (row n, byte k) from which thread
+//             t gathers column k = t % 128, rows 64 (t / 128) .. + 64, and writes them as 64
+//             contiguous bytes of q_t's row k (a warp's 32 lanes read 32 consecutive bytes of one
+//             tile row per step: one bank wavefront).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/fp8_block_math.cuh"
+#include "common/limits.h"
+#include "mok_params.h"
+
+namespace mok {
+
+constexpr int kWeightThreads = 256;
+constexpr int kWeightRowsPerThread = kFp8Block * kFp8Block / 8 / kWeightThreads;  // 8 rows of 8 values
+static_assert(kWeightThreads == 16 * (kFp8Block / kWeightRowsPerThread), "16 threads per row, 8 values each");
+
+// 8 consecutive values of a row -> fp32.
+__device__ __forceinline__ void load8(const __nv_bfloat16* src, float (&v)[8]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(words[i] << 16);
+    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ void load8(const float* src, float (&v)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(src)), b = __ldg(reinterpret_cast<const float4*>(src) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const Fp8QuantizeWeightParams p) {
+  __shared__ uint32_t transposed[kFp8Block * kFp8Block / 4];  // 128 rows (n) x 128 bytes (k)
+  __shared__ float warp_amax[kWeightThreads / 32];
+  const int64_t k_blocks = p.k / kFp8Block, n_blocks = p.n / kFp8Block;
+  const int64_t kb = blockIdx.x % k_blocks;
+  const int64_t nb = (blockIdx.x / k_blocks) % n_blocks;
+  const int64_t expert = blockIdx.x / (k_blocks * n_blocks);
+  const int piece = threadIdx.x % 16, row_in_step = threadIdx.x / 16;
+  // Element (r, c) of the block: expert's row nb * 128 + r, column kb * 128 + c.
+  const int64_t block_offset = (expert * p.n + nb * kFp8Block) * p.k + kb * kFp8Block;
+  const T* src = static_cast<const T*>(p.src) + block_offset;
+
+  float v[kWeightRowsPerThread][8];
+#pragma unroll
+  for (int s = 0; s < kWeightRowsPerThread; ++s) load8(src + (row_in_step + 16 * s) * p.k + 8 * piece, v[s]);
+  float amax = 0.f;
+#pragma unroll
+  for (int s = 0; s < kWeightRowsPerThread; ++s) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = max_nan(amax, fabsf(v[s][i]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();  // every warp's amax is in shared memory
+#pragma unroll
+  for (int w = 0; w < kWeightThreads / 32; ++w) amax = max_nan(amax, warp_amax[w]);
+  const float scale = fp8_block_scale(amax, p.pow2 != 0);
+  const Fp8BlockQuantizer quantizer(scale);
+
+  uint8_t* q = p.q + block_offset;
+#pragma unroll
+  for (int s = 0; s < kWeightRowsPerThread; ++s) {
+    const int row = row_in_step + 16 * s;
+    const uint2 bytes = make_uint2(quantizer.quad(v[s][0], v[s][1], v[s][2], v[s][3]),
+                                   quantizer.quad(v[s][4], v[s][5], v[s][6], v[s][7]));
+    reinterpret_cast<uint2*>(q + row * p.k)[piece] = bytes;
+    if (p.q_t != nullptr) reinterpret_cast<uint2*>(transposed + row * (kFp8Block / 4))[piece] = bytes;
+  }
+  if (threadIdx.x == 0) {
+    p.scales[blockIdx.x] = scale;  // (expert, nb, kb) row-major is the block's index
+    if (p.q_t != nullptr) p.scales_t[(expert * k_blocks + kb) * n_blocks + nb] = scale;
+  }
+  if (p.q_t == nullptr) return;
+  __syncthreads();  // the whole quantized block is in shared memory before its columns are read
+
+  const int column = threadIdx.x % kFp8Block, rows0 = (threadIdx.x / kFp8Block) * (kFp8Block / 2);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(transposed);
+  uint32_t out[kFp8Block / 2 / 4];
+#pragma unroll
+  for (int j = 0; j < kFp8Block / 2 / 4; ++j) {
+    const int r = rows0 + 4 * j;
+    const uint32_t b0 = bytes[r * kFp8Block + column], b1 = bytes[(r + 1) * kFp8Block + column];
+    const uint32_t b2 = bytes[(r + 2) * kFp8Block + column], b3 = bytes[(r + 3) * kFp8Block + column];
+    out[j] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+  }
+  // q_t (expert, k, n): row kb * 128 + column, bytes nb * 128 + rows0 ..
+  uint4* dst = reinterpret_cast<uint4*>(p.q_t + (expert * p.k + kb * kFp8Block + column) * p.n + nb * kFp8Block + rows0);
+#pragma unroll
+  for (int j = 0; j < kFp8Block / 2 / 16; ++j) dst[j] = make_uint4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
+}
+
+}  // namespace mok

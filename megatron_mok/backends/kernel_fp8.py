@@ -1,0 +1,254 @@
+"""The kernel backend's FP8 blockwise stages (MoKConfig.precision="fp8_blockwise"): the recipe of
+docs/design.md §12 through megatron_mok.ops, stage for stage what backends/reference_fp8.py computes
+in PyTorch. The schedule, the combine, the BF16 data movement and the exchange are the BF16 kernel
+backend's (backends/kernel.py); the quantizations go through backends/fp8_quantize.py (one module:
+the quantization kernels replace its bodies).
+
+Shapes: capacity = the schedule's rows, every segment starting and ending at a multiple of 128 rows
+(functional raises the alignment for FP8); H hidden; F ffn_hidden; E local experts. The activation
+dtype is bf16 (the kernel backend's). Per stage:
+
+    dispatch_gate_up   the source's FP8 rows (x quantized 1x128 along H where its rank published it)
+                       and their scales gathered into the segments by the dispatch kernel (the E4M3
+                       bytes moved as bf16 pairs, bit for bit; padding rows zero bytes, scale 0) ->
+                       ops.fp8_expert_gemm_swiglu: gate_up bf16 and act quantized 1x128 along F in
+                       its epilogue (pow2 scales: ops.fp8_expert_gemm, the SwiGLU kernel and
+                       fp8_quantize, the fused epilogue writes IEEE scales only)
+    expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's)
+    pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
+                       (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
+                       reference's); from a bf16 source, bf16's
+    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) -> d act bf16 -> the SwiGLU
+                       backward kernel with gate_up
+    dgrad_rows         d gate_up quantized 1x128 along 2F -> ops.fp8_expert_gemm with fc1 transposed
+                       (E, H, 2F) -> d rows bf16 (pushed back as bf16's)
+    weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
+                       bf16 values -> ops.fp8_expert_wgrad, fp32 per launch, a launch per group of
+                       experts whose fp32 gradients fit tuning.FP8_WGRAD_OUT_BYTES, each rounded once
+                       into the bf16 result; over several receive windows one fp32 (E, m, n) carried
+                       from window to window (bitwise one pass); or the BF16 kernel's weight gradients
+
+A padding row's scale is 0 here where the reference writes 1: its E4M3 bytes are zero, so every
+product it enters is 0 either way. Rows at or past the schedule's end are left unwritten, as the
+BF16 kernel stages leave them; no stage reads them (the column-wise quantization zeroes them).
+
+Gate: the FP8 kernel path is not verified on a GPU yet. backend="kernel" with fp8_blockwise is a
+ValueError naming the setting unless the environment sets MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1;
+backend="auto" runs the reference recipe for FP8 whatever the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from megatron_mok import fp8_weights, ops
+from megatron_mok.backends import kernel
+from megatron_mok.backends.fp8_quantize import gemm_a_layout, quantize_columns, quantize_rows_gemm_a
+from megatron_mok.backends.stages import Stages
+from megatron_mok.backends.tuning import (
+    EXPERT_GEMM_CHOICES,
+    FP8_EXPERT_GEMM_CLUSTER_M,
+    FP8_EXPERT_GEMM_GROUP_M,
+    FP8_WGRAD_OUT_BYTES,
+)
+from megatron_mok.comm.exchange import GradSource, RowSource
+from megatron_mok.quantization import Fp8Recipe, QuantizedRows
+from megatron_mok.schedule import Schedule
+
+Tensor = torch.Tensor
+
+UNVERIFIED_FP8_KERNELS_ENV = "MEGATRON_MOK_UNVERIFIED_FP8_KERNELS"
+
+
+def fp8_kernels_unlocked() -> bool:
+    """Whether the environment runs the (not yet GPU-verified) FP8 kernel path for backend="kernel"."""
+    return os.environ.get(UNVERIFIED_FP8_KERNELS_ENV) == "1"
+
+
+def fp8_gate_reason(precision: str) -> Optional[str]:
+    """None if backend="kernel" may run MoKConfig.precision `precision` (not bf16), else why not."""
+    if precision == "fp8_blockwise" and fp8_kernels_unlocked():
+        return None
+    return (
+        f"MoKConfig.precision={precision!r}: the kernel backend's FP8 path is not verified on a GPU yet; "
+        f"{precision} runs on the reference backend (MoKConfig.backend='reference' or 'auto'), or on the "
+        f"kernels with the environment variable {UNVERIFIED_FP8_KERNELS_ENV}=1"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOperand:
+    """An FP8 GEMM's left operand as the kernels take it, handed from one FP8 stage to the next (act,
+    from dispatch_gate_up to expert_down): values (R, K) e4m3; scales (K/128, fp8_scale_rows(R)) fp32,
+    the GEMM-A layout (quantization.gemm_a_scales)."""
+
+    values: Tensor
+    scales: Tensor
+
+
+_LAUNCH = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
+
+
+def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWeight, offsets: Tensor) -> Tensor:
+    """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16."""
+    return ops.fp8_expert_gemm(values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH)
+
+
+def _gather_values(values_all: Tensor, schedule: Schedule) -> Tensor:
+    """values_all (N, H) e4m3 -> (capacity, H) e4m3 in schedule order through the dispatch kernel: its
+    bf16 form copies 16-bit pairs unchanged (no arithmetic without weights), and a zero bf16 pair is
+    two E4M3 zeros (H is even: a multiple of 128)."""
+    pairs = values_all.view(torch.uint8).view(torch.bfloat16)
+    rows = ops.dispatch_rows(pairs, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
+    return rows.view(torch.uint8).view(values_all.dtype)
+
+
+def _fp8_source(source: RowSource) -> Optional[QuantizedRows]:
+    """The source's FP8 rows, or None for rows in the activation dtype. FP8 rows cross ranks over the
+    collective exchange only (one tensor: no peer pointers)."""
+    if not isinstance(source.tensor, QuantizedRows):
+        return None
+    if source.peer_ptrs is not None:
+        raise ValueError("FP8 rows are gathered by the collective exchange; a symmetric FP8 source is not supported")
+    return source.tensor
+
+
+def dispatch_rows(source: RowSource, schedule: Schedule):
+    """-> (capacity, H): QuantizedRows (scales (capacity, H/128), row-wise) from an FP8 source, else
+    the BF16 kernel's dispatch. Padding rows zero (FP8: zero bytes, scale 0)."""
+    rows_all = _fp8_source(source)
+    if rows_all is None:
+        return kernel.dispatch_rows(source, schedule)
+    scales = ops.dispatch_rows(rows_all.scales, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
+    return QuantizedRows(_gather_values(rows_all.values, schedule), scales)
+
+
+def dispatch_gate_up(
+    source: RowSource, schedule: Schedule, fc1: Tensor, ring_minibatches: int, *, recipe: Fp8Recipe
+) -> tuple[None, Tensor, GemmOperand]:
+    """-> (None, gate_up (capacity, 2F) bf16, act (capacity, F) as a GemmOperand). The FP8 rows are not
+    returned: backward quantizes its weight gradients from the bf16 rows, and dropping them here frees
+    them before the down projection runs. ring_minibatches (the BF16 dispatching GEMM's) does not apply."""
+    rows = dispatch_rows(source, schedule)
+    offsets = schedule.expert_offsets
+    weight = fp8_weights.quantized(fc1, recipe.pow2_scales)
+    rows_scales = gemm_a_layout(rows.scales)
+    if not recipe.pow2_scales:
+        gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
+            rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH
+        )
+        return None, gate_up, GemmOperand(act, act_scales)
+    gate_up = _gemm(rows.values, rows_scales, weight, offsets)
+    del rows, rows_scales
+    return None, gate_up, GemmOperand(*quantize_rows_gemm_a(ops.swiglu_forward(gate_up, offsets), pow2=True))
+
+
+def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+    """act (capacity, F) FP8 -> (capacity, H) bf16."""
+    return _gemm(act.values, act.scales, fp8_weights.quantized(fc2, recipe.pow2_scales), offsets)
+
+
+def pull_route_grads(source: GradSource, schedule: Schedule):
+    """w[route] * dY[route // K] per row: QuantizedRows (dY's E4M3 bytes, its scales times w) from an
+    FP8 dY source, else the BF16 kernel's pull. Padding rows zero (FP8: zero bytes, scale 0)."""
+    grad_y_all = _fp8_source(source.grad_y)
+    if grad_y_all is None:
+        return kernel.pull_route_grads(source, schedule)
+    scales = ops.pull_grad_rows(
+        grad_y_all.scales, source.weights.tensor, schedule.slot_to_route, schedule.topk, schedule.expert_offsets
+    )
+    return QuantizedRows(_gather_values(grad_y_all.values, schedule), scales)
+
+
+def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+    """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F) bf16: d act = FP8 GEMM with fc2 transposed
+    (E, F, H), rounded to bf16, then the SwiGLU backward kernel (fp32, rounded once), as the reference."""
+    weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales)
+    grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
+    return ops.swiglu_backward(gate_up, grad_act, offsets)
+
+
+def dgrad_rows(grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+    """d gate_up (capacity, 2F) bf16, quantized 1x128 along 2F -> d rows (capacity, H) bf16."""
+    values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
+    return _gemm(values, scales, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales), offsets)
+
+
+def wgrad_experts_per_launch(m: int, n: int) -> int:
+    """Experts per ops.fp8_expert_wgrad launch of one receive window: as many as keep the launch's fp32
+    (experts, m, n) within tuning.FP8_WGRAD_OUT_BYTES, at least one."""
+    return max(1, FP8_WGRAD_OUT_BYTES // (4 * m * n))
+
+
+def weight_grad_window(grad_out: Tensor, inputs: Tensor, window, carried: Optional[Tensor], *, recipe: Fp8Recipe) -> Tensor:
+    """grad_out (W, m), inputs (W, n) bf16: a receive window's rows (receive.Window) -> both quantized
+    1x128 along the rows, their FP8 weight gradients added to `carried`. Returns what the next window
+    carries: (E, m, n) fp32 after a window that is not the last, (E, m, n) bf16 after the last.
+
+    One window (every pass over the collective exchange): a launch per group of experts into a fresh
+    fp32 buffer, rounded into the bf16 result (each expert's chain is one launch's: the grouping does
+    not change its bits). Several windows: one fp32 (E, m, n) that each window continues (accumulate),
+    bitwise one pass over every row (ops.fp8_expert_wgrad), rounded after the last."""
+    offsets = window.schedule.expert_offsets
+    grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
+    values, value_scales = quantize_columns(inputs, offsets, recipe.pow2_scales)
+    operands = (grad, grad_scales, values, value_scales)
+    num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
+    if window.num_windows > 1:
+        total = ops.fp8_expert_wgrad(
+            *operands, window.full_offsets, carried, accumulate=window.index > 0, window_begin=window.begin
+        )
+        return total.to(grad_out.dtype) if window.last else total
+    result = grad_out.new_empty((num_experts, m, n))
+    step = wgrad_experts_per_launch(m, n)
+    for first in range(0, num_experts, step):
+        last = min(num_experts, first + step)
+        # (A copy of the offsets' slice: the op takes 16-byte aligned tensors. The slice keeps the
+        # whole schedule's row numbers; the kernel clamps each segment to the window's rows.)
+        group_offsets = window.full_offsets if last - first == num_experts else window.full_offsets[first:last + 1].clone()
+        result[first:last] = ops.fp8_expert_wgrad(*operands, group_offsets)
+    return result
+
+
+def _swiglu(gate_up: Tensor, offsets: Tensor) -> Tensor:
+    return ops.swiglu_forward(gate_up, offsets)
+
+
+def _swiglu_backward(gate_up: Tensor, grad_act: Tensor, offsets: Tensor) -> Tensor:
+    return ops.swiglu_backward(gate_up, grad_act, offsets)
+
+
+@functools.cache
+def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
+    """The kernel backend's stage table for one FP8 recipe; expert_gemm (MoKConfig.expert_gemm) picks
+    the BF16 weight gradients' family when recipe.weight_grad is False."""
+    if expert_gemm not in kernel.KERNEL_STAGES:
+        raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(kernel.KERNEL_STAGES)}")
+    bf16 = kernel.KERNEL_STAGES[expert_gemm]
+    bind = lambda stage: functools.partial(stage, recipe=recipe)  # noqa: E731
+    if recipe.weight_grad:
+        weight_grads = dict(
+            segment_weight_grad=bf16.segment_weight_grad, weight_grad_family="fp8_kernel",
+            weight_grad_window=bind(weight_grad_window),
+        )
+    else:
+        weight_grads = dict(segment_weight_grad=bf16.segment_weight_grad, weight_grad_family=EXPERT_GEMM_CHOICES[expert_gemm].weight_grads)
+    return Stages(
+        dispatch_rows=dispatch_rows,
+        dispatch_gate_up=bind(dispatch_gate_up),
+        expert_down=bind(expert_down),
+        segment_matmul=bf16.segment_matmul,
+        swiglu=_swiglu,
+        swiglu_backward=_swiglu_backward,
+        dgrad_swiglu=bind(dgrad_swiglu),
+        dgrad_rows=bind(dgrad_rows),
+        combine=bf16.combine,
+        pull_route_grads=pull_route_grads,
+        route_weight_grads=bf16.route_weight_grads,
+        **weight_grads,
+    )

@@ -1,0 +1,234 @@
+"""FP8 blockwise quantization kernels (csrc/quant/; docs/design.md §12.1-12.2): one pass over the
+high-precision values per layout, each bit for bit the function of megatron_mok/quantization.py it
+names (the same q bytes and fp32 scales).
+
+Notation: R rows (tokens, or the schedule's rows), C columns (H, F or 2F; a multiple of 128), E
+experts, a weight (E, N, K). E4M3 is torch.float8_e4m3fn; pow2 rounds every scale up to a power of
+two (quantization.block_scale).
+    fp8_quantize_rows     x (R_src, C) bf16 -> q (R, C) e4m3, 1x128 along C, with its scales in the
+                          source layout (R, C/128) and/or the GEMM-A layout (C/128, fp8_scale_rows(R));
+                          optionally gathered: row r is x[row_index[r]], a zero row for -1
+                          (quantization.quantize_rowwise, gemm_a_scales)
+    fp8_quantize_columns  x (R, C) bf16 -> q (C, R_pad) e4m3, 1x128 along R (tokens), scales
+                          (R_pad/128, C), R_pad = R rounded up to 128; rows at or past
+                          expert_offsets[-1] and the padding quantize as zeros
+                          (quantization.quantize_columnwise)
+    fp8_quantize_weight   weight (E, N, K) bf16 or fp32 -> q (E, N, K) e4m3, scales (E, N/128, K/128),
+                          and its transposed copy q_t (E, K, N), scales_t (E, K/128, N/128)
+                          (quantization.quantize_weight, transpose_weight)
+The references are the `*_reference` functions beside the ops.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_mok import quantization
+from megatron_mok.limits import FP8_BLOCK, fp8_scale_rows
+from megatron_mok.ops.extension import register_fake
+
+E4M3 = torch.float8_e4m3fn
+Tensor = torch.Tensor
+
+
+@register_fake("fp8_quantize_rows")
+def _fp8_quantize_rows_fake(x, row_index, source_scales, gemm_a_scales, pow2):
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    blocks = x.shape[1] // FP8_BLOCK
+    nothing = x.new_empty((0,), dtype=torch.float32)
+    return (
+        x.new_empty((rows, x.shape[1]), dtype=E4M3),
+        x.new_empty((rows, blocks), dtype=torch.float32) if source_scales else nothing,
+        x.new_empty((blocks, fp8_scale_rows(rows)), dtype=torch.float32) if gemm_a_scales else nothing.clone(),
+    )
+
+
+@register_fake("fp8_quantize_columns")
+def _fp8_quantize_columns_fake(x, expert_offsets, pow2):
+    padded = _padded_rows(x.shape[0])
+    return x.new_empty((x.shape[1], padded), dtype=E4M3), x.new_empty((padded // FP8_BLOCK, x.shape[1]), dtype=torch.float32)
+
+
+@register_fake("fp8_quantize_weight")
+def _fp8_quantize_weight_fake(weight, transposed, pow2):
+    e, n, k = weight.shape
+    nothing = weight.new_empty((0,), dtype=torch.float32)
+    return (
+        weight.new_empty((e, n, k), dtype=E4M3),
+        weight.new_empty((e, n // FP8_BLOCK, k // FP8_BLOCK), dtype=torch.float32),
+        weight.new_empty((e, k, n), dtype=E4M3) if transposed else nothing,
+        weight.new_empty((e, k // FP8_BLOCK, n // FP8_BLOCK), dtype=torch.float32) if transposed else nothing.clone(),
+    )
+
+
+def _padded_rows(rows: int) -> int:
+    return -(-rows // FP8_BLOCK) * FP8_BLOCK
+
+
+def fp8_quantize_rows(
+    x: Tensor,
+    row_index: Optional[Tensor] = None,
+    *,
+    source_scales: bool = True,
+    gemm_a_scales: bool = True,
+    pow2: bool = False,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """x (R_src, C) bf16, 1x128 blocks along C -> (q (R, C) e4m3, scales (R, C/128) fp32 or None,
+    gemm_a (C/128, fp8_scale_rows(R)) fp32 or None; its padding columns 1).
+
+    row_index (R,) int64: row r of the output is x[row_index[r]], a zero row (q 0, scale 1) for -1;
+    without it R = R_src and row r is x[r]. An index outside [-1, R_src) traps in the kernel, named
+    by ops.last_failure() (it lives on the device: checking it here would synchronize). A route
+    index maps to its token row by floor division by topk, which keeps -1. source_scales /
+    gemm_a_scales: which scale layouts to write (at least one). Ref: fp8_quantize_rows_reference."""
+    check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow2)
+    q, scales, gemm_a = torch.ops.megatron_mok.fp8_quantize_rows(x, row_index, source_scales, gemm_a_scales, pow2)
+    return q, scales if source_scales else None, gemm_a if gemm_a_scales else None
+
+
+def fp8_quantize_rows_reference(
+    x: Tensor, row_index: Optional[Tensor] = None, pow2: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, scales, gemm_a) of fp8_quantize_rows through quantization.quantize_rowwise of the gathered
+    rows (zero rows for -1) and quantization.gemm_a_scales."""
+    rows = x
+    if row_index is not None:
+        rows = x.new_zeros((row_index.shape[0], x.shape[1]))
+        taken = row_index >= 0
+        rows[taken] = x[row_index[taken]]
+    q, scales = quantization.quantize_rowwise(rows, pow2)
+    return q, scales, quantization.gemm_a_scales(scales)
+
+
+def fp8_quantize_columns(
+    x: Tensor, expert_offsets: Optional[Tensor] = None, *, pow2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """x (R, C) bf16, 1x128 blocks along R (tokens) -> (q (C, R_pad) e4m3, the matrix transposed;
+    scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: the weight gradients' operands.
+
+    Rows at or past expert_offsets[-1] ((E + 1,) int32, the schedule's end row, read on the device)
+    and the padding rows [R, R_pad) quantize as zeros, whatever their memory holds. Each 128-row
+    block is one expert's when segments start at multiples of 128 (the FP8 schedule's
+    segment_alignment). Ref: fp8_quantize_columns_reference."""
+    check_fp8_quantize_columns_args(x, expert_offsets, pow2)
+    return torch.ops.megatron_mok.fp8_quantize_columns(x, expert_offsets, pow2)
+
+
+def fp8_quantize_columns_reference(
+    x: Tensor, expert_offsets: Optional[Tensor] = None, pow2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """fp8_quantize_columns through quantization.quantize_columnwise of x zero-padded to R_pad rows,
+    rows at or past expert_offsets[-1] zeroed. Reads the offsets on the host: tests and references
+    only."""
+    end = x.shape[0] if expert_offsets is None else min(x.shape[0], int(expert_offsets[-1]))
+    padded = x.new_zeros((_padded_rows(x.shape[0]), x.shape[1]))
+    padded[:end] = x[:end]
+    return quantization.quantize_columnwise(padded, pow2)
+
+
+def fp8_quantize_weight(
+    weight: Tensor, *, transposed: bool = True, pow2: bool = False
+) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """weight (E, N, K) bf16 or fp32, 128x128 blocks -> (q (E, N, K) e4m3, scales (E, N/128, K/128)
+    fp32, q_t (E, K, N) e4m3 and scales_t (E, K/128, N/128) fp32 or None): the fprop operand and,
+    with `transposed`, the dgrad operand, in one pass. Ref: fp8_quantize_weight_reference."""
+    check_fp8_quantize_weight_args(weight, transposed, pow2)
+    q, scales, q_t, scales_t = torch.ops.megatron_mok.fp8_quantize_weight(weight, transposed, pow2)
+    return q, scales, q_t if transposed else None, scales_t if transposed else None
+
+
+def fp8_quantize_weight_reference(weight: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """quantization.quantize_weight and quantization.transpose_weight of it."""
+    q, scales = quantization.quantize_weight(weight, pow2)
+    return (q, scales, *quantization.transpose_weight(q, scales))
+
+
+def _fail(op: str, message: str) -> None:
+    raise ValueError(f"{op}: {message}")
+
+
+def _check_flag(op: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        _fail(op, f"{name} must be a bool, got {value!r}")
+
+
+def _check_bf16_rows(op: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        _fail(op, f"x must be a tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        _fail(op, f"x must be torch.bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        _fail(op, f"x must be (R, C), got {tuple(x.shape)}")
+    if x.shape[1] <= 0 or x.shape[1] % FP8_BLOCK:
+        _fail(op, f"x's columns (C) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {x.shape[1]}")
+
+
+def _check_placement(op: str, tensors: dict) -> None:
+    """Contiguity, then 16-byte alignment of x (the kernels' loads), then devices: all on x's CUDA device."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            _fail(op, f"{name} must be contiguous")
+    first_name, first = next(iter(tensors.items()))
+    if first.data_ptr() % 16:
+        _fail(op, f"{first_name} must start 16-byte aligned (a view that starts mid-row is not)")
+    for name, t in tensors.items():
+        if t.device.type != "cuda" or t.device != first.device:
+            _fail(op, f"{name} must be a CUDA tensor on {first_name}'s device ({first.device}), got {t.device}")
+
+
+def check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow2) -> None:
+    """ValueErrors naming the argument, before any kernel runs: types, dtypes, shapes and the
+    multiple of 128 first, then contiguity, alignment and devices (all but the device checkable
+    with CPU tensors)."""
+    op = "fp8_quantize_rows"
+    _check_bf16_rows(op, x)
+    tensors = {"x": x}
+    if row_index is not None:
+        if not isinstance(row_index, torch.Tensor):
+            _fail(op, f"row_index must be a tensor or None, got {type(row_index).__name__}")
+        if row_index.dtype != torch.int64:
+            _fail(op, f"row_index must be torch.int64, got {row_index.dtype}")
+        if row_index.dim() != 1:
+            _fail(op, f"row_index must be (R,), got {tuple(row_index.shape)}")
+        tensors["row_index"] = row_index
+    for name, value in (("source_scales", source_scales), ("gemm_a_scales", gemm_a_scales), ("pow2", pow2)):
+        _check_flag(op, name, value)
+    if not (source_scales or gemm_a_scales):
+        _fail(op, "at least one of source_scales and gemm_a_scales must be True (q without scales is no operand)")
+    _check_placement(op, tensors)
+
+
+def check_fp8_quantize_columns_args(x, expert_offsets, pow2) -> None:
+    """As check_fp8_quantize_rows_args, for fp8_quantize_columns."""
+    op = "fp8_quantize_columns"
+    _check_bf16_rows(op, x)
+    tensors = {"x": x}
+    if expert_offsets is not None:
+        if not isinstance(expert_offsets, torch.Tensor):
+            _fail(op, f"expert_offsets must be a tensor or None, got {type(expert_offsets).__name__}")
+        if expert_offsets.dtype != torch.int32:
+            _fail(op, f"expert_offsets must be torch.int32, got {expert_offsets.dtype}")
+        if expert_offsets.dim() != 1 or expert_offsets.shape[0] < 1:
+            _fail(op, f"expert_offsets must be (E + 1,), got {tuple(expert_offsets.shape)}")
+        tensors["expert_offsets"] = expert_offsets
+    _check_flag(op, "pow2", pow2)
+    _check_placement(op, tensors)
+
+
+def check_fp8_quantize_weight_args(weight, transposed, pow2) -> None:
+    """As check_fp8_quantize_rows_args, for fp8_quantize_weight."""
+    op = "fp8_quantize_weight"
+    if not isinstance(weight, torch.Tensor):
+        _fail(op, f"weight must be a tensor, got {type(weight).__name__}")
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        _fail(op, f"weight must be torch.bfloat16 or torch.float32, got {weight.dtype}")
+    if weight.dim() != 3:
+        _fail(op, f"weight must be (E, N, K), got {tuple(weight.shape)}")
+    for name, size in (("N (weight's rows per expert)", weight.shape[1]), ("K (weight's columns)", weight.shape[2])):
+        if size <= 0 or size % FP8_BLOCK:
+            _fail(op, f"{name} must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {size}")
+    _check_flag(op, "transposed", transposed)
+    _check_flag(op, "pow2", pow2)
+    _check_placement(op, {"weight": weight})

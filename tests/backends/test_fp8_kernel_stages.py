@@ -1,0 +1,193 @@
+"""The kernel backend's FP8 blockwise stages (backends/kernel_fp8.py) on CPU: the gate, and the path's
+logic with every op replaced by its reference (tests' `_sim_*` below, over the `*_reference` functions
+of megatron_mok.ops and backends/reference.py), against the reference backend's FP8 layer.
+
+The simulated ops behave as the kernels are specified to: rows at or past the schedule's end are
+"unwritten" (filled with NaN here, so a stage that read them would poison its result), padding rows
+of the dispatch are zero bytes with scale 0 (the reference writes scale 1), a GEMM returns its exact
+recipe product rounded once to bf16. Under these the kernel stages compute the reference backend's
+arithmetic step for step (same quantized operands, same fp32 promotion order, same roundings: the
+module docstrings of reference_fp8.py and kernel_fp8.py), so the bar is bitwise equality; a wrong
+layout, scale, weight copy or a read past the schedule's end breaks it.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig, functional, mok_moe, ops
+from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for
+from megatron_mok.emulation import EmulatedGroup
+from megatron_mok.quantization import E4M3, Fp8Recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
+from test_emulation import assert_bitwise, make_problem as make_ranks_problem, run_concatenated, run_emulated  # noqa: E402
+from test_fp8_layer import ROUTINGS, SHAPES, make_problem, run_layer  # noqa: E402
+
+ENV = kernel_fp8.UNVERIFIED_FP8_KERNELS_ENV
+
+
+def _end(offsets: torch.Tensor) -> int:
+    return int(offsets[-1])  # (tests only: the kernels read it on the device)
+
+
+def _unwritten(out: torch.Tensor, offsets) -> torch.Tensor:
+    """out with its rows at or past the schedule's end as garbage: NaN (E4M3: its NaN byte)."""
+    if offsets is None:
+        return out
+    out = out.clone()
+    if out.dtype == E4M3:
+        out.view(torch.uint8)[_end(offsets):] = 0x7F
+    else:
+        out[_end(offsets):] = float("nan")
+    return out
+
+
+def _gather(src, slot_to_route, topk, weights=None):
+    valid = slot_to_route >= 0
+    route = torch.where(valid, slot_to_route, 0)
+    rows = src.index_select(0, route // topk)
+    if weights is not None:
+        rows = (rows.float() * weights.index_select(0, route).unsqueeze(1)).to(src.dtype)
+    return torch.where(valid.unsqueeze(1), rows, torch.zeros((), dtype=src.dtype))
+
+
+def _sim_dispatch_rows(x_all, slot_to_route, topk, expert_offsets=None):
+    return _unwritten(_gather(x_all, slot_to_route, topk), expert_offsets)
+
+
+def _sim_pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk, expert_offsets=None):
+    return _unwritten(_gather(grad_y_all, slot_to_route, topk, weights_all), expert_offsets)
+
+
+def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    out = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
+    return _unwritten(out, expert_offsets)
+
+
+def _sim_fp8_expert_gemm_swiglu(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu_reference(a, a_scales, weight, weight_scales, expert_offsets)
+    act_scales = act_scales.clone()
+    act_scales[:, _end(expert_offsets):] = float("nan")
+    return _unwritten(gate_up.bfloat16(), expert_offsets), _unwritten(act, expert_offsets), act_scales
+
+
+def _zero_past_end(t, offsets):
+    t = t.clone()
+    t[_end(offsets):] = 0
+    return t
+
+
+def _sim_fp8_expert_wgrad(grad, grad_scales, inputs, inputs_scales, expert_offsets, out=None, *, accumulate=False, window_begin=0):
+    part = ops.fp8_expert_wgrad_reference(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin)
+    if out is None:
+        return part
+    return out.add_(part) if accumulate else out.copy_(part)
+
+
+SIMULATED = {
+    "dispatch_rows": _sim_dispatch_rows,
+    "pull_grad_rows": _sim_pull_grad_rows,
+    "fp8_expert_gemm": _sim_fp8_expert_gemm,
+    "fp8_expert_gemm_swiglu": _sim_fp8_expert_gemm_swiglu,
+    "fp8_expert_wgrad": _sim_fp8_expert_wgrad,
+    "swiglu_forward": lambda gate_up, offsets: _zero_past_end(reference.swiglu(gate_up), offsets),
+    "swiglu_backward": lambda gate_up, grad_act, offsets: _zero_past_end(reference.swiglu_backward(gate_up, grad_act), offsets),
+    "combine": lambda table, index, weights, topk: reference.combine(table, index, weights, topk, table.dtype),
+    "route_weight_grads": reference.route_weight_grads,
+    # The BF16 sm90 weight gradient (fp8_weight_grad=False) reads only the segments' rows.
+    "expert_gemm_wgrad": lambda g, x, offsets: reference.segment_weight_grad(_zero_past_end(g, offsets), _zero_past_end(x, offsets), offsets),
+}
+
+
+@pytest.fixture
+def simulated_kernels(monkeypatch):
+    """The kernel backend on CPU: the FP8 gate open, every op its reference, the backend forced."""
+    monkeypatch.setenv(ENV, "1")
+    for name, sim in SIMULATED.items():
+        monkeypatch.setattr(ops, name, sim)
+    monkeypatch.setattr(functional, "resolve_backend", lambda backend, x, fc1, precision="bf16": backend)
+
+
+def _configs(weight_grad=True, pow2=False):
+    common = dict(precision="fp8_blockwise", fp8_weight_grad=weight_grad, fp8_pow2_scales=pow2)
+    # (expert_gemm "sm90": the BF16 weight gradients of fp8_weight_grad=False are the sm90 kernel's.)
+    return MoKConfig(backend="kernel", expert_gemm="sm90", **common), MoKConfig(backend="reference", **common)
+
+
+NAMES = ("y", "dx", "dtopk_weights", "dfc1", "dfc2")
+
+
+def _assert_equal(got, want, what):
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.equal(a, b), f"{what}: {name} differs from the reference backend's FP8"
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_kernel_fp8_stages_equal_the_reference_backend(simulated_kernels, shape, routing):
+    problem = make_problem(SHAPES[shape], routing, torch.bfloat16, seed=zlib.crc32(f"{shape}/{routing}".encode()))
+    kernel_config, reference_config = _configs()
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), f"{shape}/{routing}")
+
+
+@pytest.mark.parametrize("weight_grad,pow2", [(False, False), (True, True)], ids=["bf16_weight_grads", "pow2_scales"])
+def test_kernel_fp8_options_equal_the_reference_backend(simulated_kernels, weight_grad, pow2):
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=5)
+    kernel_config, reference_config = _configs(weight_grad, pow2)
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "options")
+
+
+def test_fp8_weight_gradient_in_expert_groups_is_the_one_launch_result(simulated_kernels, monkeypatch):
+    """A launch per expert (the fp32 budget at its smallest) gives the bits of one launch over all."""
+    problem = make_problem(SHAPES["small"], "uniform", torch.bfloat16, seed=6)
+    kernel_config, _ = _configs()
+    want = run_layer(*problem, config=kernel_config)
+    launches = []
+    real = kernel_fp8.wgrad_experts_per_launch
+    monkeypatch.setattr(kernel_fp8, "wgrad_experts_per_launch", lambda m, n: launches.append(real(m, n)) or 1)
+    _assert_equal(run_layer(*problem, config=kernel_config), want, "one expert per launch")
+    assert launches, "the FP8 weight gradients did not run through kernel_fp8.weight_grad_window"
+
+
+@pytest.mark.parametrize("routing", ("uniform", "all_to_last_rank", "dropped"))
+def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(simulated_kernels, routing):
+    num_ranks, t, h, f, e, k = 2, 9, 128, 128, 2, 3
+    problem = make_ranks_problem(num_ranks, t, h, f, e, k, routing, "cpu", torch.bfloat16, zlib.crc32(f"fp8k/{routing}".encode()))
+    config, _ = _configs()
+    got = run_emulated(EmulatedGroup(num_ranks, "cpu"), problem, e, config)
+    assert_bitwise(got, run_concatenated(problem, config), f"fp8 kernel stages r2/{routing}")
+
+
+GATE = r"MoKConfig.precision='fp8_blockwise': the kernel backend's FP8 path is not verified on a GPU yet; .*MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1"
+
+
+@pytest.mark.parametrize("value", [None, "0", "yes"], ids=["unset", "zero", "not_one"])
+def test_the_gate_is_a_value_error_naming_the_setting(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    x, ids, weights, fc1, fc2, _ = make_problem(SHAPES["odd_t"], "uniform", torch.bfloat16)
+    with pytest.raises(ValueError, match=r"MoKConfig.backend='kernel' cannot run this call: " + GATE):
+        mok_moe(x, ids, weights, fc1, fc2, config=MoKConfig(backend="kernel", precision="fp8_blockwise"))
+    with pytest.raises(ValueError, match=GATE):
+        stages_for("kernel", "auto", Fp8Recipe())
+
+
+def test_the_open_gate_gives_the_fp8_kernel_table_and_auto_keeps_the_reference(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    table = stages_for("kernel", "auto", Fp8Recipe())
+    assert table.weight_grad_family == "fp8_kernel" and table.weight_grad_window is not None
+    assert stages_for("kernel", "sm90", Fp8Recipe(weight_grad=False)).weight_grad_family == "sm90"
+    x, ids, weights, fc1, fc2, _ = make_problem(SHAPES["odd_t"], "uniform", torch.bfloat16)
+    assert resolve_backend("auto", x, fc1, "fp8_blockwise") == "reference"
+    # (On CPU the open gate still needs CUDA tensors: named as for bf16.)
+    with pytest.raises(ValueError, match="the kernel needs CUDA tensors"):
+        resolve_backend("kernel", x, fc1, "fp8_blockwise")

@@ -1,0 +1,144 @@
+"""The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_columns,
+fp8_quantize_weight: types, dtypes, shapes, the multiple of 128, contiguity and alignment before
+devices, so every error but the device's shows without a GPU and before any kernel runs), and their
+references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import ops, quantization
+from megatron_mok.limits import fp8_scale_rows
+
+E4M3 = torch.float8_e4m3fn
+R, C = 10, 256
+
+
+def rows_args(**changes):
+    args = dict(x=torch.zeros(R, C, dtype=torch.bfloat16), row_index=None, source_scales=True, gemm_a_scales=True,
+                pow2=False)
+    args.update(changes)
+    return args
+
+
+def columns_args(**changes):
+    args = dict(x=torch.zeros(R, C, dtype=torch.bfloat16), expert_offsets=None, pow2=False)
+    args.update(changes)
+    return args
+
+
+def weight_args(**changes):
+    args = dict(weight=torch.zeros(2, 256, 384, dtype=torch.bfloat16), transposed=True, pow2=False)
+    args.update(changes)
+    return args
+
+
+def _misaligned(rows: int, cols: int) -> torch.Tensor:
+    """A contiguous bf16 (rows, cols) view whose data starts 2 bytes into its storage."""
+    return torch.zeros(rows * cols + 1, dtype=torch.bfloat16)[1:].view(rows, cols)
+
+
+# name: (op, argument builder, the changed arguments, the error's words)
+BAD_ARGS = {
+    "rows_x_not_tensor": ("fp8_quantize_rows", rows_args, dict(x=[[0.0] * C]), "x must be a tensor"),
+    "rows_x_fp32": ("fp8_quantize_rows", rows_args, dict(x=torch.zeros(R, C)), "x must be torch.bfloat16"),
+    "rows_x_3d": ("fp8_quantize_rows", rows_args, dict(x=torch.zeros(1, R, C, dtype=torch.bfloat16)),
+                  r"x must be \(R, C\)"),
+    "rows_c_not_multiple": ("fp8_quantize_rows", rows_args, dict(x=torch.zeros(R, 192, dtype=torch.bfloat16)),
+                            r"x's columns \(C\) must be a positive multiple of 128 .* got 192"),
+    "rows_c_zero": ("fp8_quantize_rows", rows_args, dict(x=torch.zeros(R, 0, dtype=torch.bfloat16)),
+                    r"x's columns \(C\) must be a positive multiple of 128"),
+    "rows_index_list": ("fp8_quantize_rows", rows_args, dict(row_index=[0, 1]), "row_index must be a tensor or None"),
+    "rows_index_int32": ("fp8_quantize_rows", rows_args, dict(row_index=torch.zeros(4, dtype=torch.int32)),
+                         "row_index must be torch.int64"),
+    "rows_index_2d": ("fp8_quantize_rows", rows_args, dict(row_index=torch.zeros(2, 2, dtype=torch.int64)),
+                      r"row_index must be \(R,\)"),
+    "rows_flag_int": ("fp8_quantize_rows", rows_args, dict(pow2=1), "pow2 must be a bool"),
+    "rows_no_layout": ("fp8_quantize_rows", rows_args, dict(source_scales=False, gemm_a_scales=False),
+                       "at least one of source_scales and gemm_a_scales"),
+    "rows_x_not_contiguous": ("fp8_quantize_rows", rows_args, dict(x=torch.zeros(C, R, dtype=torch.bfloat16).t()),
+                              "x must be contiguous"),
+    "rows_index_not_contiguous": ("fp8_quantize_rows", rows_args,
+                                  dict(row_index=torch.zeros(8, dtype=torch.int64)[::2]), "row_index must be contiguous"),
+    "rows_x_misaligned": ("fp8_quantize_rows", rows_args, dict(x=_misaligned(R, C)), "x must start 16-byte aligned"),
+    "rows_cpu": ("fp8_quantize_rows", rows_args, {}, "x must be a CUDA tensor"),
+    "columns_x_fp16": ("fp8_quantize_columns", columns_args, dict(x=torch.zeros(R, C, dtype=torch.float16)),
+                       "x must be torch.bfloat16"),
+    "columns_c_not_multiple": ("fp8_quantize_columns", columns_args, dict(x=torch.zeros(R, 100, dtype=torch.bfloat16)),
+                               r"x's columns \(C\) must be a positive multiple of 128"),
+    "columns_offsets_int64": ("fp8_quantize_columns", columns_args, dict(expert_offsets=torch.zeros(3, dtype=torch.int64)),
+                              "expert_offsets must be torch.int32"),
+    "columns_offsets_empty": ("fp8_quantize_columns", columns_args,
+                              dict(expert_offsets=torch.zeros(0, dtype=torch.int32)), r"expert_offsets must be \(E \+ 1,\)"),
+    "columns_flag_none": ("fp8_quantize_columns", columns_args, dict(pow2=None), "pow2 must be a bool"),
+    "columns_cpu": ("fp8_quantize_columns", columns_args, {}, "x must be a CUDA tensor"),
+    "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
+    "weight_fp16": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(2, 256, 384, dtype=torch.float16)),
+                    "weight must be torch.bfloat16 or torch.float32"),
+    "weight_2d": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(256, 384, dtype=torch.bfloat16)),
+                  r"weight must be \(E, N, K\)"),
+    "weight_n_not_multiple": ("fp8_quantize_weight", weight_args,
+                              dict(weight=torch.zeros(2, 200, 384, dtype=torch.bfloat16)),
+                              r"N \(weight's rows per expert\) must be a positive multiple of 128 .* got 200"),
+    "weight_k_not_multiple": ("fp8_quantize_weight", weight_args,
+                              dict(weight=torch.zeros(2, 256, 96, dtype=torch.bfloat16)),
+                              r"K \(weight's columns\) must be a positive multiple of 128 .* got 96"),
+    "weight_flag_str": ("fp8_quantize_weight", weight_args, dict(transposed="yes"), "transposed must be a bool"),
+    "weight_not_contiguous": ("fp8_quantize_weight", weight_args,
+                              dict(weight=torch.zeros(2, 384, 256, dtype=torch.bfloat16).transpose(1, 2)),
+                              "weight must be contiguous"),
+    "weight_cpu": ("fp8_quantize_weight", weight_args, {}, "weight must be a CUDA tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_bad_argument_is_a_value_error_naming_it(case):
+    op, build, changes, words = BAD_ARGS[case]
+    args = build(**changes)
+    flags = {name: args.pop(name) for name in ("source_scales", "gemm_a_scales", "pow2", "transposed") if name in args}
+    with pytest.raises(ValueError, match=f"{op}: {words}"):
+        getattr(ops, op)(*args.values(), **flags)
+
+
+def test_rows_reference_gathers_and_zero_fills():
+    """Row r of the reference is x[row_index[r]] quantized, and a -1 row is all zeros with scale 1;
+    the GEMM-A layout is the source layout transposed with padding columns 1."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, C, generator=g).bfloat16()
+    index = torch.tensor([4, -1, 0, 0, 2, -1, 3])
+    q, scales, gemm_a = ops.fp8_quantize_rows_reference(x, index)
+    want_q, want_scales = quantization.quantize_rowwise(x)
+    for r, i in enumerate(index.tolist()):
+        if i < 0:
+            assert torch.all(q[r].float() == 0) and torch.all(scales[r] == 1)
+        else:
+            assert torch.equal(q[r].view(torch.uint8), want_q[i].view(torch.uint8)) and torch.equal(scales[r], want_scales[i])
+    assert gemm_a.shape == (C // 128, fp8_scale_rows(7))
+    assert torch.equal(gemm_a[:, :7], scales.t()) and torch.all(gemm_a[:, 7:] == 1)
+
+
+def test_columns_reference_masks_the_tail_and_pads():
+    """Rows at or past expert_offsets[-1] and the padding to 128 rows quantize as zeros: the
+    reference equals quantize_columnwise of the zero-filled, padded matrix, and a NaN in the masked
+    tail reaches nothing."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, C, generator=g).bfloat16()
+    x[290:] = float("nan")  # past the schedule's end: never read
+    offsets = torch.tensor([0, 128, 128, 290], dtype=torch.int32)
+    q, scales = ops.fp8_quantize_columns_reference(x, offsets)
+    assert q.shape == (C, 384) and scales.shape == (3, C)
+    padded = torch.zeros(384, C, dtype=torch.bfloat16)
+    padded[:290] = x[:290]
+    want_q, want_scales = quantization.quantize_columnwise(padded)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert torch.isfinite(scales).all()
+
+
+def test_weight_reference_transposed_copy_is_the_transposed_quantization():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 256, 384, generator=g).bfloat16()
+    q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(w)
+    want_q_t, want_scales_t = quantization.quantize_weight(w.transpose(1, 2).contiguous())
+    assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8)) and torch.equal(scales_t, want_scales_t)
+    assert q.shape == (2, 256, 384) and scales.shape == (2, 2, 3)

@@ -1,0 +1,397 @@
+"""The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_columns, fp8_quantize_weight;
+csrc/quant/) against megatron_mok/quantization.py run on the same GPU tensors (skipped without a
+Hopper GPU and the built extension; run on the device).
+
+Tolerance: none. The kernels compute docs/design.md §12.1 exactly as the reference does (the same
+amax, the IEEE quotient amax / 448, the IEEE quotient v / scale, round-to-nearest-even E4M3 with
+saturation), so q and the scales are compared bit for bit (tests/oracle.py's scheme 1), with one
+allowance: a NaN is a NaN. Where a block holds NaN or inf, the NaN bytes may be 0x7F or 0xFF and the
+NaN scales may carry any payload; only their places must agree (the kernels write 0x7F with the
+quotient's sign, torch keeps the sign its NaN has; neither sign is part of the contract).
+
+The data: Gaussian rows of a wide dynamic range, all-zero blocks (with -0.0), NaN and +-inf, bf16's
+subnormal range (and fp32's for weights, down to a scale that underflows to 0), amax near bf16's max
+beside tiny values, E4M3 rounding ties at scale 1, and amax / 448 an exact power of two (the
+kernels' multiply path without pow2); each with and without pow2 scales; odd and zero row counts.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_mok import ops, quantization
+from megatron_mok.limits import fp8_scale_rows
+from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator, run_until_trap
+
+pytestmark = NEEDS_HOPPER_KERNELS
+
+E4M3 = torch.float8_e4m3fn
+KINDS = ["gaussian", "zero_blocks", "nan_inf", "subnormal", "extreme", "ties", "pow2_quotients"]
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) % 100_000
+
+
+def values(kind: str, shape: tuple, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """A (..., R, C) tensor of `kind` on the GPU, in `dtype`. Zero blocks are planted per op (their
+    geometry differs); here every kind but gaussian plants its values at scattered places."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=gen)
+    # Magnitudes from 1e-3 to 1e3 across the last-but-one dimension: blocks of different scales.
+    x *= 10.0 ** (torch.rand(shape[:-1] + (1,), device="cuda", generator=gen) * 6 - 3)
+    flat = x.view(-1)
+    n = flat.numel()
+    if n == 0:
+        return x.to(dtype)
+
+    def places(count: int) -> torch.Tensor:
+        return torch.randint(0, n, (max(1, min(count, n // 4)),), device="cuda", generator=gen)
+
+    if kind == "nan_inf":
+        flat[places(n // 3000 + 1)] = float("nan")
+        flat[places(n // 3000 + 1)] = float("inf")
+        flat[places(n // 3000 + 1)] = float("-inf")
+    elif kind == "subnormal":
+        tiny = 2.0**-149 if dtype == torch.float32 else 2.0**-133  # the dtype's smallest subnormal
+        x.copy_(torch.randn(shape, device="cuda", generator=gen) * 2.0**-128)  # mostly subnormal
+        flat[places(n // 7)] *= 2.0**6  # some normal values among them
+        flat[places(n // 11)] = tiny
+    elif kind == "extreme":
+        flat.mul_(1e35).clamp_(-3.3e38, 3.3e38)
+        flat[places(n // 200)] = 3.3e38
+        flat[places(n // 50)] = 1e-30  # beside 3e38: their quotients underflow to zero
+    elif kind == "ties":
+        # Scale 1 (a +-448 in every 128 values along the last dimension), the rest E4M3 values and
+        # the midpoints between neighbours, normal and subnormal: each midpoint rounds to the even one.
+        table = torch.tensor([1.0625, 1.1875, 17.0, 19.0, 2.0**-10, 3 * 2.0**-10, 1.5 * 2.0**-9, 240.0, 232.0,
+                              0.0625, 0.0703125, 416.0, 432.0, 1.0, 2.0**-9], device="cuda")
+        pick = torch.randint(0, table.numel(), shape, device="cuda", generator=gen)
+        sign = torch.randint(0, 2, shape, device="cuda", generator=gen) * 2 - 1
+        x.copy_(table[pick] * sign)
+        x[..., ::128] = 448.0 * sign[..., ::128]
+        if len(shape) >= 2:
+            x[..., ::128, :] = 448.0  # the columns' blocks run along the rows: a 448 in each of them too
+    elif kind == "pow2_quotients":
+        # Blocks whose amax / 448 is exactly 2^k: the multiply path without pow2 scales.
+        x.clamp_(-50.0, 50.0)
+        x[..., ::64] = 56.0  # 448 * 2^-3
+        if len(shape) >= 2:
+            x[..., ::64, :] = -56.0
+    elif kind != "gaussian" and kind != "zero_blocks":
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+def nan_bytes(q: torch.Tensor) -> torch.Tensor:
+    return (q.view(torch.uint8) & 0x7F) == 0x7F
+
+
+def assert_q_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == E4M3 and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    g, w = got.view(torch.uint8), want.view(torch.uint8)
+    differ = (g != w) & ~(nan_bytes(got) & nan_bytes(want))
+    count = int(differ.sum())
+    if count:
+        at = tuple(int(i) for i in differ.nonzero()[0])
+        raise AssertionError(f"{what}: {count} of {g.numel()} bytes differ, first at {at}: {int(g[at]):#04x} "
+                             f"against {int(w[at]):#04x}")
+
+
+def assert_scales_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    differ = (got.view(torch.int32) != want.view(torch.int32)) & ~both_nan
+    count = int(differ.sum())
+    if count:
+        at = tuple(int(i) for i in differ.nonzero()[0])
+        raise AssertionError(f"{what}: {count} of {got.numel()} scales differ, first at {at}: {float(got[at])!r} "
+                             f"against {float(want[at])!r}")
+
+
+# ---- rows: 1x128 along the columns --------------------------------------------------------------
+
+# name: (rows, columns): odd and zero row counts, one block, DeepSeek-V3's H, F, 2F.
+ROW_SHAPES = {
+    "one_block": (1, 128),
+    "odd_rows": (7, 384),
+    "no_rows": (0, 256),
+    "deepseek_v3_h": (515, 7168),
+    "deepseek_v3_f": (1001, 2048),
+    "deepseek_v3_2f": (333, 4096),
+}
+
+
+def row_values(kind, rows, cols, seed):
+    x = values(kind, (rows, cols), seed)
+    if kind == "zero_blocks" and rows:
+        blocks = x.view(rows, cols // 128, 128)
+        blocks[:, ::3] = 0.0
+        blocks[::2, 1::3] = -0.0
+        blocks[1::2, 1::3, ::2] = -0.0  # a block of -0.0 and 0.0
+    return x
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(ROW_SHAPES))
+def test_rows_equal_quantize_rowwise(shape, kind, pow2):
+    rows, cols = ROW_SHAPES[shape]
+    x = row_values(kind, rows, cols, seed_of(shape, kind))
+    poison_allocator()
+    q, scales, gemm_a = ops.fp8_quantize_rows(x, pow2=pow2)
+    want_q, want_scales, want_gemm_a = ops.fp8_quantize_rows_reference(x, pow2=pow2)
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales (source layout)")
+    assert_scales_equal(gemm_a, want_gemm_a, "scales (GEMM-A layout, padding columns 1)")
+
+
+@pytest.mark.parametrize("layouts", [(True, False), (False, True)], ids=["source_only", "gemm_a_only"])
+def test_rows_one_layout_only(layouts):
+    source, gemm_a = layouts
+    x = row_values("gaussian", 13, 256, seed=3)
+    q, scales, a_scales = ops.fp8_quantize_rows(x, source_scales=source, gemm_a_scales=gemm_a)
+    want_q, want_scales, want_gemm_a = ops.fp8_quantize_rows_reference(x)
+    assert_q_equal(q, want_q, "q")
+    assert (scales is None) != source and (a_scales is None) != gemm_a
+    if source:
+        assert_scales_equal(scales, want_scales, "scales")
+    else:
+        assert_scales_equal(a_scales, want_gemm_a, "gemm_a scales")
+
+
+# name: (source rows, the index): repeats, reversed order, -1 rows, all -1, an empty source.
+GATHERS = {
+    "routes": (50, [3, 3, -1, 49, 0, 7, 7, 7, -1, 12] * 7 + [48, -1]),
+    "reversed": (300, list(range(299, -1, -1))),
+    "all_padding": (5, [-1] * 9),
+    "empty_source": (0, [-1, -1, -1]),
+    "schedule_like": (8192, None),  # slot_to_route // topk of a real top-8 schedule padded to 128
+}
+
+
+def gather_index(name, src_rows, seed):
+    if name != "schedule_like":
+        return torch.tensor(GATHERS[name][1], dtype=torch.int64, device="cuda")
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(src_rows, 32, device="cuda", generator=gen).topk(8, dim=1).indices
+    schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=32, segment_alignment=128)
+    return schedule.slot_to_route.div(8, rounding_mode="floor")  # -1 stays -1
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", ["gaussian", "zero_blocks", "nan_inf"])
+@pytest.mark.parametrize("gather", list(GATHERS))
+def test_gathered_rows_equal_quantize_rowwise_of_the_gathered_rows(gather, kind, pow2):
+    src_rows = GATHERS[gather][0]
+    cols = 7168 if gather == "schedule_like" else 256
+    x = row_values(kind, src_rows, cols, seed_of(gather, kind))
+    index = gather_index(gather, src_rows, seed=5)
+    poison_allocator()
+    q, scales, gemm_a = ops.fp8_quantize_rows(x, index, pow2=pow2)
+    want_q, want_scales, want_gemm_a = ops.fp8_quantize_rows_reference(x, index, pow2=pow2)
+    assert q.shape == (index.shape[0], cols) and gemm_a.shape == (cols // 128, fp8_scale_rows(index.shape[0]))
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales")
+    assert_scales_equal(gemm_a, want_gemm_a, "gemm_a scales")
+
+
+TRAP_SCRIPT = """
+import torch
+from megatron_mok import ops
+x = torch.randn(20, 256, device="cuda").bfloat16()
+index = torch.tensor({index}, dtype=torch.int64, device="cuda")
+ops.fp8_quantize_rows(x, index)
+try:
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as error:
+    print("error:", type(error).__name__)
+print("record:", ops.last_failure())
+"""
+
+
+@pytest.mark.parametrize("index", [[0, 20], [-2, 1]], ids=["past_the_end", "below_minus_one"])
+def test_a_row_index_out_of_range_traps_with_its_name(index):
+    record, out, _ = run_until_trap(TRAP_SCRIPT.format(index=index))
+    assert "row_index holds a row outside" in record and "kernel fp8_quantize_rows" in record, out
+
+
+# ---- columns: 1x128 along the rows (tokens), transposed ---------------------------------------
+
+# name: (rows, columns, the schedule's end row or None): rows not a multiple of 128, an end inside
+# the last block and inside an earlier one, one row, none, DeepSeek-V3's H and F over a schedule.
+COLUMN_SHAPES = {
+    "one_block": (128, 128, None),
+    "one_row": (1, 128, None),
+    "no_rows": (0, 256, None),
+    "ragged_rows": (300, 256, None),
+    "end_in_last_block": (300, 256, 290),
+    "end_in_an_earlier_block": (640, 384, 200),
+    "end_zero": (256, 128, 0),
+    "deepseek_v3_h": (4096 + 77, 7168, 4096),
+    "deepseek_v3_f": (8192 + 3, 2048, 8192 - 128 + 5),
+}
+
+
+def column_values(kind, rows, cols, end, seed):
+    x = values(kind, (rows, cols), seed)
+    if kind == "zero_blocks" and rows:
+        x[: min(rows, 128), ::3] = 0.0
+        x[: min(rows, 128), 1::3] = -0.0
+    if end is not None:
+        x[end:] = float("nan")  # past the schedule's end: must never be read
+    return x
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(COLUMN_SHAPES))
+def test_columns_equal_quantize_columnwise(shape, kind, pow2):
+    rows, cols, end = COLUMN_SHAPES[shape]
+    x = column_values(kind, rows, cols, end, seed_of(shape, kind))
+    offsets = None if end is None else torch.tensor([0, end // 2, end], dtype=torch.int32, device="cuda")
+    poison_allocator()
+    q, scales = ops.fp8_quantize_columns(x, offsets, pow2=pow2)
+    want_q, want_scales = ops.fp8_quantize_columns_reference(x, offsets, pow2=pow2)
+    padded = -(-rows // 128) * 128
+    assert q.shape == (cols, padded) and scales.shape == (padded // 128, cols)
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales")
+
+
+def test_columns_of_segments_equal_the_weight_gradient_operand():
+    """Over a schedule padded to 128 rows per segment, the columns' blocks are per expert: the op's
+    operands give quantization.fp8_segment_weight_grad what quantize_columnwise's give it."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    offsets_host = [0, 256, 256, 640, 768]
+    rows = offsets_host[-1] + 40  # a tail past the schedule
+    dy = torch.randn(rows, 256, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(rows, 384, device="cuda", generator=gen).bfloat16()
+    offsets = torch.tensor(offsets_host, dtype=torch.int32, device="cuda")
+    got = quantization.fp8_segment_weight_grad(*ops.fp8_quantize_columns(dy, offsets), *ops.fp8_quantize_columns(x, offsets),
+                                              offsets)
+    end = offsets_host[-1]
+    want = quantization.fp8_segment_weight_grad(*quantization.quantize_columnwise(dy[:end]),
+                                               *quantization.quantize_columnwise(x[:end]), offsets)
+    assert torch.equal(got, want)
+
+
+# ---- weights: 128x128 blocks and the transposed copy --------------------------------------------
+
+# name: (experts, N, K): one block, several, DeepSeek-V3's fc2 as stored (H x F) and fc1 (2F x H).
+WEIGHT_SHAPES = {
+    "one_block": (1, 128, 128),
+    "several": (3, 256, 384),
+    "deepseek_v3_fc2": (2, 7168, 2048),
+    "deepseek_v3_fc1": (1, 4096, 7168),
+}
+
+
+def weight_values(kind, shape, dtype, seed):
+    w = values(kind, shape, seed, dtype)
+    if kind == "zero_blocks":
+        w[:, :128, :128] = 0.0
+        w[:, 128:256, 128:256] = -0.0
+    if kind == "subnormal" and dtype == torch.float32:
+        # A block of +-2^-145 and zeros: amax / 448 underflows to a zero scale, so v / 0 saturates
+        # to +-448 and 0 / 0 is NaN, in the kernel as in the reference.
+        block = w[:, :128, :128]
+        block.copy_(torch.sign(block) * 2.0**-145)
+        block[:, ::7] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(WEIGHT_SHAPES))
+def test_weight_equals_quantize_weight_and_its_transpose(shape, kind, dtype, pow2):
+    w = weight_values(kind, WEIGHT_SHAPES[shape], dtype, seed_of(shape, kind, str(dtype)))
+    poison_allocator()
+    q, scales, q_t, scales_t = ops.fp8_quantize_weight(w, pow2=pow2)
+    want = ops.fp8_quantize_weight_reference(w, pow2=pow2)
+    for got, ref, what in zip((q, scales, q_t, scales_t), want, ("q", "scales", "q_t", "scales_t")):
+        (assert_q_equal if got.dtype == E4M3 else assert_scales_equal)(got, ref, what)
+
+
+def test_weight_without_the_transposed_copy():
+    w = weight_values("gaussian", (2, 256, 128), torch.bfloat16, seed=4)
+    q, scales, q_t, scales_t = ops.fp8_quantize_weight(w, transposed=False)
+    want_q, want_scales = quantization.quantize_weight(w)
+    assert q_t is None and scales_t is None
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales")
+
+
+# ---- every op: the reference's scale on this device, determinism, graphs, registration ------------
+
+def test_reference_scale_is_the_same_on_the_gpu_and_the_cpu():
+    """quantization.block_scale divides by a tensor, so CUDA gives the IEEE quotient the CPU gives
+    (a Python-number divisor would be a product with fp32(1/448) on CUDA: ~55% of these differ)."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    amax = torch.randn(1 << 16, device="cuda", generator=gen).abs().bfloat16().float()
+    for pow2 in (False, True):
+        got = quantization.block_scale(amax, pow2).cpu()
+        assert torch.equal(got.view(torch.int32), quantization.block_scale(amax.cpu(), pow2).view(torch.int32))
+
+
+def op_cases():
+    """(name, op, args) of each op on small inputs."""
+    x = row_values("gaussian", 37, 384, seed=1)
+    index = torch.tensor([5, -1, 36, 0, 0, 12, -1], dtype=torch.int64, device="cuda")
+    offsets = torch.tensor([0, 128, 200], dtype=torch.int32, device="cuda")
+    w = weight_values("gaussian", (2, 256, 384), torch.bfloat16, seed=2)
+    return [
+        ("rows", torch.ops.megatron_mok.fp8_quantize_rows.default, (x, None, True, True, False)),
+        ("gathered_rows", torch.ops.megatron_mok.fp8_quantize_rows.default, (x, index, True, True, True)),
+        ("columns", torch.ops.megatron_mok.fp8_quantize_columns.default, (x, offsets, False)),
+        ("weight", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False)),
+    ]
+
+
+def same_outputs(a, b) -> bool:
+    return all(torch.equal(x.view(torch.uint8) if x.dtype == E4M3 else x, y.view(torch.uint8) if y.dtype == E4M3 else y)
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", range(4), ids=["rows", "gathered_rows", "columns", "weight"])
+def test_deterministic_and_graph_replay_equals_eager(case):
+    _, op, args = op_cases()[case]
+    first = [t.clone() for t in op(*args)]
+    assert same_outputs(op(*args), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        op(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(*args)
+    for _ in range(2):
+        for t in captured:
+            t.view(torch.uint8).fill_(0xFF)  # every byte must be written again by the replay
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_outputs(captured, first)
+
+
+@pytest.mark.parametrize("case", range(4), ids=["rows", "gathered_rows", "columns", "weight"])
+def test_registration_fake_no_mutation_and_compile(case):
+    """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
+    torch.compile(fullgraph=True) of the op gives the eager bytes."""
+    _, op, args = op_cases()[case]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+    eager = op(*args)
+    for was, now in zip(before, tensors):
+        assert torch.equal(was, now), "an input was written"
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
+    assert same_outputs(compiled(*args), eager)
+    assert ops.last_failure() is None
