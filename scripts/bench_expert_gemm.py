@@ -18,7 +18,8 @@ Each mok column is one (cluster size, raster group) setting. torch and every set
 turn, rep by rep (timing.median_ms_interleaved), so drift during the run does not favour the first.
 Prints ms and TFLOP/s (2 * routed rows * N * K) beside a dense cuBLAS bf16 GEMM of the same run.
 
-    python3 scripts/bench_expert_gemm.py --fp8 [--shapes ...] [--fp8-clusters 1,2]
+    python3 scripts/bench_expert_gemm.py --fp8 [--shapes ...] [--fp8-clusters 1,2] [--fp8-variants default,overlap]
+        [--fp8-group-m 16]
 
 prints the FP8 blockwise grouped GEMM (ops.fp8_expert_gemm) instead, per projection out = a . w_e^T
 with segments padded to 128 rows (the FP8 recipe's schedule): fc1 (N 2F, K H), fc2 (N H, K F), and
@@ -27,7 +28,9 @@ weight copies; fc1+swiglu is fc1 with SwiGLU (ours: ops.fp8_expert_gemm_swiglu, 
 in the epilogue). Columns, one interleaved run on the same inputs: torch's bf16 grouped_mm, our bf16
 sm90 kernel (K-major weights), torch._scaled_grouped_mm with FP8 rowwise scales (one scale per row
 of a and per output column of w_e, no promotion: torch has no grouped blockwise FP8 on sm90), and
-ours per cluster size. Quantization is done before timing for every FP8 column (GEMMs only).
+ours per mainloop variant (ops.fp8_gemm.FP8_GEMM_VARIANTS; fc1+swiglu has the default only), cluster
+size and raster group (g<group_m> in the column name when several are given). Quantization is done
+before timing for every FP8 column (GEMMs only).
 A second table, the FP8 weight gradients (ops.fp8_expert_wgrad, both operands quantized 1x128 along
 tokens, fp32 out): wgrad_fc1 (d fc1 (2F, H) = d gate_up^T . rows) and wgrad_fc2 (d fc2 (H, F) =
 dY^T . act), beside torch's bf16 grouped_mm (offsets on K), our bf16 sm90 wgrad kernel (bf16 out) and,
@@ -62,6 +65,7 @@ from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
 from megatron_mok import MoKConfig, build_schedule, ops, quantization  # noqa: E402
 from megatron_mok.backends import tuning  # noqa: E402
+from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS  # noqa: E402
 from megatron_mok.schedule import build_schedule_from_gathered  # noqa: E402
 from megatron_mok.backends.kernel import (  # noqa: E402
     grouped_mm_dgrad_rows,
@@ -163,6 +167,11 @@ def torch_fp8_rowwise(s, a_name, w_name):
     return torch._scaled_grouped_mm(qa, qw.transpose(1, 2), sa, sw, offs=s["offsets"][1:], out_dtype=torch.bfloat16)
 
 
+def fp8_column(variant: str, cluster_m: int, group_m: int | None = None) -> str:
+    name = f"fp8 c{cluster_m}" if variant == "default" else f"fp8 {variant} c{cluster_m}"
+    return name if group_m is None else f"{name}g{group_m}"
+
+
 def torch_fp8_rowwise_wgrad(s, grad_name, inputs_name):
     """torch._scaled_grouped_mm k-grouped (2-D x 2-D, the offsets on K) on the column-wise E4M3 data with
     unit rowwise scales: its time, not a result (torch has no blockwise scales here)."""
@@ -216,7 +225,14 @@ def wgrad_table(name, shape, sets, labels) -> None:
 
 def main_fp8(args) -> None:
     clusters = [int(v) for v in args.fp8_clusters.split(",")]
-    group_m = tuning.FP8_EXPERT_GEMM_GROUP_M
+    variants = args.fp8_variants.split(",")
+    unknown = [v for v in variants if v not in FP8_GEMM_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--fp8-variants: {unknown} not in {FP8_GEMM_VARIANTS}")
+    groups = [int(g) for g in args.fp8_group_m.split(",")]
+    # (variant, cluster_m, group_m, column name); a raster group is a multiple of the cluster size
+    ours = [(v, c, g, fp8_column(v, c, g if len(groups) > 1 else None))
+            for v in variants for c in clusters for g in groups if g % c == 0]
     dense = dense_gemm_tflops()
     print(f"device: {torch.cuda.get_device_name()}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
     labels = args.fp8_projections.split(",")
@@ -225,13 +241,15 @@ def main_fp8(args) -> None:
     unknown = [label for label in labels if label not in gemm_labels + wgrad_labels]
     if unknown:
         raise SystemExit(f"--fp8-projections: unknown {unknown}; known: {[*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]}")
-    header = " ".join(f"{f'fp8 c{c}':>16}" for c in clusters)
+    width = max([16] + [len(column) for *_, column in ours])
+    header = " ".join(f"{column:>{width}}" for *_, column in ours)
     wgrad_header = " ".join(f"{c:>16}" for c in WGRAD_COLUMNS)
     for name in args.shapes.split(","):
         t, h, f, e, k = shape = SHAPES[name]
         sets = [make_fp8_inputs(shape, seed, columnwise=bool(wgrad_labels)) for seed in range(2)]
         if gemm_labels:
-            print("TFLOP/s (ms); x: ours FP8 over torch FP8 rowwise; segments padded to 128 rows, group_m", group_m)
+            print("TFLOP/s (ms); x: our fastest FP8 column over torch FP8 rowwise; segments padded to 128 rows; "
+                  "group_m", args.fp8_group_m)
             print(f"{'shape':<16} {'projection':<10} {'torch bf16':>16} {'ours bf16':>16} {'torch fp8 rw':>16} "
                   f"{header} {'x':>5}")
         for label in gemm_labels:
@@ -257,16 +275,19 @@ def main_fp8(args) -> None:
                 )
                 if "torch fp8 rw" in fns:
                     fns["torch fp8 rw"] = lambda s: ops.swiglu_forward(torch_fp8_rowwise(s, "rows", "fc1"), s["offsets"])
-            for c in clusters:
-                fns[f"fp8 c{c}"] = lambda s, c=c, op=fp8_op: op(
-                    *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, group_m
+            for v, c, g, column in ours:
+                if label == "fc1+swiglu" and v != "default":
+                    continue  # the SwiGLU epilogue runs the default mainloop only
+                kwargs = {} if label == "fc1+swiglu" else {"variant": v}
+                fns[column] = lambda s, c=c, g=g, op=fp8_op, kwargs=kwargs: op(
+                    *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, g, **kwargs
                 )
             ms_by = median_ms_interleaved(fns, sets)
             cell = {n: f"{flops / ms / 1e9:7.0f} ({ms:6.3f})" for n, ms in ms_by.items()}
-            best = min(ms_by[f"fp8 c{c}"] for c in clusters)
-            ratio = f"{ms_by['torch fp8 rw'] / best:5.2f}" if "torch fp8 rw" in ms_by else "  n/a"
+            best = min((ms for n, ms in ms_by.items() if n.startswith("fp8 ")), default=None)
+            ratio = f"{ms_by['torch fp8 rw'] / best:5.2f}" if "torch fp8 rw" in ms_by and best else "  n/a"
             cols = " ".join(f"{cell.get(n, 'n/a'):>16}" for n in ["torch bf16", "ours bf16", "torch fp8 rw"])
-            fp8_cols = " ".join(f"{cell[f'fp8 c{c}']:>16}" for c in clusters)
+            fp8_cols = " ".join(f"{cell.get(column, 'n/a'):>{width}}" for *_, column in ours)
             print(f"{name:<16} {label:<10} {cols} {fp8_cols} {ratio}", flush=True)
         if wgrad_labels:
             print("weight gradients, fp32 out (ours bf16: bf16 out); TFLOP/s (ms); x: ours FP8 over ours bf16; "
@@ -357,6 +378,10 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise grouped GEMM table instead")
     parser.add_argument("--fp8-quant", action="store_true", help="the FP8 quantization kernels' table instead")
     parser.add_argument("--fp8-clusters", default="1,2")
+    parser.add_argument("--fp8-group-m", default=str(tuning.FP8_EXPERT_GEMM_GROUP_M),
+                        help="comma-separated raster group sizes of the FP8 GEMM")
+    parser.add_argument("--fp8-variants", default="default",
+                        help=f"comma-separated mainloop variants of the FP8 GEMM, of {','.join(FP8_GEMM_VARIANTS)}")
     parser.add_argument("--fp8-projections", default=",".join([*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]))
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--group-m", default=str(tuning.EXPERT_GEMM_GROUP_M), help="comma-separated raster group sizes")

@@ -64,9 +64,9 @@ int fp8_resident_clusters(Kernel kernel, cudaLaunchConfig_t config, int cluster_
 }
 
 // maps: A, B, then the epilogue's (Fp8ExpertGemmMaps<Epilogue::Maps> in order).
-template <class Epilogue, int kClusterM, class... EpilogueMaps>
+template <class Epilogue, int kClusterM, Fp8Mainloop kMainloop, class... EpilogueMaps>
 void launch_fp8_expert_gemm(Fp8ExpertGemmParams<typename Epilogue::Params> params, const EpilogueMaps&... maps) {
-  using Kernel = Fp8ExpertGemmKernel<kClusterM, Epilogue>;
+  using Kernel = Fp8ExpertGemmKernel<kClusterM, Epilogue, kMainloop>;
   const ExpertGemmProblem& g = params.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   params.failure_record = failure_record(stream);
@@ -94,13 +94,29 @@ void launch_fp8_expert_gemm(Fp8ExpertGemmParams<typename Epilogue::Params> param
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <class Epilogue, class... Maps>
+template <class Epilogue, Fp8Mainloop kMainloop = Fp8Mainloop::kDefault, class... Maps>
 void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
                          const Maps&... maps) {
   if (cluster_m == 1) {
-    launch_fp8_expert_gemm<Epilogue, 1>(params, maps...);
+    launch_fp8_expert_gemm<Epilogue, 1, kMainloop>(params, maps...);
   } else {
-    launch_fp8_expert_gemm<Epilogue, 2>(params, maps...);
+    launch_fp8_expert_gemm<Epilogue, 2, kMainloop>(params, maps...);
+  }
+}
+
+// variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller.
+template <class Epilogue, class... Maps>
+void launch_with_variant(int64_t variant, int64_t cluster_m,
+                         const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const Maps&... maps) {
+  switch (Fp8Mainloop(variant)) {
+    case Fp8Mainloop::kPingpong:
+      launch_with_cluster<Epilogue, Fp8Mainloop::kPingpong>(cluster_m, params, maps...);
+      break;
+    case Fp8Mainloop::kOverlap:
+      launch_with_cluster<Epilogue, Fp8Mainloop::kOverlap>(cluster_m, params, maps...);
+      break;
+    default:
+      launch_with_cluster<Epilogue>(cluster_m, params, maps...);
   }
 }
 
@@ -164,11 +180,14 @@ Fp8ExpertGemmParams<EpilogueParams> fp8_params(const at::Tensor& a, const at::Te
 
 // out (rows, N) bf16 = per expert segment e, a[r] (E4M3, K) times weight[e]^T (E4M3 (N, K)) with
 // blockwise scales (mok_params.h Fp8ExpertGemmParams); rows past the last segment not written.
+// variant: the consumers' mainloop (Fp8Mainloop), every one bitwise the same output.
 at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
                            const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
-                           int64_t group_m) {
+                           int64_t group_m, int64_t variant) {
   constexpr const char* kOp = "fp8_expert_gemm: ";
   TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  TORCH_CHECK(variant >= 0 && variant < kFp8MainloopCount, kOp, "variant must be in [0, ",
+              std::to_string(kFp8MainloopCount), "), got ", std::to_string(variant));
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, n, k, scale_rows] =
       check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
@@ -181,7 +200,7 @@ at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, cons
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
-  launch_with_cluster<Fp8StoreEpilogue>(cluster_m, p, a_map, b_map, out_map);
+  launch_with_variant<Fp8StoreEpilogue>(variant, cluster_m, p, a_map, b_map, out_map);
   return out;
 }
 
@@ -222,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_expert_gemm(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
-      "int cluster_m, int group_m) -> Tensor");
+      "int cluster_m, int group_m, int variant=0) -> Tensor");
   m.def(
       "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");

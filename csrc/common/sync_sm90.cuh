@@ -62,17 +62,29 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity)
   return done != 0;
 }
 
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity, int wait_id, WaitWatch* watch) {
-  const uint32_t addr = smem_u32(bar);
-  if (mbarrier_try_wait(addr, parity)) return;
+// bar: the barrier's shared-memory address (smem_u32), for loops that keep it in a register.
+// kTrapOutOfLine: fail_if_timed_out's.
+template <bool kTrapOutOfLine = false>
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity, int wait_id, WaitWatch* watch) {
+  if (mbarrier_try_wait(bar, parity)) return;
   const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait(addr, parity)) fail_if_timed_out(wait_id, watch, start);
+  while (!mbarrier_try_wait(bar, parity)) fail_if_timed_out<kTrapOutOfLine>(wait_id, watch, start);
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity, int wait_id, WaitWatch* watch) {
+  mbarrier_wait(smem_u32(bar), parity, wait_id, watch);
 }
 
 
 // A barrier for the `threads` threads (whole warps) that use this id; 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Counts the calling warps toward barrier `id`'s `threads` without waiting for the others (whoever
+// waits on it with named_barrier_sync and the same count goes on once all have arrived).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- clusters ------------------------------------------------------------------------------

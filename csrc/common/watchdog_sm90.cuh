@@ -48,13 +48,27 @@ struct WaitWatch {
   int finished;  // roles that have finished their work
 };
 
-// A wait past its timeout tells the watchdog which wait failed, then traps.
+// A trap reached through a call. A trap instruction inside a warpgroup's code after
+// setmaxnreg.inc holds ptxas to the launch's register count there (nvcc 13.0: the FP8 GEMM's
+// overlap consumer, 192 live accumulators, spills at 168 registers with the trap inline and fits in
+// its 232 with it out of line). The call sits on the timed-out path only; unlike printf's (C7510
+// above), a call to this function that never returns serializes no wgmma (nvcc 13.0, checked in
+// the FP8 GEMM's SASS).
+inline __device__ __noinline__ void trap_out_of_line() { asm volatile("trap;"); }
+
+// A wait past its timeout tells the watchdog which wait failed, then traps (kTrapOutOfLine: through
+// trap_out_of_line, for code that needs its setmaxnreg budget).
+template <bool kTrapOutOfLine = false>
 __device__ __forceinline__ void fail_if_timed_out(int wait_id, WaitWatch* watch, uint64_t start) {
   if (global_timer_ns() - start > kWaitTimeoutNs) {
     *reinterpret_cast<volatile int*>(&watch->failed) = 1 + wait_id;
     // The watchdog traps within a microsecond or so; should it not, trap here.
     while (global_timer_ns() - start < 2 * kWaitTimeoutNs) __nanosleep(1000000);
-    asm volatile("trap;");
+    if constexpr (kTrapOutOfLine) {
+      trap_out_of_line();
+    } else {
+      asm volatile("trap;");
+    }
   }
 }
 

@@ -47,4 +47,13 @@ __device__ __forceinline__ void wgmma_block_m64n128k128_e4m3(float (&d)[64], uin
   wgmma_commit_group();
 }
 
+// wgmma_m64n128k32_e4m3 with scale_d = 0 stated to the compiler: the empty asm statements define d
+// (emitting nothing), so the values it held before are dead and a partial sum that restarts every K
+// block holds no registers between blocks.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_fresh(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "=f"(d[i]));
+  wgmma_m64n128k32_e4m3(d, desc_a, desc_b, 0);
+}
+
 }  // namespace mok::sm90

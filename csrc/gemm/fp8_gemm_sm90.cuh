@@ -20,9 +20,10 @@
 //     them, hand the stage back, and promote: acc += (scale_a[row] * scale_b) * partial, in fp32
 //     registers, ascending K blocks (bitwise reproducible). The scales are plain loads from global
 //     memory issued one K block ahead (two A scales per thread, its two rows; one B scale per B half
-//     and K block), so their latency hides behind a K block's MMAs. The two consumer warpgroups
-//     alternate on the tensor cores: one promotes while the other's MMAs run. After each pass the
-//     epilogue takes the accumulators.
+//     and K block), so their latency hides behind a K block's MMAs. After each pass the epilogue
+//     takes the accumulators. That is Fp8Mainloop::kDefault, where the tensor cores run one
+//     warpgroup's MMAs while the other promotes only if the hardware's issue order happens to
+//     stagger them; the other Fp8Mainloop variants (below) arrange it, with the same arithmetic.
 #pragma once
 
 #include <cuda.h>
@@ -61,7 +62,8 @@ struct Fp8GemmTile {
   static constexpr int kK = kFp8Block;
   static constexpr int kMmaK = 32;  // K of one wgmma E4M3
   static constexpr int kMmasPerStage = kK / kMmaK;
-  static_assert(kMmasPerStage == 4 && kN == 128, "a stage is one sm90::wgmma_block_m64n128k128_e4m3 per warpgroup");
+  static_assert(kMmasPerStage == 4 && kN == 128,
+                "a stage is four wgmma m64n128k32 per warpgroup (sm90::wgmma_block_m64n128k128_e4m3)");
   // fp32 registers per consumer thread for its warpgroup's 64 x kN outputs: the promoted sum and the
   // K block's partial each hold this many.
   static constexpr int kAccumulators = 64 * kN / kNumThreadsPerWarpGroup;
@@ -264,11 +266,44 @@ struct Fp8SwigluEpilogue {
   }
 };
 
+// Whether an epilogue's two B halves of a pass lie in one 128-row weight scale block (one B scale
+// per K block, not two): Fp8StoreEpilogue's halves are rows n0 .. n0 + 127 of a 128-aligned n0.
+template <class Epilogue>
+constexpr bool kFp8HalvesShareScaleBlock = false;
+template <>
+constexpr bool kFp8HalvesShareScaleBlock<Fp8StoreEpilogue> = true;
+
+// The consumers' mainloops, chosen per launch (the op's `variant`, megatron_mok/ops/fp8_gemm.py
+// FP8_GEMM_VARIANTS names them in this order). Every one computes bitwise the same output: the same
+// four wgmmas per K block into a fresh fp32 partial, the same acc = fma(sa * sb, partial, acc) in
+// ascending K blocks; they differ only in what the tensor cores can do while a warpgroup promotes.
+enum class Fp8Mainloop : int {
+  // Per K block: wait for the stage, issue, wait for the block's wgmmas, release, promote. The two
+  // consumer warpgroups issue whenever they are ready.
+  kDefault = 0,
+  // kDefault with the two warpgroups issuing in strict turns (named barriers, warpgroup 0 first).
+  // If the tensor cores interleave two warpgroups' wgmmas issued together, both finish together
+  // and both promote while the tensor cores idle; in turns, warpgroup 0's block runs first and it
+  // promotes while warpgroup 1's runs.
+  kPingpong = 1,
+  // Two partial sums per warpgroup used in turn: block k + 1's wgmmas are issued before block k's
+  // are waited for (wgmma.wait_group 1), so each warpgroup promotes block k while its next block
+  // runs. The scales are loaded two K blocks ahead; stage descriptors and barrier addresses are
+  // formed once per launch. 3 x 64 fp32 registers per thread for the sums.
+  kOverlap = 2,
+};
+constexpr int kFp8MainloopCount = 3;  // the op checks 0 <= variant < this
+
+// kPingpong's turns: barrier kFp8TurnBarrier + w completes when warpgroup 1 - w has handed
+// warpgroup w the turn (both consumer warpgroups count: 256 threads). After the ids of
+// gemm/tile_sm90.cuh NamedBarrier.
+constexpr int kFp8TurnBarrier = kConsumersBarrier + 1;
+
 // kClusterM: 1, or 2 CTAs (vertically adjacent m-tiles of one expert) sharing each B slice through
 // TMA multicast (each loads one half). Launched through gemm_kernel_sm90<Fp8ExpertGemmKernel<...>,
 // Fp8ExpertGemmMaps<Epilogue::Maps>, Fp8ExpertGemmParams<Epilogue::Params>, CUtensorMap...> with a
 // cluster dimension (even of 1).
-template <int kClusterM, class Epilogue>
+template <int kClusterM, class Epilogue, Fp8Mainloop kMainloop = Fp8Mainloop::kDefault>
 struct Fp8ExpertGemmKernel {
   using Tile = Fp8GemmTile;
   using SharedStorage = Fp8GemmSharedStorage;
@@ -278,6 +313,10 @@ struct Fp8ExpertGemmKernel {
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
   static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
   static constexpr uint32_t kBHalfBytes = Tile::kBBytes / 2;  // one 64-row half of a stage's B
+  // kOverlap's scales per K block held in registers: two A rows, then one B scale per B half or one
+  // for both.
+  static constexpr int kBScales = kFp8HalvesShareScaleBlock<Epilogue> ? 1 : 2;
+  static constexpr int kScales = 2 + kBScales;
   static_assert(Tile::kABytes % Tile::kSwizzleAlign == 0 && kBHalfBytes % Tile::kSwizzleAlign == 0 &&
                     Tile::kConsumerABytes % Tile::kSwizzleAlign == 0,
                 "every operand box and wgmma base starts on a 1024-byte swizzle atom");
@@ -297,6 +336,10 @@ struct Fp8ExpertGemmKernel {
     // Every CTA's barriers exist before a peer multicasts into or arrives on them.
     sm90::cluster_sync();
 
+    if constexpr (kMainloop == Fp8Mainloop::kOverlap) {
+      run_roles_overlap(maps, p, shared);
+      return;
+    }
     Scheduler scheduler(p.problem);
     const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
     if (warpgroup == 0) {
@@ -352,8 +395,13 @@ struct Fp8ExpertGemmKernel {
     sm90::mark_finished(watch);
   }
 
+  // kDefault and kPingpong.
   static __device__ __forceinline__ void consume(const Maps& maps, const Params& p, Scheduler& scheduler,
                                                  const SharedStorage& shared, int consumer, int thread) {
+    constexpr bool kTurns = kMainloop == Fp8Mainloop::kPingpong;
+    if constexpr (kTurns) {
+      if (consumer == 1) sm90::named_barrier_arrive(kFp8TurnBarrier, Tile::kConsumerThreads);  // 0 goes first
+    }
     sm90::WaitWatch* watch = shared.watch;
     const int k_blocks = p.problem.k / Tile::kK;
     const int64_t a_rows = p.scales.a_rows;
@@ -406,10 +454,13 @@ struct Fp8ExpertGemmKernel {
             }
           }
           sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
+          if constexpr (kTurns) sm90::named_barrier_sync(kFp8TurnBarrier + consumer, Tile::kConsumerThreads);
           const uint64_t a_desc =
               sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
           const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
           sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
+          // The block's wgmmas are issued: the other warpgroup's turn.
+          if constexpr (kTurns) sm90::named_barrier_arrive(kFp8TurnBarrier + (consumer ^ 1), Tile::kConsumerThreads);
           sm90::wgmma_wait_group<0>();
           sm90::fence_accumulators(partial);
           // The MMAs have read the stage: hand it back before promoting.
@@ -424,10 +475,161 @@ struct Fp8ExpertGemmKernel {
         Epilogue::after_pass(maps.epilogue, p.epilogue, out_extent, acc, c, pass, state, staging, consumer, thread);
       }
     }
+    if constexpr (kTurns) {
+      // Warpgroup 1's last hand-over (both took as many turns): no arrival left pending at exit.
+      if (consumer == 0) sm90::named_barrier_sync(kFp8TurnBarrier, Tile::kConsumerThreads);
+    }
     if (thread == 0) {
       sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
       sm90::mark_finished(watch);
     }
+  }
+
+  // The roles as run() gives them, each with its own scheduler: nothing computed before the
+  // register split stays live across it (the consumers need every register of their budget).
+  static __device__ __forceinline__ void run_roles_overlap(const Maps& maps, const Params& p,
+                                                           const SharedStorage& shared) {
+    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    if (warpgroup == 0) {
+      sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
+      if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertGemmKernel);
+      if (threadIdx.x == 0) {
+        Scheduler scheduler(p.problem);
+        produce(maps, p, scheduler, shared);
+      }
+      return;
+    }
+    sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
+    Scheduler scheduler(p.problem);
+    consume_overlap(maps, p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+  }
+
+  // kOverlap. Per pass of k_blocks K blocks: block 0 issued into p0, then for each block k, block
+  // k + 1 issued into the other partial (once its stage landed), wait_group 1 (block k's wgmmas
+  // done, k + 1's may run), release k's stage, promote k. The partials alternate by the parity of
+  // k, so the K loop is unrolled by two and every register index is static (wgmma accumulators
+  // must be); a warpgroup holds two stages at a time.
+  static __device__ __forceinline__ void consume_overlap(const Maps& maps, const Params& p, Scheduler& scheduler,
+                                                         const SharedStorage& shared, int consumer, int thread) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int k_blocks = p.problem.k / Tile::kK;
+    const int num_rows = p.problem.num_rows;
+    const int fragment_row = 64 * consumer + 16 * (thread / 32) + (thread % 32) / 4;
+    StagingRing staging(shared.staging + consumer * Tile::kStagingBuffers * Tile::kStagingBytes, consumer, thread);
+    const OutputExtent out_extent = scheduler.output_extent();
+    // Registers are the constraint here: the scales are addressed from the params (constant memory)
+    // by 32-bit indices, and the stage to release follows from the stage to issue.
+    // Stage s's descriptors are stage 0's plus s stages of bytes in their 16-byte address units (the
+    // 14-bit field holds every shared address of the block: < 256 KB), its full barrier 8 s bytes on.
+    // The bounded waits trap out of line: three partials need the setmaxnreg budget.
+    const uint64_t a_desc0 = sm90::smem_descriptor_sw128(shared.a + consumer * Tile::kConsumerABytes);
+    const uint64_t b_desc0 = sm90::smem_descriptor_sw128(shared.b);
+    const uint32_t full0 = sm90::smem_u32(shared.full);
+    int stage = 0;  // of the next block to issue
+    uint32_t phase = 0;
+    float acc[Tile::kAccumulators];
+    float p0[Tile::kAccumulators], p1[Tile::kAccumulators];  // written by each block's first wgmma
+    TileCoord c;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      const int row = c.row0 + fragment_row;
+      const bool row_in[2] = {row < num_rows, row + 8 < num_rows};
+      typename Epilogue::State state(shared.staging + consumer * Tile::kStagingBuffers * Tile::kStagingBytes);
+#pragma unroll 1
+      for (int pass = 0; pass < Epilogue::kPasses; ++pass) {
+        int b_block[kBScales];  // the weight scale block row of each B half (of both, if shared)
+#pragma unroll
+        for (int half = 0; half < kBScales; ++half) b_block[half] = b_row(p, c, pass, half) / Tile::kN;
+        // s0 / s1: the raw scales of the block promoted from p0 / p1: A of the thread's two rows,
+        // then B (multiplied when promoting, so the loads are waited for there).
+        float s0[kScales], s1[kScales];
+        const auto load_scales = [&](int kb, float (&s)[kScales]) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            s[h] = row_in[h] ? __ldg(p.scales.a + (int64_t(kb) * p.scales.a_rows + row + 8 * h)) : 0.f;
+          }
+#pragma unroll
+          for (int half = 0; half < kBScales; ++half) {
+            s[2 + half] = __ldg(p.scales.b + (int64_t(b_block[half]) * k_blocks + kb));
+          }
+        };
+        const auto issue = [&](float (&partial)[Tile::kAccumulators]) {
+          sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
+          const uint32_t a_units = stage * (Tile::kABytes >> 4), b_units = stage * (Tile::kBBytes >> 4);
+          sm90::wgmma_fence();  // the promotion's reads of `partial` come before the wgmmas' writes
+          sm90::wgmma_m64n128k32_e4m3_fresh(partial, descriptor_plus(a_desc0, a_units),
+                                            descriptor_plus(b_desc0, b_units));
+#pragma unroll
+          for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
+            sm90::wgmma_m64n128k32_e4m3(partial, descriptor_plus(a_desc0, a_units + 2 * kk),
+                                        descriptor_plus(b_desc0, b_units + 2 * kk), 1);
+          }
+          sm90::wgmma_commit_group();
+          sm90::advance_stage<Tile::kStages>(stage, phase);
+        };
+        // After the wait that retired the oldest block in flight, issued `back` blocks before the
+        // next to issue: its stage back, its partial into acc.
+        const auto retire = [&](float (&partial)[Tile::kAccumulators], const float (&s)[kScales], int back) {
+          sm90::fence_accumulators(partial);
+          const int oldest = stage >= back ? stage - back : stage - back + Tile::kStages;
+          if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[oldest]);
+          promote_block(acc, partial, s);
+        };
+#pragma unroll
+        for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
+        load_scales(0, s0);
+        if (k_blocks > 1) load_scales(1, s1);
+        issue(p0);
+        int kb = 0;  // the oldest block in flight, in p0
+#pragma unroll 1
+        for (; kb + 2 < k_blocks; kb += 2) {
+          issue(p1);
+          sm90::wgmma_wait_group<1>();
+          retire(p0, s0, 2);
+          load_scales(kb + 2, s0);
+          issue(p0);
+          sm90::wgmma_wait_group<1>();
+          retire(p1, s1, 2);
+          if (kb + 3 < k_blocks) load_scales(kb + 3, s1);
+        }
+        if (kb + 1 < k_blocks) {  // two blocks left: kb in p0, kb + 1 into p1
+          issue(p1);
+          sm90::wgmma_wait_group<1>();
+          retire(p0, s0, 2);
+          sm90::wgmma_wait_group<0>();
+          retire(p1, s1, 1);
+        } else {
+          sm90::wgmma_wait_group<0>();
+          retire(p0, s0, 1);
+        }
+        Epilogue::after_pass(maps.epilogue, p.epilogue, out_extent, acc, c, pass, state, staging, consumer, thread);
+      }
+    }
+    if (thread == 0) {
+      sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
+      sm90::mark_finished(watch);
+    }
+  }
+
+  // A descriptor `units` 16-byte units past `desc`: the address field (bits 0-13) holds shared
+  // addresses below 256 KB, so the sum never carries out of the low word, which alone is added to
+  // (the high word stays the constants smem_descriptor_sw128 puts there).
+  static __device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t units) {
+    return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + units);
+  }
+
+  // acc += (scale_a[row] * scale_b[half]) * partial, s = {scale_a of the thread's two rows, scale_b
+  // of the B halves (one if they share it)}: the products and their rounding as kDefault forms them.
+  static __device__ __forceinline__ void promote_block(float (&acc)[Tile::kAccumulators],
+                                                       const float (&partial)[Tile::kAccumulators],
+                                                       const float (&s)[kScales]) {
+    float scale[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) scale[h][half] = s[h] * s[2 + (kBScales == 1 ? 0 : half)];
+    }
+#pragma unroll
+    for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = fmaf(scale[(i / 2) % 2][i / 32], partial[i], acc[i]);
   }
 };
 

@@ -22,9 +22,14 @@ from megatron_mok.ops.extension import register_fake
 
 E4M3 = torch.float8_e4m3fn
 
+# The consumers' mainloops of ops.fp8_expert_gemm, by name, in the order of the kernel's
+# Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); every one computes bitwise
+# the same output, so the choice is speed only. "default" is the one the backends use.
+FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap")
+
 
 @register_fake("fp8_expert_gemm")
-def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant=0):
     return a.new_empty((a.shape[0], weight.shape[1]), dtype=torch.bfloat16)
 
 
@@ -46,6 +51,7 @@ def fp8_expert_gemm(
     expert_offsets: torch.Tensor,
     cluster_m: int,
     group_m: int,
+    variant: str = "default",
 ) -> torch.Tensor:
     """(R, N) bf16: for the rows r of segment e, out[r, n] = sum over K blocks b ascending of
     a_scales[b, r] * weight_scales[e, n // 128, b] * (the fp32 sum of a[r, k] * weight[e, n, k] over
@@ -53,9 +59,14 @@ def fp8_expert_gemm(
     not be aligned (a tile's rows past its segment are computed and not stored); the FP8 recipe pads
     them to 128 rows with zero rows. cluster_m (1 or 2: CTAs sharing a weight slice through TMA
     multicast) and group_m (m-tiles per raster group) are the launch shape: backends/tuning.py
-    FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M. Ref: fp8_expert_gemm_reference."""
+    FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M. variant: one of FP8_GEMM_VARIANTS (the
+    kernel's mainloop; the same output bit for bit). Ref: fp8_expert_gemm_reference."""
+    if variant not in FP8_GEMM_VARIANTS:
+        raise ValueError(f"fp8_expert_gemm: variant must be one of {FP8_GEMM_VARIANTS}, got {variant!r}")
     check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m)
-    return torch.ops.megatron_mok.fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m)
+    return torch.ops.megatron_mok.fp8_expert_gemm(
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant)
+    )
 
 
 def fp8_expert_gemm_reference(

@@ -64,6 +64,8 @@ BAD_ARGS = {
                               "weight must be contiguous"),
     "a_scales_not_contiguous": (dict(a_scales=torch.ones(12, K // 128).t()), "a_scales must be contiguous"),
     "cpu_tensors": ({}, r"a must be a CUDA tensor on a's device"),
+    "variant_unknown": (dict(variant="fastest"), r"variant must be one of \('default', "),
+    "variant_index": (dict(variant=0), r"variant must be one of .* got 0"),
 }
 
 

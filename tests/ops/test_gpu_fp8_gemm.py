@@ -18,6 +18,10 @@ Tolerances (SQNR = 20 log10(||ref|| / ||ref - got||)):
   No row or column may break it (catches an outlier the norm would average away).
 - Against fp32 of the unquantized inputs, >= 25 dB: the recipe itself costs accuracy (both operands
   rounded to E4M3, ~2^-4 relative each); on Gaussian data it gives ~28.7 dB (the issue's bar).
+- The mainloop variants (ops.fp8_gemm.FP8_GEMM_VARIANTS): torch.equal to the default's output. They
+  issue the same wgmmas into a fresh fp32 partial per K block and promote with the same fmaf in the
+  same order, so any difference is a bug (a partial read before its wgmmas completed, a stage
+  released early, a wrong scale); exactness, not a tolerance, is what can catch a rare race.
 - The SwiGLU epilogue: gate_up as above; act and its scales exactly quantization.quantize_rowwise of
   ops.swiglu_forward(gate_up) (the same bf16 act, amax, IEEE division and round-to-nearest E4M3);
   the dequantized act against SwiGLU of the fp32 unquantized product >= 20 dB (gate and up each
@@ -35,6 +39,7 @@ import torch
 from megatron_mok import ops, quantization
 from megatron_mok.limits import fp8_scale_rows
 from megatron_mok.backends.tuning import FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M
+from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
 
 pytestmark = NEEDS_HOPPER_KERNELS
@@ -133,6 +138,33 @@ def test_fp8_expert_gemm_matches_the_recipe_and_fp32(case, cluster_m):
     assert_matches_recipe_and_fp32(out, args, fp32, end)
 
 
+@pytest.mark.parametrize("variant", FP8_GEMM_VARIANTS[1:])
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_variants_equal_the_default_bitwise(case, cluster_m, variant):
+    """Every shape of CASES (K of 1, 2, 3, 5, 6, 12, 16, 32 and 56 blocks: each tail of a mainloop
+    that works on two K blocks at a time; one and many tiles per CTA) against the default
+    mainloop's output on the same inputs, bit for bit (module doc). The default is held to the
+    recipe by test_fp8_expert_gemm_matches_the_recipe_and_fp32."""
+    args, _, end = case_args(case)
+    want = ops.fp8_expert_gemm(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)[:end]
+    poison_allocator()
+    got = ops.fp8_expert_gemm(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M, variant=variant)
+    assert got.shape == (args[0].shape[0], args[2].shape[1]) and got.dtype == torch.bfloat16
+    assert torch.equal(got[:end], want)
+
+
+def test_kernel_knows_every_variant_name():
+    """The op's variant index covers FP8_GEMM_VARIANTS and no more (the kernel's Fp8Mainloop count)."""
+    args, _, end = case_args("one_tile")
+    want = ops.fp8_expert_gemm(*args, *LAUNCH)[:end]
+    for index in range(len(FP8_GEMM_VARIANTS)):
+        assert torch.equal(torch.ops.megatron_mok.fp8_expert_gemm(*args, *LAUNCH, index)[:end], want)
+    for index in (-1, len(FP8_GEMM_VARIANTS)):
+        with pytest.raises(RuntimeError, match="variant must be in"):
+            torch.ops.megatron_mok.fp8_expert_gemm(*args, *LAUNCH, index)
+
+
 # name: (rows per expert, K = H, 2F): gate/up projections (F a multiple of 128).
 SWIGLU_CASES = {
     "minimum": ([1], 128, 256),
@@ -204,10 +236,13 @@ def test_fp8_expert_gemm_swiglu_deterministic_graph_and_registration():
     assert_registered_without_mutation(op, (*args, *LAUNCH))
 
 
-def test_fp8_expert_gemm_promotes_per_k_block():
+@pytest.mark.parametrize("variant", FP8_GEMM_VARIANTS)
+def test_fp8_expert_gemm_promotes_per_k_block(variant):
     """Scales that differ by 2^20 between K blocks: a partial sum spanning two blocks, or a block's
     scale applied to its neighbour, is off by orders of magnitude; per-block promotion is exact up to
-    the bf16 rounding (every product and partial here is a small integer, exact in the tensor cores)."""
+    the bf16 rounding (every product and partial here is a small integer, exact in the tensor cores).
+    Each mainloop variant on its own, so a variant that swaps two blocks' partials or scales fails
+    here by name."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     rows, k, n = 256, 512, 256
     qa = torch.randint(-3, 4, (rows, k), device="cuda", generator=gen).float().to(E4M3)
@@ -218,7 +253,7 @@ def test_fp8_expert_gemm_promotes_per_k_block():
     sw[:, :, 0] = 2.0**10
     sw[:, 1, :] *= 2.0**-5  # the second 128-column block of every expert
     offsets = torch.tensor([0, 128, rows], dtype=torch.int32, device="cuda")
-    out = ops.fp8_expert_gemm(qa, sa, qw, sw, offsets, *LAUNCH).float()
+    out = ops.fp8_expert_gemm(qa, sa, qw, sw, offsets, *LAUNCH, variant=variant).float()
     ref = ops.fp8_expert_gemm_reference(qa, sa, qw, sw, offsets)
     assert torch.equal(out, ref.bfloat16().float())
 
