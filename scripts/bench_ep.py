@@ -67,41 +67,9 @@ def a2a_grouped_mm(x, ids, weights, fc1, fc2):
     return y.to(x.dtype)
 
 
-def megatron_alltoall(shape, world):
-    """(Megatron's MoELayer at EP = world, alltoall dispatcher, over the launch's ranks, experts) or (None, why)."""
-    import torch
-    import torch.nn.functional as F
-
-    try:
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except ImportError as error:
-        return None, f"megatron-core does not import ({error})"
-    t, h, f, e, k = shape
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-        model_parallel_cuda_manual_seed(0)
-    try:
-        import transformer_engine  # noqa: F401
-
-        use_te = True
-    except ImportError:
-        use_te = False
-    config = TransformerConfig(
-        num_layers=1, hidden_size=h, num_attention_heads=8, num_moe_experts=e, moe_router_topk=k,
-        moe_ffn_hidden_size=f, moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-        moe_grouped_gemm=use_te, moe_router_load_balancing_type="none", gradient_accumulation_fusion=False,
-        expert_model_parallel_size=world,
-    )
-    layer = get_moe_module_spec(use_te=use_te, num_experts=e, moe_grouped_gemm=use_te)(config=config).cuda()
-    return layer, "TEGroupedMLP" if use_te else "SequentialMLP (no Transformer Engine)"
-
-
 def main() -> int:
     import ep_model
+    from bench_layer import megatron_alltoall_layer  # the same baseline layer as the one-rank bench
 
     shapes = {**ep_model.SHAPES, **EXTRA_SHAPES}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,7 +129,7 @@ def main() -> int:
             notes["a2a_grouped_mm"] = notes["megatron_alltoall"] = "not run: NCCL refuses ranks sharing a GPU"
         else:
             methods["a2a_grouped_mm"] = a2a_grouped_mm
-            megatron_layer, notes["megatron_alltoall"] = megatron_alltoall((t, h, f, e, k), world)
+            megatron_layer, notes["megatron_alltoall"] = megatron_alltoall_layer((t, h, f, e, k), world)
             if megatron_layer is not None:
                 # (its router picks its own routes from x; the weights given are not used)
                 methods["megatron_alltoall"] = lambda *a, m=megatron_layer: m(a[0].view(t, 1, h))[0].view(t, h)

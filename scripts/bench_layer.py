@@ -71,22 +71,25 @@ def mok_layer(config):
     return run
 
 
-def megatron_alltoall_layer(shape):
-    """Megatron's MoELayer (alltoall dispatcher, installed experts) on one rank, or None."""
+def megatron_alltoall_layer(shape, expert_parallel: int = 1):
+    """(Megatron's MoELayer with the alltoall dispatcher and the installed experts, their name), or
+    (None, why). With expert_parallel = 1 it starts a one-rank process group if none exists; with
+    more, the launch's group (torchrun) must exist and hold expert_parallel ranks."""
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer.transformer_config import TransformerConfig
-    except ImportError:
-        return None, "megatron-core not installed"
+    except ImportError as error:
+        return None, f"megatron-core does not import ({error})"
     t, h, f, e, k = shape
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29561")
         dist.init_process_group("nccl", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
         model_parallel_cuda_manual_seed(0)
     try:
         import transformer_engine  # noqa: F401
@@ -99,6 +102,7 @@ def megatron_alltoall_layer(shape):
         moe_ffn_hidden_size=f, moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
         moe_grouped_gemm=use_te, moe_router_load_balancing_type="none", gradient_accumulation_fusion=False,
+        expert_model_parallel_size=expert_parallel,
     )
     layer = get_moe_module_spec(use_te=use_te, num_experts=e, moe_grouped_gemm=use_te)(config=config).cuda()
     experts = "TEGroupedMLP" if use_te else "SequentialMLP (no Transformer Engine)"
