@@ -73,6 +73,28 @@ def assert_graph_replays_eager(
             assert torch.equal(leaf.grad, want)
 
 
+def assert_mok_moe_graph_replays_eager(config, x, topk_ids, topk_weights, fc1, fc2, grad) -> None:
+    """mok_moe(config) forward + backward of `grad`, captured in a CUDA graph: two replays give the
+    eager call's y and the gradients of x, topk_weights, fc1 and fc2 bit for bit."""
+    from megatron_mok import mok_moe
+
+    def fresh_leaves():
+        return [t.detach().clone().requires_grad_() for t in (x, topk_weights, fc1, fc2)]
+
+    def fwd_bwd(leaves):
+        for leaf in leaves:
+            leaf.grad = None
+        y = mok_moe(leaves[0], topk_ids, leaves[1], leaves[2], leaves[3], config=config)
+        y.backward(grad.to(y.dtype))
+        return y
+
+    eager = fresh_leaves()
+    poison_allocator()  # what the eager call allocates starts as NaN: a read of unwritten memory shows
+    eager_y = fwd_bwd(eager).detach()
+    leaves = fresh_leaves()
+    assert_graph_replays_eager(lambda: fwd_bwd(leaves), leaves, eager_y, [leaf.grad for leaf in eager])
+
+
 def assert_bitwise_reproducible_without_host_sync(
     run: Callable[[], tuple[torch.Tensor, Sequence[torch.Tensor]]],
 ) -> None:

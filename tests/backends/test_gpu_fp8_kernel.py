@@ -32,10 +32,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, mok_moe
+from megatron_mok import MoKConfig
 from megatron_mok.backends.kernel_fp8 import UNVERIFIED_FP8_KERNELS_ENV
 from megatron_mok.emulation import EmulatedGroup
-from cuda_checks import NEEDS_HOPPER_KERNELS, assert_bitwise_reproducible_without_host_sync, assert_graph_replays_eager
+from cuda_checks import NEEDS_HOPPER_KERNELS, assert_bitwise_reproducible_without_host_sync, assert_mok_moe_graph_replays_eager
 from oracle import Shape, moe_float64_with_grads, sqnr_db
 from test_gpu_kernels import make_inputs, run
 
@@ -110,18 +110,7 @@ def test_kernel_fp8_bitwise_deterministic_without_host_sync():
 
 
 def test_kernel_fp8_cuda_graph_replay():
-    x, ids, w, fc1, fc2, grad = make_inputs(SHAPES["odd_tokens"], "dropped", seed=34)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=KERNEL_FP8)
-        y.backward(grad)
-        return y
-
-    eager_y, eager_grads = run(KERNEL_FP8, x, ids, w, fc1, fc2, grad)
-    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+    assert_mok_moe_graph_replays_eager(KERNEL_FP8, *make_inputs(SHAPES["odd_tokens"], "dropped", seed=34))
 
 
 @pytest.mark.parametrize("routing", ("uniform", "skewed", "all_to_last_rank", "dropped"))

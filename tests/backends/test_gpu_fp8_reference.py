@@ -15,7 +15,7 @@ import torch
 
 from megatron_mok import MoKConfig, backends, mok_moe
 from megatron_mok.emulation import EmulatedGroup
-from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_graph_replays_eager
+from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_mok_moe_graph_replays_eager
 from fp8_emulation import fp8_layer
 from oracle import sqnr_db
 
@@ -66,19 +66,7 @@ def test_cuda_fp8_reference_has_no_host_sync_and_is_bitwise_deterministic():
 
 
 def test_cuda_fp8_graph_capture_and_replay():
-    x, ids, w, fc1, fc2, grad = _inputs(seed=2)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-    static_ids, static_grad = ids.clone(), grad.clone()
-
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        y = mok_moe(leaves[0], static_ids, leaves[1], leaves[2], leaves[3], config=FP8)
-        y.backward(static_grad)
-        return y
-
-    eager_y, eager_grads = _fwd_bwd(x, ids, w, fc1, fc2, grad)
-    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+    assert_mok_moe_graph_replays_eager(FP8, *_inputs(seed=2))
 
 
 def test_auto_runs_the_fp8_reference_and_kernel_refuses(monkeypatch):

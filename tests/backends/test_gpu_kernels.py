@@ -24,7 +24,7 @@ from megatron_mok import ops
 from cuda_checks import (
     NEEDS_HOPPER_KERNELS,
     assert_bitwise_reproducible_without_host_sync,
-    assert_graph_replays_eager,
+    assert_mok_moe_graph_replays_eager,
     poison_allocator,
 )
 from oracle import (
@@ -308,35 +308,13 @@ def test_ring_dispatch_does_not_keep_the_dispatched_rows():
 
 
 def test_ring_dispatch_cuda_graph_replay():
-    x, ids, w, fc1, fc2, grad = make_inputs(Shape(1100, 64, 32, 6, 4), "skewed", seed=22)  # 4400 rows > 3 minibatches
-    config = KERNELS["sm90_ring3"]
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)
-        y.backward(grad)
-        return y
-
-    eager_y, eager_grads = run(config, x, ids, w, fc1, fc2, grad)
-    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+    inputs = make_inputs(Shape(1100, 64, 32, 6, 4), "skewed", seed=22)  # 4400 rows > 3 minibatches
+    assert_mok_moe_graph_replays_eager(KERNELS["sm90_ring3"], *inputs)
 
 
 @pytest.mark.parametrize("expert_gemm", list(KERNELS))
 def test_kernel_backend_cuda_graph_replay(expert_gemm):
-    x, ids, w, fc1, fc2, grad = make_inputs(SHAPES["odd_tokens"], "dropped", seed=12)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=KERNELS[expert_gemm])
-        y.backward(grad)
-        return y
-
-    eager_y, eager_grads = run(KERNELS[expert_gemm], x, ids, w, fc1, fc2, grad)
-    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+    assert_mok_moe_graph_replays_eager(KERNELS[expert_gemm], *make_inputs(SHAPES["odd_tokens"], "dropped", seed=12))
 
 
 _BAD_EXPERT_ID = r"""

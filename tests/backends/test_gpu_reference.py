@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig, mok_moe
-from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_graph_replays_eager
+from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_mok_moe_graph_replays_eager
 from oracle import assert_norm_relative, moe_float64_with_grads, oracle_bound
 
 pytestmark = [
@@ -53,16 +53,4 @@ def test_cuda_reference_has_no_host_sync_and_is_bitwise_deterministic():
 
 
 def test_cuda_graph_capture_and_replay():
-    x, ids, w, fc1, fc2, grad = _inputs(seed=2)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-    static_ids, static_grad = ids.clone(), grad.clone()
-
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        y = mok_moe(leaves[0], static_ids, leaves[1], leaves[2], leaves[3], config=MoKConfig(backend="reference"))
-        y.backward(static_grad)
-        return y
-
-    eager_y, eager_grads = _fwd_bwd(x, ids, w, fc1, fc2, grad)
-    assert_graph_replays_eager(step, leaves, eager_y, eager_grads)
+    assert_mok_moe_graph_replays_eager(MoKConfig(backend="reference"), *_inputs(seed=2))
