@@ -170,7 +170,9 @@ def quantize_columnwise(x: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor]:
     weight gradients' operands, tokens contiguous (K-major for a GEMM that reduces over tokens)."""
     rows, cols = x.shape
     _check_multiple("the number of rows (tokens)", rows)
-    q, scale = quantize_blocks(x.t().reshape(cols, rows // FP8_BLOCK, FP8_BLOCK), pow2)
+    # x.t() is a view: made contiguous first, so that q is (C, R) with tokens contiguous in memory
+    # (the weight-gradient kernel reads it K-major), not a transposed view of an (R, C) tensor.
+    q, scale = quantize_blocks(x.t().contiguous().reshape(cols, rows // FP8_BLOCK, FP8_BLOCK), pow2)
     return q.reshape(cols, rows), scale.t().contiguous()
 
 

@@ -160,3 +160,17 @@ def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
     kernels = [(name, spill) for name, spill in found if "Fp8ExpertWgradKernel" in name]
     assert len(kernels) == 1, log[-4000:]
     assert kernels[0][1] == 0, f"{kernels[0][1]} bytes spilled in {kernels[0][0]}"
+
+
+def test_the_column_wise_quantization_is_the_layout_the_kernel_takes():
+    """quantization.quantize_columnwise's (C, R) operands pass every check but the device's: tokens
+    contiguous in memory, not a transposed view of an (R, C) tensor."""
+    from megatron_mok import quantization
+
+    g, x = torch.randn(R, M), torch.randn(R, N)
+    qg, sg = quantization.quantize_columnwise(g)
+    qx, sx = quantization.quantize_columnwise(x)
+    assert qg.is_contiguous() and qx.is_contiguous() and sg.is_contiguous() and sx.is_contiguous()
+    args = wgrad_args(grad=qg, grad_scales=sg, inputs=qx, inputs_scales=sx)
+    with pytest.raises(ValueError, match="must be a CUDA tensor|device"):
+        ops.fp8_expert_wgrad(**args)
