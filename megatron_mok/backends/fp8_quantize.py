@@ -1,7 +1,8 @@
 """The FP8 quantizations the kernel backend's FP8 stages run (backends/kernel_fp8.py), in one place:
-today megatron_mok/quantization.py's torch functions (bit for bit the recipe, docs/design.md §12.1),
-each with the signature of the quantization kernel that replaces it (ops.fp8_quantize_rows,
-ops.fp8_quantize_columns), so that swapping the kernels in changes this file only.
+the quantization kernels ops.fp8_quantize_rows and ops.fp8_quantize_columns (csrc/quant/), each bit
+for bit the function of megatron_mok/quantization.py that the reference backend runs (docs/design.md
+§12.1; tests/ops/test_gpu_fp8_quant.py compares them on the GPU): one pass over the values instead
+of torch's several.
 
 Notation: R rows, C columns (a multiple of 128), E experts. None of these reads a tensor's values on
 the host (no synchronization): the schedule's end row is applied on the device.
@@ -10,10 +11,8 @@ the host (no synchronization): the schedule's end row is applied on the device.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from megatron_mok import quantization
-from megatron_mok.limits import FP8_BLOCK
+from megatron_mok import ops, quantization
 
 Tensor = torch.Tensor
 
@@ -23,8 +22,8 @@ def quantize_rows_gemm_a(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     1x128 along C, the left operand of an FP8 GEMM (ops.fp8_quantize_rows with gemm_a_scales only).
     Rows no GEMM reads (at or past the schedule's end) may hold anything, NaN included: their blocks
     quantize to whatever, and no GEMM tile reads them."""
-    q, scales = quantization.quantize_rowwise(x, pow2)
-    return q, quantization.gemm_a_scales(scales)
+    q, _, gemm_a = ops.fp8_quantize_rows(x, source_scales=False, gemm_a_scales=True, pow2=pow2)
+    return q, gemm_a
 
 
 def gemm_a_layout(scales: Tensor) -> Tensor:
@@ -39,8 +38,4 @@ def quantize_columns(x: Tensor, expert_offsets: Tensor, pow2: bool) -> tuple[Ten
     gradient's operand (ops.fp8_quantize_columns). Rows at or past expert_offsets[-1] ((E + 1,) int32,
     read on the device) and the padding rows quantize as zeros, whatever their memory holds: the
     kernel stages leave the rows past the schedule's end unwritten."""
-    rows = x.shape[0]
-    padded = -(-rows // FP8_BLOCK) * FP8_BLOCK
-    in_schedule = torch.arange(rows, device=x.device) < expert_offsets[-1]
-    x = torch.where(in_schedule.unsqueeze(1), x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return quantization.quantize_columnwise(F.pad(x, (0, 0, 0, padded - rows)), pow2)
+    return ops.fp8_quantize_columns(x, expert_offsets, pow2=pow2)

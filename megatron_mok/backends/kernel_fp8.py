@@ -1,8 +1,8 @@
 """The kernel backend's FP8 blockwise stages (MoKConfig.precision="fp8_blockwise"): the recipe of
 docs/design.md §12 through megatron_mok.ops, stage for stage what backends/reference_fp8.py computes
 in PyTorch. The schedule, the combine, the BF16 data movement and the exchange are the BF16 kernel
-backend's (backends/kernel.py); the quantizations go through backends/fp8_quantize.py (one module:
-the quantization kernels replace its bodies).
+backend's (backends/kernel.py); the quantizations go through backends/fp8_quantize.py (the quantization
+kernels, one entry point).
 
 Shapes: capacity = the schedule's rows, every segment starting and ending at a multiple of 128 rows
 (functional raises the alignment for FP8); H hidden; F ffn_hidden; E local experts. The activation

@@ -91,7 +91,24 @@ def _sim_fp8_expert_wgrad(grad, grad_scales, inputs, inputs_scales, expert_offse
     return out.add_(part) if accumulate else out.copy_(part)
 
 
+def _kernel_rows_input(x):
+    """What the quantization kernels take (ops/fp8_quant.py checks it on the GPU): contiguous bf16."""
+    assert x.dtype == torch.bfloat16 and x.is_contiguous(), (x.dtype, x.stride())
+    return x
+
+
+def _sim_fp8_quantize_rows(x, row_index=None, *, source_scales=True, gemm_a_scales=True, pow2=False):
+    q, scales, gemm_a = ops.fp8_quantize_rows_reference(_kernel_rows_input(x), row_index, pow2)
+    return q, scales if source_scales else None, gemm_a if gemm_a_scales else None
+
+
+def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False):
+    return ops.fp8_quantize_columns_reference(_kernel_rows_input(x), expert_offsets, pow2)
+
+
 SIMULATED = {
+    "fp8_quantize_rows": _sim_fp8_quantize_rows,
+    "fp8_quantize_columns": _sim_fp8_quantize_columns,
     "dispatch_rows": _sim_dispatch_rows,
     "pull_grad_rows": _sim_pull_grad_rows,
     "fp8_expert_gemm": _sim_fp8_expert_gemm,
