@@ -42,6 +42,12 @@ enum Fp8WgradCheck : int {
   kCheckFp8WgradSegmentAlignment = 7,  // an expert's rows start inside a 128-row block of the window
 };
 
+// The FP8 expert GEMM's own bounded wait beside the pipeline's (gemm/fp8_gemm_sm90.cuh, the pingpong
+// mainloop's turns). Numbered after every GEMM wait and check.
+enum Fp8GemmWait : int {
+  kWaitPingpongTurn = 8,  // a consumer warpgroup: the other one handed it the turn (turn barrier)
+};
+
 // The schedule kernel's check (moe/schedule_sm90.cuh); not a wait.
 enum ScheduleCheck : int { kCheckExpertIds = 0 };
 
@@ -104,6 +110,9 @@ inline constexpr FailureName kFailureNames[] = {
     {kFp8ExpertGemmKernel, kWaitFreeStage, "FP8 expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
     {kFp8ExpertGemmKernel, kWaitLoadedStage,
      "FP8 expert GEMM consumer waiting for a loaded pipeline stage (full barrier)"},
+    {kFp8ExpertGemmKernel, kWaitPingpongTurn,
+     "FP8 expert GEMM consumer waiting for its pingpong turn (the other consumer warpgroup's hand-over, turn "
+     "barrier)"},
     {kFp8ExpertWgradKernel, kWaitFreeStage,
      "FP8 expert weight-gradient producer waiting for a free pipeline stage (empty barrier)"},
     {kFp8ExpertWgradKernel, kWaitLoadedStage,

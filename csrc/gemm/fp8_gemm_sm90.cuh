@@ -93,11 +93,14 @@ struct Fp8GemmTile {
 //   full     S * 8                                 a stage's loads landed (mbarriers)
 //   empty    S * 8                                 every consumer of the cluster released a stage
 //   watch    8                                     the bounded waits' watch (WaitWatch)
+//   turn     2 * 8                                 kPingpong's turns (mbarriers; unused by the others)
+// (turn after watch: the other mainloops' addresses, and so their SASS, stay as they were.)
 struct Fp8GemmSharedStorage {
   using Tile = Fp8GemmTile;
   static constexpr size_t kBytes = size_t(Tile::kStages) * Tile::kStageBytes +
                                    2 * Tile::kStagingBuffers * Tile::kStagingBytes +
-                                   2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+                                   2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch) +
+                                   2 * sizeof(uint64_t);
   static constexpr size_t kSmemBytes = Tile::kSwizzleAlign + kBytes;
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm90 block may opt into");
 
@@ -108,7 +111,8 @@ struct Fp8GemmSharedStorage {
         staging(b + Tile::kStages * Tile::kBBytes),
         full(reinterpret_cast<uint64_t*>(staging + 2 * Tile::kStagingBuffers * Tile::kStagingBytes)),
         empty(full + Tile::kStages),
-        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)) {}
+        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)),
+        turn(reinterpret_cast<uint64_t*>(watch + 1)) {}
 
   uint8_t* a;
   uint8_t* b;
@@ -116,6 +120,7 @@ struct Fp8GemmSharedStorage {
   uint64_t* full;
   uint64_t* empty;
   sm90::WaitWatch* watch;
+  uint64_t* turn;
 };
 
 
@@ -281,7 +286,7 @@ enum class Fp8Mainloop : int {
   // Per K block: wait for the stage, issue, wait for the block's wgmmas, release, promote. The two
   // consumer warpgroups issue whenever they are ready.
   kDefault = 0,
-  // kDefault with the two warpgroups issuing in strict turns (named barriers, warpgroup 0 first).
+  // kDefault with the two warpgroups issuing in strict turns (turn mbarriers, warpgroup 0 first).
   // If the tensor cores interleave two warpgroups' wgmmas issued together, both finish together
   // and both promote while the tensor cores idle; in turns, warpgroup 0's block runs first and it
   // promotes while warpgroup 1's runs.
@@ -294,10 +299,13 @@ enum class Fp8Mainloop : int {
 };
 constexpr int kFp8MainloopCount = 3;  // the op checks 0 <= variant < this
 
-// kPingpong's turns: barrier kFp8TurnBarrier + w completes when warpgroup 1 - w has handed
-// warpgroup w the turn (both consumer warpgroups count: 256 threads). After the ids of
-// gemm/tile_sm90.cuh NamedBarrier.
-constexpr int kFp8TurnBarrier = kConsumersBarrier + 1;
+// kPingpong's turns: mbarrier turn[w] (Fp8GemmSharedStorage) completes a phase when each of the
+// 128 threads of warpgroup 1 - w has arrived, after issuing its block's wgmmas: it hands warpgroup w
+// the turn. Warpgroup w waits for the phases in order, with the bounded wait (kWaitPingpongTurn),
+// so a turn that never comes traps with a record naming it instead of hanging the launch, as a
+// named barrier (bar.sync) would. A barrier never runs a phase ahead of its waiter: warpgroup
+// 1 - w hands over turn k + 1 only after its own turn k, which warpgroup w handed over after
+// waiting for turn k.
 
 // kClusterM: 1, or 2 CTAs (vertically adjacent m-tiles of one expert) sharing each B slice through
 // TMA multicast (each loads one half). Launched through gemm_kernel_sm90<Fp8ExpertGemmKernel<...>,
@@ -324,6 +332,11 @@ struct Fp8ExpertGemmKernel {
   static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
     SharedStorage shared(smem_raw);
     if (threadIdx.x == 0) {
+      if constexpr (kMainloop == Fp8Mainloop::kPingpong) {
+        // (Before the stage barriers: their init fence covers these too.)
+        sm90::mbarrier_init(&shared.turn[0], kNumThreadsPerWarpGroup);
+        sm90::mbarrier_init(&shared.turn[1], kNumThreadsPerWarpGroup);
+      }
       sm90::init_stage_barriers<Tile::kStages>(shared.full, shared.empty, kEmptyArrivals);
       shared.watch->failed = 0;
       shared.watch->finished = 0;
@@ -400,8 +413,9 @@ struct Fp8ExpertGemmKernel {
                                                  const SharedStorage& shared, int consumer, int thread) {
     constexpr bool kTurns = kMainloop == Fp8Mainloop::kPingpong;
     if constexpr (kTurns) {
-      if (consumer == 1) sm90::named_barrier_arrive(kFp8TurnBarrier, Tile::kConsumerThreads);  // 0 goes first
+      if (consumer == 1) sm90::mbarrier_arrive(&shared.turn[0]);  // 0 goes first
     }
+    uint32_t turn_phase = 0;  // the parity of this warpgroup's next turn (kTurns)
     sm90::WaitWatch* watch = shared.watch;
     const int k_blocks = p.problem.k / Tile::kK;
     const int64_t a_rows = p.scales.a_rows;
@@ -454,13 +468,16 @@ struct Fp8ExpertGemmKernel {
             }
           }
           sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
-          if constexpr (kTurns) sm90::named_barrier_sync(kFp8TurnBarrier + consumer, Tile::kConsumerThreads);
+          if constexpr (kTurns) {
+            sm90::mbarrier_wait(&shared.turn[consumer], turn_phase, kWaitPingpongTurn, watch);
+            turn_phase ^= 1;
+          }
           const uint64_t a_desc =
               sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
           const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
           sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
           // The block's wgmmas are issued: the other warpgroup's turn.
-          if constexpr (kTurns) sm90::named_barrier_arrive(kFp8TurnBarrier + (consumer ^ 1), Tile::kConsumerThreads);
+          if constexpr (kTurns) sm90::mbarrier_arrive(&shared.turn[consumer ^ 1]);
           sm90::wgmma_wait_group<0>();
           sm90::fence_accumulators(partial);
           // The MMAs have read the stage: hand it back before promoting.
@@ -475,10 +492,8 @@ struct Fp8ExpertGemmKernel {
         Epilogue::after_pass(maps.epilogue, p.epilogue, out_extent, acc, c, pass, state, staging, consumer, thread);
       }
     }
-    if constexpr (kTurns) {
-      // Warpgroup 1's last hand-over (both took as many turns): no arrival left pending at exit.
-      if (consumer == 0) sm90::named_barrier_sync(kFp8TurnBarrier, Tile::kConsumerThreads);
-    }
+    // (kTurns: warpgroup 1's last hand-over completes a phase of turn[0] nobody waits for; an
+    // mbarrier, unlike a named barrier, needs no matching wait before the CTA exits.)
     if (thread == 0) {
       sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
       sm90::mark_finished(watch);
