@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mok import MoKConfig, mok_moe, ops
+from megatron_mok.limits import WAIT_TIMEOUT_NS
 from test_emulation import ROUTINGS, make_problem, run_concatenated
 
 # MEGATRON_MOK_TEST_RANK_DEVICES: "shared" (default), every rank on GPU 0; "distinct", rank r on GPU r.
@@ -181,6 +182,20 @@ def _finish_with_record(error: BaseException | None, start: float) -> dict:
     )
 
 
+def _stagger_survivor(rank: int, num_ranks: int, mode: str) -> None:
+    """Survivor r starts its wait for the missing peer r steps after survivor 0, when every rank
+    shares one GPU. Unstaggered, the survivors start those waits within milliseconds of each other
+    and share one bound, so R - 1 contexts of one GPU would trap together: the one condition that no
+    passing run had (at R = 2 the one survivor traps alone) and the first suspect of the survivors
+    not ending at R = 4. A step of at most 1 s keeps the last survivor's signals well inside survivor
+    0's bound, so every record still names the missing peer. On distinct GPUs the traps are on
+    different devices: no stagger."""
+    if mode != "shared" or num_ranks <= 2:
+        return
+    step_s = min(1.0, WAIT_TIMEOUT_NS / 1e9 / (2 * (num_ranks - 2)))
+    time.sleep(rank * step_s)
+
+
 def never_arrives(rank: int, num_ranks: int, mode: str, when: str) -> dict:
     """The last rank leaves: before the first call ("first_call"; the others' first host
     collective fails), before the second ("second_call"; the others' routing wait times out), or
@@ -199,6 +214,7 @@ def never_arrives(rank: int, num_ranks: int, mode: str, when: str) -> dict:
         torch.cuda.synchronize()
         if leaver:
             return dict(left=True)
+        _stagger_survivor(rank, num_ranks, mode)
     start = time.monotonic()
     error = None
     try:
@@ -209,6 +225,8 @@ def never_arrives(rank: int, num_ranks: int, mode: str, when: str) -> dict:
         if when == "mid_step" and leaver:
             torch.cuda.synchronize()
             raise RuntimeError(f"rank {rank} fails on purpose between its forward and its backward")
+        if when == "mid_step":
+            _stagger_survivor(rank, num_ranks, mode)  # (the backward's first wait is the one that times out)
         y.backward(grad[rank])
     except RuntimeError as raised:
         if when == "mid_step" and leaver:

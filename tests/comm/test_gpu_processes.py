@@ -25,7 +25,8 @@ GROUP_SIZES = [2, 4, 8]
 # A spawn's deadline: start-up (import, CUDA context, extension) of every process, the checks, and
 # the kernels' 10 s wait bound where a rank fails; far above what a passing run takes.
 SPAWN_TIMEOUT_S = 240
-# The survivors' end: the 10 s wait bound, the trap and the report, with margin.
+# The survivors' end: the 10 s wait bound, the trap and the report, with margin (and on one GPU the
+# survivors' stagger, at most half the bound: ep_ranks._stagger_survivor).
 FAILURE_BOUND_S = 40
 
 
