@@ -38,14 +38,31 @@ NEEDS_HOPPER_KERNELS = [
 ]
 
 
-def poison_allocator(num_bytes: int = 8 << 30) -> None:
-    """Hands the caching allocator a NaN-filled block, so the outputs of the next call are carved
-    from NaN memory and any element a kernel forgets to write stays NaN."""
+# The caching allocator serves requests of at most 1 MiB from a separate pool of 2 MiB segments
+# (its small pool); larger ones from the large pool.
+SMALL_POOL_LIMIT_BYTES = 1 << 20
+
+
+# The poison: every 4-byte word 0x7FFFFFFF. Read as fp32, as either bf16 half (0x7FFF, 0xFFFF) and as
+# any E4M3 byte (0x7F, 0xFF) it is NaN; as an int32 it is INT32_MAX, no valid index or count (and not
+# -1, the "no route" sentinel an unwritten index must not pass for).
+POISON_WORD = 0x7FFFFFFF
+
+
+def poison_allocator(num_bytes: int = 8 << 30, small_pool_bytes: int = 256 << 20) -> None:
+    """Hands the caching allocator poisoned blocks (POISON_WORD) in both of its pools, so the outputs
+    of the next call, large or small, are carved from poisoned memory and any element a kernel
+    forgets to write stays NaN (an integer: INT32_MAX). Without the small pool an output of at most
+    1 MiB (an act_scales, a small act) would come from memory of earlier tests, and a forgotten
+    element would pass or fail with what they left there."""
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    block = torch.empty(min(num_bytes, free // 2) // 4, dtype=torch.float32, device="cuda")
-    block.fill_(float("nan"))
-    del block
+    small = [
+        torch.full((SMALL_POOL_LIMIT_BYTES // 4,), POISON_WORD, dtype=torch.int32, device="cuda")
+        for _ in range(small_pool_bytes // SMALL_POOL_LIMIT_BYTES)
+    ]
+    block = torch.full((min(num_bytes, free // 2) // 4,), POISON_WORD, dtype=torch.int32, device="cuda")
+    del block, small
 
 
 def assert_graph_replays_eager(
