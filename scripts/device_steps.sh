@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One device call made of named steps, each bounded by `timeout`, all inside one budget, so that a
+# step that hangs costs its bound and not the call: installs the wheels carried in .whl/ into
+# /tmp/site, builds the extension when megatron_mok/_C*.so is absent (or REBUILD=1), runs the steps
+# in order, logs each to $OUT/STEP.log, and prints each step's failures and a table last.
+#
+#     STEPS="tol digests emul" bash scripts/device_steps.sh     # repository root; carry .whl
+#
+# STEPS (default "tol digests emul"): the step names of step_command below.
+# BUDGET (default 570): seconds for the whole call, the build included (the device tool stops a
+# command at 600 s); a step's bound is cut to what is left, and a step with under 20 s left is skipped.
+# PYTEST_ARGS: extra pytest arguments for every pytest step (e.g. "-x").
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/mok_out}
+mkdir -p "$OUT"
+BUDGET=${BUDGET:-570}
+STEPS=${STEPS:-"tol digests emul"}
+start=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+# Multicast stays off on these machines (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# On a Hopper GPU a kernel test fails (not skips) when the extension cannot load.
+export MEGATRON_MOK_REQUIRE_EXTENSION=1
+table="$OUT/table.md"
+printf '| step | rc | s | summary |\n| --- | --- | --- | --- |\n' > "$table"
+if [ "${REBUILD:-0}" = 1 ] || ! ls megatron_mok/_C*.so >/dev/null 2>&1; then
+    built=$(date +%s)
+    MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+    rc=$?
+    echo "| build | $rc | $(( $(date +%s) - built )) | |" >> "$table"
+    [ $rc = 0 ] || { tail -40 "$OUT/build.log"; cat "$table"; exit 1; }
+fi
+PYTEST="python3 -m pytest -q -p no:cacheprovider --no-header -rfE ${PYTEST_ARGS:-}"
+
+step_command() {  # prints "BOUND COMMAND" for a step name
+    case "$1" in
+        tol) echo 200 "$PYTEST tests/backends/test_gpu_kernels.py tests/backends/test_gpu_reference.py tests/ops/test_gpu_expert_gemm.py tests/megatron/test_grouped_mm_experts.py" ;;
+        digests) echo 100 "python3 scripts/digests.py --compare docs/log/digests_2026-12-01_before_restructure.json" ;;
+        emul) echo 130 "$PYTEST tests/comm/test_gpu_emulation.py" ;;
+        procs_layer) echo 150 "$PYTEST -s tests/comm/test_gpu_processes.py -k equals_ep1" ;;
+        procs_failures) echo 330 "$PYTEST -x -s tests/comm/test_gpu_processes.py -k 'not equals_ep1'" ;;
+        procs_module) echo 200 "$PYTEST -s tests/comm/test_gpu_process_group.py tests/megatron/test_gpu_process_group_module.py" ;;
+        fp8_gemm) echo 150 "$PYTEST tests/ops/test_gpu_fp8_gemm.py" ;;
+        fp8_wgrad) echo 150 "$PYTEST tests/ops/test_gpu_fp8_wgrad.py" ;;
+        fp8_quant) echo 100 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
+        fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py" ;;
+        fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
+        *) echo 0 "unknown" ;;
+    esac
+}
+
+for step in $STEPS; do
+    read -r bound command <<< "$(step_command "$step")"
+    if [ "$bound" = 0 ]; then
+        echo "| $step | unknown step | 0 | see step_command in $0 |" >> "$table"
+        continue
+    fi
+    left=$(( BUDGET - ($(date +%s) - start) - 5 ))
+    if [ $left -lt 20 ]; then
+        echo "| $step | skipped | 0 | no time left |" >> "$table"
+        continue
+    fi
+    [ "$bound" -lt "$left" ] || bound=$left
+    log="$OUT/$(echo "$step" | tr -c 'A-Za-z0-9_\n' '_').log"
+    began=$(date +%s)
+    eval timeout -k 5 "$bound" "$command" > "$log" 2>&1
+    rc=$?
+    summary=$(grep -E "passed|failed|skipped|error|bitwise equal" "$log" | tail -1 | cut -c1-100)
+    [ $rc = 124 ] && summary="killed at its $bound s bound; $summary"
+    echo "| $step | $rc | $(( $(date +%s) - began )) | $summary |" >> "$table"
+    echo "== $step"
+    grep -E "^(FAILED|ERROR)" "$log" | head -15
+done
+tar czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz . 2>/dev/null
+cat "$table"
