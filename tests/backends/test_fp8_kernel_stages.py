@@ -22,6 +22,7 @@ import torch
 
 from megatron_mok import MoKConfig, functional, mok_moe, ops
 from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for
+from megatron_mok.ops import fp8_gemm, fp8_quant, fp8_wgrad
 from megatron_mok.emulation import EmulatedGroup
 from megatron_mok.quantization import E4M3, Fp8Recipe
 
@@ -67,11 +68,15 @@ def _sim_pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk, expert_off
 
 
 def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_args, a, a_scales, weight, weight_scales, expert_offsets,
+                           cluster_m, group_m)
     out = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
     return _unwritten(out, expert_offsets)
 
 
 def _sim_fp8_expert_gemm_swiglu(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+    _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_args, a, a_scales, weight, weight_scales, expert_offsets,
+                           cluster_m, group_m, "fp8_expert_gemm_swiglu", True)
     gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu_reference(a, a_scales, weight, weight_scales, expert_offsets)
     act_scales = act_scales.clone()
     act_scales[:, _end(expert_offsets):] = float("nan")
@@ -85,25 +90,34 @@ def _zero_past_end(t, offsets):
 
 
 def _sim_fp8_expert_wgrad(grad, grad_scales, inputs, inputs_scales, expert_offsets, out=None, *, accumulate=False, window_begin=0):
+    _meets_the_op_contract(fp8_wgrad.check_fp8_expert_wgrad_args, grad, grad_scales, inputs, inputs_scales, expert_offsets,
+                           out, accumulate, window_begin)
     part = ops.fp8_expert_wgrad_reference(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin)
     if out is None:
         return part
     return out.add_(part) if accumulate else out.copy_(part)
 
 
-def _kernel_rows_input(x):
-    """What the quantization kernels take (ops/fp8_quant.py checks it on the GPU): contiguous bf16."""
-    assert x.dtype == torch.bfloat16 and x.is_contiguous(), (x.dtype, x.stride())
-    return x
+def _meets_the_op_contract(check, *args) -> None:
+    """Runs an op's argument check (megatron_mok/ops) on the stage's CPU arguments: every check but
+    the device's must pass (the checks test the device last), so a dtype, shape, layout or
+    contiguity the kernel would refuse fails here, on CPU, as it would on the GPU."""
+    try:
+        check(*args)
+    except ValueError as error:
+        if "must be a CUDA tensor" not in str(error):
+            raise
 
 
 def _sim_fp8_quantize_rows(x, row_index=None, *, source_scales=True, gemm_a_scales=True, pow2=False):
-    q, scales, gemm_a = ops.fp8_quantize_rows_reference(_kernel_rows_input(x), row_index, pow2)
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_rows_args, x, row_index, source_scales, gemm_a_scales, pow2)
+    q, scales, gemm_a = ops.fp8_quantize_rows_reference(x, row_index, pow2)
     return q, scales if source_scales else None, gemm_a if gemm_a_scales else None
 
 
 def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False):
-    return ops.fp8_quantize_columns_reference(_kernel_rows_input(x), expert_offsets, pow2)
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_columns_args, x, expert_offsets, pow2)
+    return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2)
 
 
 SIMULATED = {
