@@ -1,8 +1,10 @@
 """One launch each of the sm90 expert GEMM (gate/up: from dispatched rows, and dispatching) and torch's
-grouped GEMM on a benchmark shape, for ncu.
+grouped GEMM on a benchmark shape, for ncu; with --fp8, of the FP8 blockwise GEMM (every mainloop
+variant) and torch's FP8 rowwise grouped GEMM on the same projection.
 
     ncu --clock-control none --kernel-name regex:'expert_gemm|cutlass|sm90' --launch-skip 2 \
         --section SpeedOfLight --section WarpStateStats python3 scripts/profile_expert_gemm.py --shape deepseek_v3_ep8
+    ncu ... python3 scripts/profile_expert_gemm.py --fp8 --projection fc1      # (scripts/device_steps.sh fp8_profile)
 """
 
 from __future__ import annotations
@@ -14,18 +16,52 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_expert_gemm import SHAPES, make_inputs  # noqa: E402
+from bench_expert_gemm import FP8_PROJECTIONS, SHAPES, make_fp8_inputs, make_inputs, torch_fp8_rowwise  # noqa: E402
 
 from megatron_mok import ops  # noqa: E402
 from megatron_mok.backends.kernel import segment_matmul  # noqa: E402
-from megatron_mok.backends.tuning import EXPERT_GEMM_CLUSTER_M, EXPERT_GEMM_GROUP_M  # noqa: E402
+from megatron_mok.backends.tuning import (  # noqa: E402
+    EXPERT_GEMM_CLUSTER_M,
+    EXPERT_GEMM_GROUP_M,
+    FP8_EXPERT_GEMM_CLUSTER_M,
+    FP8_EXPERT_GEMM_GROUP_M,
+)
+
+FP8_VARIANTS = ("default", "pingpong", "overlap")
+
+
+def profile_fp8(shape: str, projection: str) -> None:
+    """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM and
+    ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, default mainloop)."""
+    s = make_fp8_inputs(SHAPES[shape], seed=0)
+    a_name, w_name, _ = FP8_PROJECTIONS[projection]
+    launch = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
+    for _ in range(3):
+        torch_fp8_rowwise(s, a_name, w_name)
+        if projection == "fc1+swiglu":
+            ops.fp8_expert_gemm_swiglu(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch)
+            continue
+        for variant in FP8_VARIANTS:
+            ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch, variant=variant)
+    torch.cuda.synchronize()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="deepseek_v3_ep8", choices=list(SHAPES))
-    parser.add_argument("--projection", default="down", choices=("down", "gate_up"))
+    parser.add_argument("--projection", default=None,
+                        help="down or gate_up (default down); with --fp8 one of " + ", ".join(FP8_PROJECTIONS) + " (default fc1)")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise GEMM's variants and torch's FP8 rowwise")
     args = parser.parse_args()
+    if args.fp8:
+        projection = args.projection or "fc1"
+        if projection not in FP8_PROJECTIONS:
+            parser.error(f"--projection {projection}: with --fp8 one of {list(FP8_PROJECTIONS)}")
+        profile_fp8(args.shape, projection)
+        return
+    args.projection = args.projection or "down"
+    if args.projection not in ("down", "gate_up"):
+        parser.error(f"--projection {args.projection}: down or gate_up")
     s = make_inputs(SHAPES[args.shape], seed=0)
     a, w = (s["act"], s["fc2"]) if args.projection == "down" else (s["rows"], s["fc1"])
     for _ in range(3):  # the first two launches of each are skipped by --launch-skip 2
