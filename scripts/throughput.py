@@ -9,7 +9,10 @@ torchrun), so memory peaks don't mix; flags after `--` go to every run. A dispat
 `--moe-token-dispatcher-type` (alltoall, allgather, flex, mok) or NAME_grouped: Megatron's NAME
 dispatcher with `--mok-grouped-mm-experts`, i.e. its experts on torch's grouped GEMM
 (GroupedMMExperts, what TEGroupedMLP computes, without Transformer Engine) instead of
-SequentialMLP's loop over experts.
+SequentialMLP's loop over experts. `mok_fp8` is mok with the routed experts in FP8 blockwise
+(`--mok-precision fp8_blockwise`, no Transformer Engine needed); `--dispatchers mok,mok_fp8` sets it
+against BF16 mok's loss curve from the same seed. (On the kernel backend the FP8 stages are gated
+until their GPU tests pass: README, "FP8 blockwise".)
 
 The table gives, after `--warmup` iterations: the median time per iteration (Megatron's own
 `interval-time`), tokens/s/GPU, TFLOP/s/GPU (Megatron's count, `--log-throughput`), the peak memory
@@ -52,6 +55,7 @@ _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 _TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 GIB = 1024**3
 GROUPED_SUFFIX = "_grouped"  # NAME_grouped: Megatron's NAME dispatcher with GroupedMMExperts
+MOK_FP8 = "mok_fp8"  # mok with the routed experts in FP8 blockwise
 # "Same curve": the first EARLY_ITERATIONS lm losses within EARLY_RTOL relative of the first
 # dispatcher's, and the mean of the last min(TAIL_ITERATIONS, n) within TAIL_RTOL relative.
 # Up to iteration 4 both runs compute the same function of (nearly) the same weights, so only
@@ -402,9 +406,16 @@ def _child_env(port: int) -> dict[str, str]:
 
 def dispatcher_flags(dispatcher: str) -> list[str]:
     """The pretrain flags of a dispatcher name (module docstring)."""
+    if dispatcher == MOK_FP8:
+        return ["--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise"]
     if dispatcher.endswith(GROUPED_SUFFIX):
         return ["--moe-token-dispatcher-type", dispatcher[: -len(GROUPED_SUFFIX)], "--mok-grouped-mm-experts"]
     return ["--moe-token-dispatcher-type", dispatcher]
+
+
+def is_mok(dispatcher: str) -> bool:
+    """mok in either precision: never a default baseline."""
+    return dispatcher in ("mok", MOK_FP8)
 
 
 def run_one(dispatcher: str, options, run_dir: Path, port: int, index: int, count: int) -> int:
@@ -729,7 +740,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dispatchers", default="alltoall_grouped,mok,alltoall",
                         help="comma-separated (module docstring); the first is the loss curves' reference")
     parser.add_argument("--baselines", default=None,
-                        help="comma-separated dispatchers to give speed-ups over (default: every dispatcher but mok)")
+                        help="comma-separated dispatchers to give speed-ups over (default: every dispatcher but mok and mok_fp8)")
     parser.add_argument("--iters", type=int, default=20, help="training iterations per dispatcher (default 20)")
     parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (default iters // 4, >= 1)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -747,7 +758,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if len(set(dispatchers)) != len(dispatchers):
         parser.error(f"--dispatchers {options.dispatchers}: each at most once")
     if options.baselines is None:
-        baselines = [d for d in dispatchers if d != "mok"] or dispatchers[:1]
+        baselines = [d for d in dispatchers if not is_mok(d)] or dispatchers[:1]
     else:
         baselines = [d for d in options.baselines.split(",") if d]
         if not baselines or not set(baselines) <= set(dispatchers):

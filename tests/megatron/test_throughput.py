@@ -70,6 +70,8 @@ def test_dispatcher_flags():
     assert throughput.dispatcher_flags("mok") == ["--moe-token-dispatcher-type", "mok"]
     assert throughput.dispatcher_flags("alltoall_grouped") == [
         "--moe-token-dispatcher-type", "alltoall", "--mok-grouped-mm-experts"]
+    assert throughput.dispatcher_flags("mok_fp8") == [
+        "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise"]
 
 
 def _write_run(run_dir: Path, ms: list[float], peaks: list[int], world: int = 1) -> None:
@@ -185,6 +187,23 @@ def test_cpu_run_of_the_tiny_config(tmp_path):
         assert (tmp_path / "throughput.png").stat().st_size > 0
     else:
         assert "no PNG: matplotlib does not import here" in result.stdout
+
+
+def test_cpu_run_of_fp8_experts_against_bf16_mok(tmp_path):
+    """mok_fp8 (the reference backend's FP8 recipe on CPU) beside mok from the same seed, on the tiny
+    config widened to the recipe's multiples of 128: the speed-up is over mok (the only other
+    dispatcher) and the FP8 curve is judged against mok's."""
+    result = _throughput("--config", "tiny", "--dispatchers", "mok,mok_fp8", "--iters", "4", "--warmup", "1",
+                         "--out", str(tmp_path), "--", "--hidden-size", "128", "--moe-ffn-hidden-size", "128")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert report["baselines"] == ["mok"] and report["loss_reference"] == "mok"
+    bf16, fp8 = report["runs"]
+    assert fp8["experts"] == ["MoKGroupedExperts"] and fp8["median_ms"] > 0
+    assert "only the routed experts run FP8" in (tmp_path / "runs" / "mok_fp8" / "rank0.log").read_text()
+    assert fp8["loss_vs_reference"]["iterations"] == 4
+    assert "| mok_fp8 | MoKGroupedExperts |" in result.stdout
 
 
 def test_failed_run_gives_exit_code_1_and_a_table(tmp_path):
