@@ -80,8 +80,10 @@ class MoKConfig:
             the routed experts' GEMMs stay in the activation dtype / fp32. Needs hidden and ffn_hidden
             multiples of 128 (a ValueError naming the argument otherwise). The reference backend runs
             it (on CPU too); the kernel backend's FP8 path is not verified on a GPU yet (backend="kernel"
-            is an error unless MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1, "auto" runs the reference); over the collective exchange only ("auto" takes it,
-            "symmetric" is an error).
+            is an error unless MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1, "auto" runs the reference). Over
+            the collective exchange ("auto" takes it); exchange="symmetric" moves the FP8 rows
+            through symmetric memory, not yet verified on a GPU: an error unless the same variable
+            is 1.
         fp8_weight_grad: with fp8_blockwise, the expert weight gradients in FP8 (both operands
             quantized 1x128 along tokens from the high-precision values); False: in the activation
             dtype, as with bf16.
@@ -129,11 +131,6 @@ class MoKConfig:
         for name in ("fp8_weight_grad", "fp8_pow2_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.precision == "fp8_blockwise" and self.exchange == "symmetric":
-            raise ValueError(
-                "MoKConfig.exchange='symmetric' moves bf16 rows only today; precision='fp8_blockwise' runs over "
-                "exchange='collective' (or 'auto', which takes it)"
-            )
 
     def fp8_recipe(self) -> Optional[Fp8Recipe]:
         """The FP8 recipe a call runs, None for bf16."""

@@ -17,8 +17,9 @@ Each emulated rank has its own tensors and buffers and its own CUDA stream. Two 
   (`timeout_s`): a rank that never arrives (or fails) is an error naming the waiting rank and the
   collective, never a hang. Not capturable (the rendezvous is on the host).
 
-With `MoKConfig(precision="fp8_blockwise")` the ranks run the collective form whichever the group's
-exchange is (FP8 rows cross over the collective exchange only today).
+With `MoKConfig(precision="fp8_blockwise")` the ranks run the collective form unless the config
+names `exchange="symmetric"` (FP8 rows through the ranks' FP8 regions, not yet verified on a GPU:
+megatron_mok/fp8_gate.py); "auto" keeps FP8 on the collective form.
 
 Either way rank r's outputs and gradients are bitwise those of a real group's rank r. With the
 symmetric exchange every rank's y must take part in the backward (as on a real group, where every
@@ -181,14 +182,15 @@ class EmulatedGroup:
             raise RuntimeError(f"exchange='symmetric' needs the CUDA extension: {ops.extension_error()}")
         return SymmetricPool(rank, self.num_ranks, NUM_EXCHANGE_PHASES, self._allocators(rank), self.device)
 
-    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
-        """Creates every rank's symmetric pool and the regions of one layer-call shape, before any
-        rank's pass is launched: afterwards nothing in a pass allocates or waits on the host."""
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, fp8: bool = False) -> None:
+        """Creates every rank's symmetric pool and the regions of one layer-call shape (with fp8, the
+        FP8 recipe's too), before any rank's pass is launched: afterwards nothing in a pass allocates
+        or waits on the host."""
         for rank_group in self.ranks:
             pool, reason = rank_group.symmetric_pool()
             if pool is None:
                 raise RuntimeError(f"emulated rank {rank_group.rank}: {reason}")
-            pool.prepare(num_tokens, hidden, topk, dtype)
+            pool.prepare(num_tokens, hidden, topk, dtype, fp8)
 
     def run_launched(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
         """Runs body(rank) for every rank (or only `ranks`) from this thread, one after the other, each
@@ -279,15 +281,17 @@ class EmulatedGroup:
                 xs[rank], topk_ids[rank], topk_weights[rank], fc1s[rank], fc2s[rank],
                 num_ranks=self.num_ranks, config=config,
             )
-        # FP8 rows cross over the collective exchange only (MoKConfig.precision): then the ranks run
-        # in threads and meet at the in-process rendezvous, whichever exchange the group offers.
-        if self.exchange == "symmetric" and config.exchange != "collective" and config.precision == "bf16":
+        # FP8 rows (MoKConfig.precision) cross over the symmetric exchange only when the config asks
+        # for it by name ("auto" keeps them on the collective one, comm/exchange.py exchange_for):
+        # otherwise the ranks run in threads and meet at the in-process rendezvous.
+        symmetric = config.exchange == "symmetric" or config.exchange == "auto" and config.precision == "bf16"
+        if self.exchange == "symmetric" and symmetric:
             # One autograd node per rank, as on a real group: their backwards meet on the device too,
             # in whatever order autograd runs them. Every rank's regions exist before any rank is
             # launched (comm/symmetric.py, emulated_allocator's NOTES).
             from megatron_mok.moe import mok_moe
 
-            self.prepare(*xs[0].shape, topk_ids[0].shape[1], xs[0].dtype)
+            self.prepare(*xs[0].shape, topk_ids[0].shape[1], xs[0].dtype, fp8=config.precision != "bf16")
 
             return self.run_launched(
                 lambda r: mok_moe(xs[r], topk_ids[r], topk_weights[r], fc1s[r], fc2s[r], group=self.ranks[r], config=config)

@@ -175,7 +175,7 @@ def forward(
     fp8 = config.fp8_recipe()
     num_local_experts = fc1.shape[0]
     ep_group.agree_on_call_shape((x.shape[0], x.shape[1], topk_ids.shape[1], num_local_experts, str(x.dtype)))
-    exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype)
+    exchange.prepare(x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype, fp8=fp8 is not None)
     plan = plan_for(exchange, x.shape[0], topk_ids.shape[1], num_local_experts, config)
     if schedule is None:
         schedule = _schedule_over(exchange, plan, topk_ids, num_local_experts, config)

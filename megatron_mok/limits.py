@@ -48,7 +48,7 @@ FP8_E4M3_MAX = 448
 FP8_SCALE_ROW_PAD = 4
 # Phases of the in-kernel exchange's signal protocol (comm/symmetric.py), the first dimension of its
 # signal pad; csrc/common/failure_codes.h names them (ops.exchange_phase_names() reads the names).
-NUM_EXCHANGE_PHASES = 4
+NUM_EXCHANGE_PHASES = 6
 
 COMPILED = {
     "EXPERT_GEMM_TILE_M": EXPERT_GEMM_TILE_M,

@@ -71,9 +71,15 @@ enum ExchangePhase : int {
   kPhaseTokens = 1,      // the rows the pull dispatch reads (region `tokens`)
   kPhaseGradTokens = 2,  // dY and the routing weights the reverse-combine pull reads
   kPhaseCombine = 3,     // the rows pushed back into the sources' `combine` regions
+  // FP8 blockwise: the FP8 rows and their scales, beside the activation-dtype ones (a backward pulls
+  // both: its dgrads read FP8 rows, its weight gradients the high-precision ones), so each source
+  // published in a call has a phase of its own to be freed in.
+  kPhaseFp8Tokens = 4,      // x's E4M3 rows and scales (regions `fp8_tokens`, `fp8_token_scales`)
+  kPhaseFp8GradTokens = 5,  // dY's E4M3 rows and scales and the routing weights (`fp8_grad_*`)
 };
-inline constexpr const char* kExchangePhaseNames[] = {"routing", "tokens", "grad_tokens", "combine"};
-static_assert(kPhaseCombine + 1 == kNumExchangePhases, "limits.py NUM_EXCHANGE_PHASES counts these phases");
+inline constexpr const char* kExchangePhaseNames[] = {"routing", "tokens", "grad_tokens", "combine",
+                                                      "fp8_tokens", "fp8_grad_tokens"};
+static_assert(kPhaseFp8GradTokens + 1 == kNumExchangePhases, "limits.py NUM_EXCHANGE_PHASES counts these phases");
 static_assert(sizeof(kExchangePhaseNames) / sizeof(kExchangePhaseNames[0]) == kNumExchangePhases,
               "one name per exchange phase");
 

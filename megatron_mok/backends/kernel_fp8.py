@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -57,18 +56,11 @@ from megatron_mok.backends.tuning import (
     FP8_WGRAD_OUT_BYTES,
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
-from megatron_mok.quantization import Fp8Recipe, QuantizedRows
+from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV, fp8_kernels_unlocked
+from megatron_mok.quantization import E4M3, Fp8Recipe, QuantizedRows
 from megatron_mok.schedule import Schedule
 
 Tensor = torch.Tensor
-
-UNVERIFIED_FP8_KERNELS_ENV = "MEGATRON_MOK_UNVERIFIED_FP8_KERNELS"
-
-
-def fp8_kernels_unlocked() -> bool:
-    """Whether the environment runs the (not yet GPU-verified) FP8 kernel path for backend="kernel"."""
-    return os.environ.get(UNVERIFIED_FP8_KERNELS_ENV) == "1"
-
 
 def fp8_gate_reason(precision: str) -> Optional[str]:
     """None if backend="kernel" may run MoKConfig.precision `precision` (not bf16), else why not."""
@@ -109,21 +101,32 @@ def _gather_values(values_all: Tensor, schedule: Schedule) -> Tensor:
 
 
 def _fp8_source(source: RowSource) -> Optional[QuantizedRows]:
-    """The source's FP8 rows, or None for rows in the activation dtype. FP8 rows cross ranks over the
-    collective exchange only (one tensor: no peer pointers)."""
-    if not isinstance(source.tensor, QuantizedRows):
-        return None
-    if source.peer_ptrs is not None:
-        raise ValueError("FP8 rows are gathered by the collective exchange; a symmetric FP8 source is not supported")
-    return source.tensor
+    """The source's FP8 rows (gathered, or this rank's copy of the symmetric regions), or None for
+    rows in the activation dtype."""
+    return source.tensor if isinstance(source.tensor, QuantizedRows) else None
+
+
+def _gather_values_from_peers(source: RowSource, schedule: Schedule) -> Tensor:
+    """_gather_values over the ranks' FP8 regions in place: their bytes pulled as bf16 pairs."""
+    pairs = source.tensor.values.view(torch.uint8).view(torch.bfloat16)
+    rows = ops.dispatch_rows_from_peers(
+        pairs, list(source.peer_ptrs), schedule.slot_to_route, schedule.topk, schedule.expert_offsets
+    )
+    return rows.view(torch.uint8).view(E4M3)
 
 
 def dispatch_rows(source: RowSource, schedule: Schedule):
     """-> (capacity, H): QuantizedRows (scales (capacity, H/128), row-wise) from an FP8 source, else
-    the BF16 kernel's dispatch. Padding rows zero (FP8: zero bytes, scale 0)."""
+    the BF16 kernel's dispatch. Padding rows zero (FP8: zero bytes, scale 0). A symmetric FP8 source
+    is pulled from the peers by the same kernels, bitwise the gathered one's rows."""
     rows_all = _fp8_source(source)
     if rows_all is None:
         return kernel.dispatch_rows(source, schedule)
+    if source.peer_ptrs is not None:
+        scales = ops.dispatch_rows_from_peers(
+            rows_all.scales, list(source.scale_peer_ptrs), schedule.slot_to_route, schedule.topk, schedule.expert_offsets
+        )
+        return QuantizedRows(_gather_values_from_peers(source, schedule), scales)
     scales = ops.dispatch_rows(rows_all.scales, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
     return QuantizedRows(_gather_values(rows_all.values, schedule), scales)
 
@@ -159,6 +162,12 @@ def pull_route_grads(source: GradSource, schedule: Schedule):
     grad_y_all = _fp8_source(source.grad_y)
     if grad_y_all is None:
         return kernel.pull_route_grads(source, schedule)
+    if source.grad_y.peer_ptrs is not None:
+        scales = ops.pull_grad_rows_from_peers(
+            grad_y_all.scales, list(source.grad_y.scale_peer_ptrs), list(source.weights.peer_ptrs),
+            schedule.slot_to_route, schedule.topk, schedule.expert_offsets,
+        )
+        return QuantizedRows(_gather_values_from_peers(source.grad_y, schedule), scales)
     scales = ops.pull_grad_rows(
         grad_y_all.scales, source.weights.tensor, schedule.slot_to_route, schedule.topk, schedule.expert_offsets
     )

@@ -19,7 +19,10 @@ exactly one slot, so nothing is ever summed across ranks.
 FP8 blockwise (docs/design.md §12): a source may be published as QuantizedRows (its rows quantized
 1x128 along H where they are produced); the collective exchange then gathers the E4M3 rows and their
 scales, half the bytes of bf16 rows, and the stages read them as published. The symmetric exchange
-moves rows in the activation dtype only today.
+holds them in regions of their own (FP8 bytes and scales, comm/symmetric.py FP8_REGIONS), which the
+pull kernels read in place; "auto" keeps FP8 calls on the collective exchange until that path has
+run on a GPU, and "symmetric" runs it only where the environment opens the FP8 kernels' gate
+(config.UNVERIFIED_FP8_KERNELS_ENV).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from megatron_mok import ops
 from megatron_mok.comm.group import ExpertParallelGroup
+from megatron_mok.fp8_gate import fp8_kernels_gate_reason
 from megatron_mok.quantization import E4M3, QuantizedRows
 from megatron_mok.schedule import Schedule
 
@@ -54,12 +58,23 @@ class RowSource:
 
     tensor: Union[torch.Tensor, QuantizedRows]
     peer_ptrs: Optional[tuple[int, ...]] = None
+    # QuantizedRows at the peers: peer_ptrs locate the E4M3 values, these their scales.
+    scale_peer_ptrs: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        quantized_at_peers = isinstance(self.tensor, QuantizedRows) and self.peer_ptrs is not None
+        if quantized_at_peers != (self.scale_peer_ptrs is not None):
+            raise ValueError("RowSource: scale_peer_ptrs go with QuantizedRows at the peers, and only with them")
 
     def materialize(self) -> Union[torch.Tensor, QuantizedRows]:
         """(R * T, *row): the stacked rows in one tensor (or QuantizedRows), for stages that need one
         (the reference)."""
         if self.peer_ptrs is None:
             return self.tensor
+        if isinstance(self.tensor, QuantizedRows):
+            values = ops.gather_peer_regions(self.tensor.values, list(self.peer_ptrs)).flatten(0, 1)
+            scales = ops.gather_peer_regions(self.tensor.scales, list(self.scale_peer_ptrs)).flatten(0, 1)
+            return QuantizedRows(values, scales)
         return ops.gather_peer_regions(self.tensor, list(self.peer_ptrs)).flatten(0, 1)
 
 
@@ -85,8 +100,9 @@ class Exchange(Protocol):
     # Whether results may be returned window by window (receive.py); else a pass is one window.
     windowed: bool
 
-    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
-        """Called before a layer call's first exchange: allocate what a call of this shape needs."""
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, fp8: bool = False) -> None:
+        """Called before a layer call's first exchange: allocate what a call of this shape (and, with
+        fp8, of the FP8 recipe) needs."""
         ...
 
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -151,7 +167,7 @@ class CollectiveExchange:
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(topk_ids.to(torch.int64))
 
-    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, fp8: bool = False) -> None:
         pass  # the collectives allocate their outputs per call
 
     def _gather_rows(self, rows: Rows) -> Rows:
@@ -231,10 +247,12 @@ def exchange_for(group: ExpertParallelGroup, kind: str = "auto", precision: str 
     if kind == "collective" or group.num_ranks == 1 and kind == "auto":
         return CollectiveExchange(group)
     if precision != "bf16":
-        if kind == "symmetric":  # (MoKConfig refuses it first)
-            raise ValueError(f"MoKConfig.exchange='symmetric' moves bf16 rows only today, not {precision}")
-        _note_once(group, f"the collective exchange (MoKConfig.exchange='auto'): the in-kernel exchange moves bf16 rows only today, and MoKConfig.precision={precision!r} moves FP8 rows")
-        return CollectiveExchange(group)
+        if kind == "auto":
+            _note_once(group, f"the collective exchange (MoKConfig.exchange='auto'): MoKConfig.precision={precision!r} moves FP8 rows, which the in-kernel exchange has not yet moved on a GPU")
+            return CollectiveExchange(group)
+        reason = fp8_kernels_gate_reason("MoKConfig.exchange='symmetric' with MoKConfig.precision=" + repr(precision))
+        if reason is not None:
+            raise ValueError(reason)
     pool, reason = group.symmetric_pool()
     if pool is None:
         if kind == "symmetric":

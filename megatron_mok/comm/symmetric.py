@@ -48,12 +48,29 @@ REGIONS: dict[str, Callable[[int, int, int, torch.dtype], tuple[tuple[int, ...],
     "grad_weights": lambda t, h, k, d: ((t * k,), torch.float32),
     "combine": lambda t, h, k, d: ((t * k, h), d),
 }
+# FP8 blockwise calls (MoKConfig.precision) also publish their E4M3 rows and scales (comm/
+# symmetric_exchange.py). The E4M3 bytes of a (T, H) row block are held as (T, H/2) bf16 pairs: the
+# pull kernels move bf16 and fp32 rows and copy a pair's 16 bits unchanged (H is a multiple of 128).
+FP8_REGIONS: dict[str, Callable[[int, int, int, torch.dtype], tuple[tuple[int, ...], torch.dtype]]] = {
+    "fp8_tokens": lambda t, h, k, d: ((t, h // 2), torch.bfloat16),
+    "fp8_token_scales": lambda t, h, k, d: ((t, h // 128), torch.float32),
+    "fp8_grad_tokens": lambda t, h, k, d: ((t, h // 2), torch.bfloat16),
+    "fp8_grad_token_scales": lambda t, h, k, d: ((t, h // 128), torch.float32),
+    "fp8_grad_weights": lambda t, h, k, d: ((t * k,), torch.float32),
+}
 
 
-def symmetric_bytes_per_rank(num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, num_ranks: int, num_phases: int) -> int:
-    """Bytes of symmetric memory one rank holds for one (T, H, K, D): the table above."""
+def _tables(fp8: bool) -> dict:
+    return {**REGIONS, **FP8_REGIONS} if fp8 else REGIONS
+
+
+def symmetric_bytes_per_rank(
+    num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, num_ranks: int, num_phases: int, fp8: bool = False
+) -> int:
+    """Bytes of symmetric memory one rank holds for one (T, H, K, D): the tables above (FP8_REGIONS
+    with fp8)."""
     total = 16 * num_phases * num_ranks
-    for shape_of in REGIONS.values():
+    for shape_of in _tables(fp8).values():
         shape, region_dtype = shape_of(num_tokens, hidden, topk, dtype)
         total += torch.Size(shape).numel() * torch.empty((), dtype=region_dtype).element_size()
     return total
@@ -88,13 +105,14 @@ class SymmetricPool:
             )
         return self._allocate(shape, dtype)
 
-    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
-        """Allocates every region a layer call of this shape uses (REGIONS, in table order)."""
-        for name in REGIONS:
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, fp8: bool = False) -> None:
+        """Allocates every region a layer call of this shape uses (REGIONS, then with fp8 FP8_REGIONS,
+        in table order: every rank asks in the same order)."""
+        for name in _tables(fp8):
             self.region(name, num_tokens, hidden, topk, dtype)
 
     def region(self, name: str, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> SymmetricRegion:
-        shape, region_dtype = REGIONS[name](num_tokens, hidden, topk, dtype)
+        shape, region_dtype = _tables(True)[name](num_tokens, hidden, topk, dtype)
         key = (name, shape, region_dtype)
         region = self._regions.get(key)
         if region is None:

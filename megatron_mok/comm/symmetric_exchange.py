@@ -21,17 +21,19 @@ from megatron_mok import ops
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.comm.symmetric import SymmetricPool, SymmetricRegion
-from megatron_mok.quantization import QuantizedRows
+from megatron_mok.quantization import E4M3, QuantizedRows
 from megatron_mok.schedule import Schedule
 
 READY, FREE = 0, 1
 
 
-def _require_unquantized(rows, what: str) -> None:
-    # Its regions hold rows in the activation dtype (comm/symmetric.py REGIONS); exchange_for and
-    # MoKConfig send FP8 calls to the collective exchange.
-    if isinstance(rows, QuantizedRows):
-        raise ValueError(f"the symmetric exchange moves {what} in the activation dtype only today, not FP8 rows")
+def _as_pairs(values: torch.Tensor) -> torch.Tensor:
+    """(T, H) E4M3 -> the same bytes as (T, H/2) bf16 pairs, the form the FP8 regions hold."""
+    return values.contiguous().view(torch.uint8).view(torch.bfloat16)
+
+
+def _as_e4m3(pairs: torch.Tensor) -> torch.Tensor:
+    return pairs.view(torch.uint8).view(E4M3)
 
 
 class SymmetricExchange:
@@ -68,10 +70,10 @@ class SymmetricExchange:
 
     # ---- the Exchange ------------------------------------------------------------------------
 
-    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+    def prepare(self, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype, fp8: bool = False) -> None:
         # Every region of this shape exists before the call's first exchange op is issued: no
         # allocation (and no host wait) falls between this rank's signal waits.
-        self.pool.prepare(num_tokens, hidden, topk, dtype)
+        self.pool.prepare(num_tokens, hidden, topk, dtype, fp8)
 
     def gather_routing(self, topk_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, topk = topk_ids.shape
@@ -81,26 +83,51 @@ class SymmetricExchange:
         self._signal("routing", FREE)
         return ids_all
 
-    def dispatch_source(self, x: torch.Tensor) -> RowSource:
-        _require_unquantized(x, "x")
-        # The group's rows in the ranks' `tokens` regions: rank r's token t at row r * T + t.
+    def dispatch_source(self, x: torch.Tensor | QuantizedRows) -> RowSource:
+        # The group's rows in the ranks' `tokens` regions: rank r's token t at row r * T + t. FP8 rows
+        # (QuantizedRows): their E4M3 bytes and scales in `fp8_tokens` and `fp8_token_scales`, under a
+        # phase of their own (a backward publishes both forms of x and frees them together).
+        if isinstance(x, QuantizedRows):
+            values, scales = self._fp8_regions("fp8_tokens", "fp8_token_scales", x)
+            self._publish("fp8_tokens", [(values.own, _as_pairs(x.values)), (scales.own, x.scales)])
+            return self._fp8_source(values, scales)
         tokens = self.pool.region("tokens", x.shape[0], x.shape[1], 0, x.dtype)
         self._publish("tokens", [(tokens.own, x)])
         return RowSource(tokens.own, tokens.peer_ptrs)
 
-    def grad_source(self, grad_y: torch.Tensor, topk_weights: torch.Tensor) -> GradSource:
+    def grad_source(self, grad_y: torch.Tensor | QuantizedRows, topk_weights: torch.Tensor) -> GradSource:
         # dY in the ranks' `grad_tokens` regions, (T, H) each; the routing weights in `grad_weights`,
-        # (T * K,) float32 each.
-        _require_unquantized(grad_y, "dY")
+        # (T * K,) float32 each. FP8 dY: in the `fp8_grad_*` regions with a copy of the weights, under
+        # the phase fp8_grad_tokens.
         num_tokens, topk = topk_weights.shape
+        weights = topk_weights.reshape(-1)
+        if isinstance(grad_y, QuantizedRows):
+            values, scales = self._fp8_regions("fp8_grad_tokens", "fp8_grad_token_scales", grad_y)
+            grad_weights = self.pool.region("fp8_grad_weights", num_tokens, 0, topk, torch.float32)
+            self._publish("fp8_grad_tokens", [
+                (values.own, _as_pairs(grad_y.values)), (scales.own, grad_y.scales), (grad_weights.own, weights),
+            ])
+            return GradSource(self._fp8_source(values, scales), RowSource(grad_weights.own, grad_weights.peer_ptrs))
         grad_tokens = self.pool.region("grad_tokens", num_tokens, grad_y.shape[1], 0, grad_y.dtype)
         grad_weights = self.pool.region("grad_weights", num_tokens, 0, topk, torch.float32)
-        self._publish("grad_tokens", [(grad_tokens.own, grad_y), (grad_weights.own, topk_weights.reshape(-1))])
+        self._publish("grad_tokens", [(grad_tokens.own, grad_y), (grad_weights.own, weights)])
         return GradSource(RowSource(grad_tokens.own, grad_tokens.peer_ptrs), RowSource(grad_weights.own, grad_weights.peer_ptrs))
+
+    def _fp8_regions(self, values_name: str, scales_name: str, rows: QuantizedRows):
+        num_tokens, hidden = rows.values.shape
+        return (self.pool.region(values_name, num_tokens, hidden, 0, torch.bfloat16),
+                self.pool.region(scales_name, num_tokens, hidden, 0, torch.float32))
+
+    @staticmethod
+    def _fp8_source(values: SymmetricRegion, scales: SymmetricRegion) -> RowSource:
+        # (The stages read the E4M3 view; the pulls move its bytes as the regions' bf16 pairs.)
+        return RowSource(QuantizedRows(_as_e4m3(values.own), scales.own), values.peer_ptrs, scales.peer_ptrs)
 
     def release(self, source: RowSource | GradSource) -> None:
         # Every pull from the peers' regions is issued on this rank's stream: they may be reused.
-        self._signal("tokens" if isinstance(source, RowSource) else "grad_tokens", FREE)
+        rows = source if isinstance(source, RowSource) else source.grad_y
+        phase = "tokens" if isinstance(source, RowSource) else "grad_tokens"
+        self._signal(("fp8_" + phase) if isinstance(rows.tensor, QuantizedRows) else phase, FREE)
 
     def route_index(self, schedule: Schedule, topk_ids: torch.Tensor) -> torch.Tensor:
         # The owners push route t*K + k into slot t*K + k of this rank's combine region.

@@ -319,9 +319,8 @@ def test_hidden_or_ffn_not_a_multiple_of_128_is_a_value_error(hidden, ffn, messa
         (dict(precision="fp8"), r"MoKConfig.precision must be one of \('bf16', 'fp8_blockwise'\), got 'fp8'"),
         (dict(precision="fp8_blockwise", fp8_weight_grad=1), "MoKConfig.fp8_weight_grad must be a bool"),
         (dict(fp8_pow2_scales="yes"), "MoKConfig.fp8_pow2_scales must be a bool"),
-        (dict(precision="fp8_blockwise", exchange="symmetric"), "MoKConfig.exchange='symmetric' moves bf16 rows only today"),
     ],
-    ids=["precision", "weight_grad", "pow2", "symmetric"],
+    ids=["precision", "weight_grad", "pow2"],
 )
 def test_bad_config_is_a_value_error(fields, message):
     with pytest.raises(ValueError, match=message):

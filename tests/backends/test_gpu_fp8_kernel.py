@@ -120,3 +120,30 @@ def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(routing):
     got = run_emulated(EmulatedGroup(num_ranks, "cuda"), problem, e, KERNEL_FP8)
     torch.cuda.synchronize()
     assert_bitwise(got, run_concatenated(problem, KERNEL_FP8), f"fp8 kernel r2/{routing}")
+
+
+# FP8 rows through the symmetric exchange (the ranks' fp8_* regions, pulled in place): emulated ranks
+# on the device, one and several receive windows, the kernel backend and the reference (which
+# materializes the regions), each bitwise its EP = 1 run on the concatenated problem.
+SYMMETRIC_FP8 = {
+    "kernel": MoKConfig(backend="kernel", precision="fp8_blockwise", exchange="symmetric"),
+    "kernel_windows": MoKConfig(backend="kernel", precision="fp8_blockwise", exchange="symmetric",
+                                receive_capacity_factor=0.25),
+    "reference": MoKConfig(backend="reference", precision="fp8_blockwise", exchange="symmetric"),
+}
+
+
+@pytest.mark.parametrize("config_name", list(SYMMETRIC_FP8))
+@pytest.mark.parametrize("num_ranks", (2, 4))
+@pytest.mark.parametrize("routing", ("uniform", "skewed", "all_to_last_rank", "dropped"))
+def test_fp8_over_the_symmetric_exchange_equals_ep1_bitwise(routing, num_ranks, config_name):
+    import dataclasses
+
+    config = SYMMETRIC_FP8[config_name]
+    t, h, f, e, k = 64, 256, 128, 2, 4
+    problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16,
+                           zlib.crc32(f"fp8sym/{routing}/{num_ranks}".encode()))
+    got = run_emulated(EmulatedGroup(num_ranks, "cuda"), problem, e, config)
+    torch.cuda.synchronize()
+    want = run_concatenated(problem, dataclasses.replace(config, exchange="auto"))
+    assert_bitwise(got, want, f"fp8 symmetric {config_name} r{num_ranks}/{routing}")

@@ -89,8 +89,20 @@ def test_fp8_rows_cross_ranks_as_fp8(monkeypatch):
     assert E4M3.itemsize == 1  # (the bytes gathered are the E4M3 values)
 
 
-def test_fp8_with_the_symmetric_exchange_is_a_named_error():
-    """FP8 rows cross over the collective exchange only today (a symmetric emulated group runs FP8
-    over the collective one: tests/backends/test_gpu_fp8_reference.py)."""
-    with pytest.raises(ValueError, match="MoKConfig.exchange='symmetric' moves bf16 rows only today"):
-        MoKConfig(precision="fp8_blockwise", exchange="symmetric")
+def test_fp8_over_the_symmetric_exchange_is_gated_and_auto_keeps_the_collective(monkeypatch):
+    """FP8 rows through symmetric memory are not yet verified on a GPU: exchange="symmetric" with FP8
+    is an error naming the gate's variable while it is closed; "auto" takes the collective exchange
+    whatever the gate (tests/backends/test_gpu_fp8_kernel.py runs the symmetric path with it open)."""
+    from megatron_mok.comm.exchange import exchange_for
+    from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV
+
+    rank = EmulatedGroup(2, "cpu").ranks[0]
+    MoKConfig(precision="fp8_blockwise", exchange="symmetric")  # a valid config: the gate is read per call
+    monkeypatch.delenv(UNVERIFIED_FP8_KERNELS_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"MoKConfig.exchange='symmetric' with MoKConfig.precision='fp8_blockwise' is not verified on a GPU yet; it runs only with the environment variable {UNVERIFIED_FP8_KERNELS_ENV}=1"):
+        exchange_for(rank, "symmetric", "fp8_blockwise")
+    assert isinstance(exchange_for(rank, "auto", "fp8_blockwise"), CollectiveExchange)
+    monkeypatch.setenv(UNVERIFIED_FP8_KERNELS_ENV, "1")
+    assert isinstance(exchange_for(rank, "auto", "fp8_blockwise"), CollectiveExchange)
+    with pytest.raises(ValueError, match="MoKConfig.exchange='symmetric' cannot run over this group"):
+        exchange_for(rank, "symmetric", "fp8_blockwise")  # (a CPU group has no symmetric memory)

@@ -55,7 +55,7 @@ def test_exchange_phases_come_from_the_extension_in_the_order_the_pad_uses():
     """comm/symmetric_exchange.py names these phases; their index is the pad's first dimension."""
     from megatron_mok import ops
 
-    assert ops.exchange_phase_names() == ("routing", "tokens", "grad_tokens", "combine")
+    assert ops.exchange_phase_names() == ("routing", "tokens", "grad_tokens", "combine", "fp8_tokens", "fp8_grad_tokens")
 
 
 @needs_toolchain
