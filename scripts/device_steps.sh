@@ -48,7 +48,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_gemm) echo 150 "$PYTEST tests/ops/test_gpu_fp8_gemm.py" ;;
         fp8_wgrad) echo 150 "$PYTEST tests/ops/test_gpu_fp8_wgrad.py" ;;
         fp8_quant) echo 100 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
-        fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py" ;;
+        fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
+        fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
         # Warp stall reasons, tensor-pipe activity and time of the FP8 GEMM's variants beside torch's
         # FP8 rowwise grouped GEMM (fc1, DeepSeek-V3 EP 8 shape); stalls.csv stays in \$OUT.
