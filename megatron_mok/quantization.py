@@ -176,6 +176,17 @@ def quantize_columnwise(x: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor]:
     return q.reshape(cols, rows), scale.t().contiguous()
 
 
+def as_bf16_pairs(values: Tensor) -> Tensor:
+    """(R, C) E4M3 -> the same bytes as (R, C/2) bf16 pairs (C even): how the row kernels, which move
+    bf16 and fp32 rows and copy a bf16 value's 16 bits unchanged, move E4M3 rows."""
+    return values.contiguous().view(torch.uint8).view(torch.bfloat16)
+
+
+def from_bf16_pairs(pairs: Tensor) -> Tensor:
+    """as_bf16_pairs undone: (R, C/2) bf16 -> (R, C) E4M3, the same bytes."""
+    return pairs.view(torch.uint8).view(E4M3)
+
+
 def dequantize_rowwise(q: Tensor, scale: Tensor) -> Tensor:
     """q (R, C) e4m3, scale (R, C/128) -> (R, C) fp32."""
     return (q.float().reshape(q.shape[0], -1, FP8_BLOCK) * scale.unsqueeze(-1)).reshape(q.shape)

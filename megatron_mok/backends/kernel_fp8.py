@@ -57,7 +57,7 @@ from megatron_mok.backends.tuning import (
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV, fp8_kernels_unlocked
-from megatron_mok.quantization import E4M3, Fp8Recipe, QuantizedRows
+from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
 from megatron_mok.schedule import Schedule
 
 Tensor = torch.Tensor
@@ -95,9 +95,8 @@ def _gather_values(values_all: Tensor, schedule: Schedule) -> Tensor:
     """values_all (N, H) e4m3 -> (capacity, H) e4m3 in schedule order through the dispatch kernel: its
     bf16 form copies 16-bit pairs unchanged (no arithmetic without weights), and a zero bf16 pair is
     two E4M3 zeros (H is even: a multiple of 128)."""
-    pairs = values_all.view(torch.uint8).view(torch.bfloat16)
-    rows = ops.dispatch_rows(pairs, schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
-    return rows.view(torch.uint8).view(values_all.dtype)
+    rows = ops.dispatch_rows(as_bf16_pairs(values_all), schedule.slot_to_route, schedule.topk, schedule.expert_offsets)
+    return from_bf16_pairs(rows)
 
 
 def _fp8_source(source: RowSource) -> Optional[QuantizedRows]:
@@ -108,11 +107,11 @@ def _fp8_source(source: RowSource) -> Optional[QuantizedRows]:
 
 def _gather_values_from_peers(source: RowSource, schedule: Schedule) -> Tensor:
     """_gather_values over the ranks' FP8 regions in place: their bytes pulled as bf16 pairs."""
-    pairs = source.tensor.values.view(torch.uint8).view(torch.bfloat16)
     rows = ops.dispatch_rows_from_peers(
-        pairs, list(source.peer_ptrs), schedule.slot_to_route, schedule.topk, schedule.expert_offsets
+        as_bf16_pairs(source.tensor.values), list(source.peer_ptrs), schedule.slot_to_route, schedule.topk,
+        schedule.expert_offsets,
     )
-    return rows.view(torch.uint8).view(E4M3)
+    return from_bf16_pairs(rows)
 
 
 def dispatch_rows(source: RowSource, schedule: Schedule):

@@ -22,7 +22,7 @@ scales, half the bytes of bf16 rows, and the stages read them as published. The 
 holds them in regions of their own (FP8 bytes and scales, comm/symmetric.py FP8_REGIONS), which the
 pull kernels read in place; "auto" keeps FP8 calls on the collective exchange until that path has
 run on a GPU, and "symmetric" runs it only where the environment opens the FP8 kernels' gate
-(config.UNVERIFIED_FP8_KERNELS_ENV).
+(megatron_mok/fp8_gate.py).
 """
 
 from __future__ import annotations

@@ -21,19 +21,10 @@ from megatron_mok import ops
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.comm.symmetric import SymmetricPool, SymmetricRegion
-from megatron_mok.quantization import E4M3, QuantizedRows
+from megatron_mok.quantization import QuantizedRows, as_bf16_pairs, from_bf16_pairs
 from megatron_mok.schedule import Schedule
 
 READY, FREE = 0, 1
-
-
-def _as_pairs(values: torch.Tensor) -> torch.Tensor:
-    """(T, H) E4M3 -> the same bytes as (T, H/2) bf16 pairs, the form the FP8 regions hold."""
-    return values.contiguous().view(torch.uint8).view(torch.bfloat16)
-
-
-def _as_e4m3(pairs: torch.Tensor) -> torch.Tensor:
-    return pairs.view(torch.uint8).view(E4M3)
 
 
 class SymmetricExchange:
@@ -89,7 +80,7 @@ class SymmetricExchange:
         # phase of their own (a backward publishes both forms of x and frees them together).
         if isinstance(x, QuantizedRows):
             values, scales = self._fp8_regions("fp8_tokens", "fp8_token_scales", x)
-            self._publish("fp8_tokens", [(values.own, _as_pairs(x.values)), (scales.own, x.scales)])
+            self._publish("fp8_tokens", [(values.own, as_bf16_pairs(x.values)), (scales.own, x.scales)])
             return self._fp8_source(values, scales)
         tokens = self.pool.region("tokens", x.shape[0], x.shape[1], 0, x.dtype)
         self._publish("tokens", [(tokens.own, x)])
@@ -105,7 +96,7 @@ class SymmetricExchange:
             values, scales = self._fp8_regions("fp8_grad_tokens", "fp8_grad_token_scales", grad_y)
             grad_weights = self.pool.region("fp8_grad_weights", num_tokens, 0, topk, torch.float32)
             self._publish("fp8_grad_tokens", [
-                (values.own, _as_pairs(grad_y.values)), (scales.own, grad_y.scales), (grad_weights.own, weights),
+                (values.own, as_bf16_pairs(grad_y.values)), (scales.own, grad_y.scales), (grad_weights.own, weights),
             ])
             return GradSource(self._fp8_source(values, scales), RowSource(grad_weights.own, grad_weights.peer_ptrs))
         grad_tokens = self.pool.region("grad_tokens", num_tokens, grad_y.shape[1], 0, grad_y.dtype)
@@ -121,7 +112,7 @@ class SymmetricExchange:
     @staticmethod
     def _fp8_source(values: SymmetricRegion, scales: SymmetricRegion) -> RowSource:
         # (The stages read the E4M3 view; the pulls move its bytes as the regions' bf16 pairs.)
-        return RowSource(QuantizedRows(_as_e4m3(values.own), scales.own), values.peer_ptrs, scales.peer_ptrs)
+        return RowSource(QuantizedRows(from_bf16_pairs(values.own), scales.own), values.peer_ptrs, scales.peer_ptrs)
 
     def release(self, source: RowSource | GradSource) -> None:
         # Every pull from the peers' regions is issued on this rank's stream: they may be reused.
