@@ -60,8 +60,12 @@ FP8_REGIONS: dict[str, Callable[[int, int, int, torch.dtype], tuple[tuple[int, .
 }
 
 
+# Every region by name: what SymmetricPool.region looks a name up in.
+ALL_REGIONS = {**REGIONS, **FP8_REGIONS}
+
+
 def _tables(fp8: bool) -> dict:
-    return {**REGIONS, **FP8_REGIONS} if fp8 else REGIONS
+    return ALL_REGIONS if fp8 else REGIONS
 
 
 def symmetric_bytes_per_rank(
@@ -112,7 +116,7 @@ class SymmetricPool:
             self.region(name, num_tokens, hidden, topk, dtype)
 
     def region(self, name: str, num_tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> SymmetricRegion:
-        shape, region_dtype = _tables(True)[name](num_tokens, hidden, topk, dtype)
+        shape, region_dtype = ALL_REGIONS[name](num_tokens, hidden, topk, dtype)
         key = (name, shape, region_dtype)
         region = self._regions.get(key)
         if region is None:
