@@ -146,6 +146,23 @@ class EmulatedRankGroup(ExpertParallelGroup):
         return torch.stack([peer_send[self.rank] for peer_send in sends])
 
 
+def _start_blas(stream: torch.cuda.Stream) -> None:
+    """Creates this thread's cuBLAS and cuBLASLt handles and their workspaces for `stream` (torch does it
+    lazily at a stream's first matmul, and creating a handle can wait for the device to be idle: in a
+    pass launched behind a rank's signal wait that is a deadlock until the wait's bound traps). The
+    reference stages' matmuls (bf16, fp32, and the FP8 recipe's exact float64 block products) then
+    find them made, and cuBLAS's kernels of each dtype loaded (loading a module waits for the device
+    too)."""
+    with torch.cuda.stream(stream):
+        torch.cuda.current_blas_handle()
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            for size in (8, 128):
+                a = torch.ones(2, size, size, dtype=dtype, device=stream.device)
+                torch.bmm(a, a)
+                torch.mm(a[0], a[0])
+                torch.addmm(a[0], a[0], a[0])
+
+
 class EmulatedGroup:
     """R emulated expert-parallel ranks on one device (see the module docstring)."""
 
@@ -191,6 +208,7 @@ class EmulatedGroup:
             if pool is None:
                 raise RuntimeError(f"emulated rank {rank_group.rank}: {reason}")
             pool.prepare(num_tokens, hidden, topk, dtype, fp8)
+            _start_blas(rank_group.stream)
 
     def run_launched(self, body: Callable[[int], object], ranks: Optional[Sequence[int]] = None) -> list[object]:
         """Runs body(rank) for every rank (or only `ranks`) from this thread, one after the other, each
