@@ -12,9 +12,10 @@ logits come out bitwise alike (a (T, H) and an (R*T, H) fp32 GEMM give the same 
 picks a kernel with another reduction order), else within one bf16 rounding, 2^-8 relative to the
 norm: every one of these is a bf16 rounding of an fp32 value built from those logits' probabilities,
 and a last-ulp change of a probability moves it by at most one rounding. The router's weight gradient
-is the R ranks' fp32 partial sums added, against one sum over all R*T tokens: fp32 reassociation of at
-most R*T = 256 terms, 256 * 2^-24 ~ 1.5e-5 of the sum of magnitudes; 1e-4 of the norm has margin, while
-one misrouted token moves it by O(1e-2).
+is the R ranks' partial sums added, against one sum over all R*T tokens: each partial and the whole
+is rounded once to the parameter's dtype (bf16, unit roundoff u), so they differ by at most
+u·(Σ_r‖g_r‖ + ‖G‖) in the norm, plus the fp32 reassociation of at most R*T = 256 terms (256 * 2^-24
+~ 1.5e-5 of their magnitudes; 1e-4 is allowed). The routing itself is compared exactly.
 """
 
 from __future__ import annotations
