@@ -82,14 +82,16 @@ def moe_float64(
 
 
 def moe_float64_with_grads(
-    x, topk_ids, topk_weights, fc1, fc2, grad, shared: tuple = ()
+    x, topk_ids, topk_weights, fc1, fc2, grad, shared: tuple = (), device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """y (T, H) and the gradients of (x, topk_weights, fc1, fc2, *shared) for the output gradient
-    grad (T, H), all float64 on the CPU; zeros for an argument y does not depend on. Arguments as in
-    moe_float64, on any device; shared: (shared_fc1, shared_fc2) or ()."""
-    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, topk_weights, fc1, fc2, *shared)]
-    y = moe_float64(leaves[0], topk_ids.cpu(), *leaves[1:])
-    grads = torch.autograd.grad(y, leaves, grad.detach().cpu().double(), allow_unused=True)
+    grad (T, H), all float64 on `device` (the CPU by default; a GPU for DeepSeek-V3-sized weights,
+    whose float64 copies and gradients are tens of GB and minutes of CPU time); zeros for an argument
+    y does not depend on. Arguments as in moe_float64, on any device; shared: (shared_fc1, shared_fc2)
+    or ()."""
+    leaves = [t.detach().to(device, torch.float64).requires_grad_() for t in (x, topk_weights, fc1, fc2, *shared)]
+    y = moe_float64(leaves[0], topk_ids.to(device), *leaves[1:])
+    grads = torch.autograd.grad(y, leaves, grad.detach().to(device, torch.float64), allow_unused=True)
     return y.detach(), [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
 
 

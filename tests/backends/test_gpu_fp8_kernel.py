@@ -12,19 +12,31 @@ Tolerances (SQNR = 20·log10(‖want‖ / ‖want − got‖), tests/oracle.py s
   other way for a fraction ~2^-13 / 2^-8 = 1/32 of its elements (one bf16 ulp, 2^-8), and a flipped
   bf16 input of a quantization moves its E4M3 rounding for ~1 in 16 of those (one E4M3 step, 2^-4 of
   the value): about 1 element in 500 off by 2^-4, i.e. a relative RMS of 2^-4·(1/500)^(1/2) ≈ 0.003,
-  ~50 dB, summed over the chain's two or three such stages ~45 dB. Bar 40 dB (the issue's is 35):
-  a recipe error (a scale of the wrong block, an unpromoted block, a transposed weight copy that is
-  not the transpose) costs the 20–30 dB of the quantization itself. Per token row of y and dx:
-  30 dB (one E4M3 step in a row of >= 128 elements leaves 10·log10(128·2^8) = 45 dB; a few of them
-  and the SwiGLU's slope leave margin; a wrong row sits near 0 dB).
+  ~50 dB, summed over the chain's two or three such stages ~45 dB over a large tensor. Bar 35 dB
+  (the issue's): a tensor with few elements sits on few flips, and one flip is a bigger share of
+  it; in a 256-wide intermediate (2F of a 128-wide expert) a flip of one E4M3 step, 2^-4..2^-3 of
+  its element, carries ~2^-3/sqrt(256) of the output's norm, 42 dB, and the one-token, one-expert
+  case measures 38 dB on an H200. A recipe error (a scale of the wrong block, an unpromoted block,
+  a transposed weight copy that is not the transpose) costs the 20–30 dB of the quantization itself.
+  Per token row of y and dx: 25 dB, the same flips counted in one row (ten of them at 42 dB each
+  leave 32 dB; pow2 scales, whose blocks do not reach E4M3's top binade, measure 29.6 dB in a dx
+  row of the 128-wide expert); a wrong row sits near 0 dB.
+- d topk_weights (dot products of dY and the route's output, whose H terms cancel): its error
+  measured against the scale of those terms (_dot_scale) rather than its own norm, which a tensor of
+  a few routes can draw near zero; and each route's error is one projection of its output's error
+  onto dY, so over n routes the error power is a χ²_n/n draw: the bar is lowered by that draw's
+  99.9% quantile (_projection_allowance_db: 10.5 dB for one route, under 2 dB past 100 routes; the
+  one-token, one-expert case measures 32 dB on an H200).
 - Against float64 of the unquantized inputs: no worse than the reference recipe's own SQNR minus
-  0.5 dB (the recipe costs ~24 dB; a kernel that computes it loses at most the ~45 dB difference above,
-  which moves a 24 dB SQNR by ~0.03 dB).
+  what the kernel's difference from the reference, at most the bar above, adds in power to the
+  recipe's error (uncorrelated): 10·log10(1 + 10^((recipe − bar)/10)), 0.33 dB for a 24 dB recipe
+  and a 35 dB bar, plus 0.5 dB.
 - Determinism, CUDA-graph replay and emulated ranks: bitwise.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import zlib
 from pathlib import Path
@@ -36,7 +48,7 @@ from megatron_mok import MoKConfig
 from megatron_mok.backends.kernel_fp8 import UNVERIFIED_FP8_KERNELS_ENV
 from megatron_mok.emulation import EmulatedGroup
 from cuda_checks import NEEDS_HOPPER_KERNELS, assert_bitwise_reproducible_without_host_sync, assert_mok_moe_graph_replays_eager
-from oracle import Shape, moe_float64_with_grads, sqnr_db
+from oracle import Shape, moe_float64_with_grads, route_outputs_float64, sqnr_db
 from test_gpu_kernels import make_inputs, run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
@@ -57,8 +69,8 @@ SHAPES = {
 }
 ROUTINGS = ("uniform", "skewed", "one_expert", "dropped")
 NAMES = ("y", "dx", "dtopk_weights", "dfc1", "dfc2")
-REFERENCE_BAR_DB = 40.0
-ROW_BAR_DB = 30.0
+REFERENCE_BAR_DB = 35.0
+ROW_BAR_DB = 25.0
 FLOAT64_SLACK_DB = 0.5
 
 
@@ -67,16 +79,53 @@ def unlocked(monkeypatch):
     monkeypatch.setenv(UNVERIFIED_FP8_KERNELS_ENV, "1")
 
 
+def _dot_scale(inputs) -> float:
+    """The norm d topk_weights has when its error is measured: sqrt(sum over routes of
+    (‖dY_t‖·‖o_tk‖)² / H), o_tk the route's expert output (float64). d topk_weights[t, k] = <dY_t, o_tk>
+    is a sum of H terms that cancel; over many routes its norm is about this, but one route's value
+    is a ratio-of-Gaussians draw that can sit near zero, so its error is measured against the terms'
+    scale (for many routes the two agree)."""
+    x, ids, _, fc1, fc2, grad = inputs
+    outputs = route_outputs_float64(x.double(), ids, fc1.double(), fc2.double())  # (T, K, H)
+    terms = grad.double().norm(dim=1, keepdim=True) * outputs.norm(dim=2)  # (T, K)
+    return float((terms.square().sum() / x.shape[1]).sqrt())
+
+
+def _projection_allowance_db(num_routes: int) -> float:
+    """How far below its mean a d topk_weights SQNR over `num_routes` routes may fall by chance (dB):
+    each route's error is one projection <dY_t, δo_tk> of its output's error, so the error power over
+    n routes is a χ²_n/n draw times its mean; its 99.9% quantile (Wilson–Hilferty, z = 3.09) is
+    10.5 dB above the mean for one route, 3.9 dB for 16, 0.6 dB for 1024."""
+    n = max(num_routes, 1)
+    quantile = n * (1 - 2 / (9 * n) + 3.09 * math.sqrt(2 / (9 * n))) ** 3
+    return 10 * math.log10(quantile / n)
+
+
+def _sqnr_db(got, want, scale) -> float:
+    """sqnr_db, or against `scale` (a norm) in place of ‖want‖ when one is given."""
+    if scale is None:
+        return sqnr_db(got, want)
+    noise = float((want.double() - got.double()).norm())
+    return float("inf") if noise == 0 else 20 * math.log10(scale / noise)
+
+
 def _check_against_reference(inputs, kernel_config, reference_config, what):
     y_k, g_k = run(kernel_config, *inputs)
     y_r, g_r = run(reference_config, *inputs)
-    y_f, g_f = moe_float64_with_grads(*inputs)
+    y_f, g_f = moe_float64_with_grads(*inputs, device="cuda")
+    dot_scale = _dot_scale(inputs)
     for name, got, ref, exact in zip(NAMES, (y_k, *g_k), (y_r, *g_r), (y_f, *g_f)):
         assert torch.isfinite(got).all(), f"{what} {name}: non-finite (unwritten) elements"
-        db = sqnr_db(got, ref)
-        assert db >= REFERENCE_BAR_DB, f"{what} {name}: {db:.1f} dB against the reference backend's FP8"
-        got_db, ref_db = sqnr_db(got.cpu(), exact), sqnr_db(ref.cpu(), exact)
-        assert got_db >= ref_db - FLOAT64_SLACK_DB, (
+        scale, bar = None, REFERENCE_BAR_DB
+        if name == "dtopk_weights":
+            scale, bar = dot_scale, REFERENCE_BAR_DB - _projection_allowance_db(int((inputs[1] >= 0).sum()))
+        db = _sqnr_db(got, ref, scale)
+        assert db >= bar, f"{what} {name}: {db:.1f} dB against the reference backend's FP8 (bar {bar:.1f} dB)"
+        # The kernel's difference from the reference (up to the bar) adds in power to the recipe's
+        # own error (they are uncorrelated), plus FLOAT64_SLACK_DB.
+        got_db, ref_db = _sqnr_db(got, exact, scale), _sqnr_db(ref, exact, scale)
+        slack = FLOAT64_SLACK_DB + 10 * math.log10(1 + 10 ** ((min(ref_db, bar + 20) - bar) / 10))
+        assert got_db >= ref_db - slack, (
             f"{what} {name}: {got_db:.2f} dB against float64, the reference recipe {ref_db:.2f} dB"
         )
         if name in ("y", "dx"):
@@ -123,8 +172,9 @@ def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(routing):
 
 
 # FP8 rows through the symmetric exchange (the ranks' fp8_* regions, pulled in place): emulated ranks
-# on the device, one and several receive windows, the kernel backend and the reference (which
-# materializes the regions), each bitwise its EP = 1 run on the concatenated problem.
+# on the device, one and several receive windows; the kernel backend bitwise its EP = 1 run on the
+# concatenated problem, the reference (which materializes the regions) bitwise the same ranks over
+# the collective exchange.
 SYMMETRIC_FP8 = {
     "kernel": MoKConfig(backend="kernel", precision="fp8_blockwise", exchange="symmetric"),
     "kernel_windows": MoKConfig(backend="kernel", precision="fp8_blockwise", exchange="symmetric",
@@ -145,5 +195,12 @@ def test_fp8_over_the_symmetric_exchange_equals_ep1_bitwise(routing, num_ranks, 
                            zlib.crc32(f"fp8sym/{routing}/{num_ranks}".encode()))
     got = run_emulated(EmulatedGroup(num_ranks, "cuda"), problem, e, config)
     torch.cuda.synchronize()
-    want = run_concatenated(problem, dataclasses.replace(config, exchange="auto"))
+    if config.backend == "kernel":
+        want = run_concatenated(problem, dataclasses.replace(config, exchange="auto"))
+    else:
+        # The reference's torch reductions (d topk_weights' einsum) pick their cuBLAS kernels by the
+        # number of tokens, so a rank's T rows and EP = 1's R*T rows may round apart: it is held to
+        # the collective exchange on the same ranks, which moves the same rows by another path.
+        collective = EmulatedGroup(num_ranks, "cuda", exchange="collective")
+        want = run_emulated(collective, problem, e, dataclasses.replace(config, exchange="auto"))
     assert_bitwise(got, want, f"fp8 symmetric {config_name} r{num_ranks}/{routing}")
