@@ -53,6 +53,7 @@ from megatron_mok.backends.tuning import (
     EXPERT_GEMM_CHOICES,
     FP8_EXPERT_GEMM_CLUSTER_M,
     FP8_EXPERT_GEMM_GROUP_M,
+    FP8_EXPERT_GEMM_VARIANT,
     FP8_WGRAD_OUT_BYTES,
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
@@ -88,7 +89,9 @@ _LAUNCH = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROU
 
 def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWeight, offsets: Tensor) -> Tensor:
     """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16."""
-    return ops.fp8_expert_gemm(values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH)
+    return ops.fp8_expert_gemm(
+        values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH, variant=FP8_EXPERT_GEMM_VARIANT
+    )
 
 
 def _gather_values(values_all: Tensor, schedule: Schedule) -> Tensor:

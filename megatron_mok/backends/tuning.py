@@ -53,12 +53,17 @@ EXPERT_GEMM_GROUP_M = 16
 # fixed at compile time (csrc/gemm/fp8_gemm_sm90.cuh Fp8GemmTile): 128 rows x 128 B rows (two halves of
 # 64, each inside one 128 x 128 weight scale block), one 128-wide K block per stage (the promotion
 # unit), 6 stages (5 when the BF16 kernels are built with MOK_EXPERT_GEMM_STAGES=3, which doubles the
-# staging buffers); the SwiGLU variant runs two passes per 128 act columns. The launch shape (not yet
-# measured on the H200; scripts/bench_expert_gemm.py --fp8 compares): 2-CTA clusters share each
-# weight slice through TMA multicast, halving the weight's L2 reads (a 128 x 128 FP8 tile reads as
-# many bytes per FLOP as a 128 x 256 bf16 one, at twice the rate).
-FP8_EXPERT_GEMM_CLUSTER_M = 2
+# staging buffers); the SwiGLU variant runs two passes per 128 act columns. The launch: single-CTA
+# clusters and the "overlap" mainloop (ops.fp8_gemm.FP8_GEMM_VARIANTS: block k + 1's wgmmas are
+# issued before block k's partial is promoted, so each warpgroup promotes while its next block runs), the
+# fastest of the six launches on the H200 at the DeepSeek-V3 and Qwen3-30B shapes
+# (docs/performance.md, "The FP8 blockwise grouped GEMM alone"; 2-CTA clusters sharing each weight
+# slice through TMA multicast were slower in every mainloop). Every mainloop gives the default's
+# bits (tests/ops/test_gpu_fp8_gemm.py), so this choice is speed only. The SwiGLU-epilogue GEMM has
+# the default mainloop only.
+FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
+FP8_EXPERT_GEMM_VARIANT = "overlap"
 
 # The FP8 weight gradient (ops.fp8_expert_wgrad) writes fp32; the kernel backend launches it once per
 # group of experts whose fp32 (experts, m, n) fits this many bytes, each group rounded into the bf16

@@ -67,7 +67,9 @@ def _sim_pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk, expert_off
     return _unwritten(_gather(grad_y_all, slot_to_route, topk, weights_all), expert_offsets)
 
 
-def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant="default"):
+    # Every mainloop variant gives the default's bits (tests/ops/test_gpu_fp8_gemm.py): one simulation.
+    assert variant in fp8_gemm.FP8_GEMM_VARIANTS, variant
     _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_args, a, a_scales, weight, weight_scales, expert_offsets,
                            cluster_m, group_m)
     out = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
