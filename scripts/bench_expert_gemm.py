@@ -28,7 +28,7 @@ weight copies; fc1+swiglu is fc1 with SwiGLU (ours: ops.fp8_expert_gemm_swiglu, 
 in the epilogue). Columns, one interleaved run on the same inputs: torch's bf16 grouped_mm, our bf16
 sm90 kernel (K-major weights), torch._scaled_grouped_mm with FP8 rowwise scales (one scale per row
 of a and per output column of w_e, no promotion: torch has no grouped blockwise FP8 on sm90), and
-ours per mainloop variant (ops.fp8_gemm.FP8_GEMM_VARIANTS; fc1+swiglu has the default only), cluster
+ours per mainloop variant (ops.fp8_gemm.FP8_GEMM_VARIANTS; fc1+swiglu: FP8_SWIGLU_GEMM_VARIANTS), cluster
 size and raster group (g<group_m> in the column name when several are given). Quantization is done
 before timing for every FP8 column (GEMMs only).
 A second table, the FP8 weight gradients (ops.fp8_expert_wgrad, both operands quantized 1x128 along
@@ -65,7 +65,7 @@ from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 
 from megatron_mok import MoKConfig, build_schedule, ops, quantization  # noqa: E402
 from megatron_mok.backends import tuning  # noqa: E402
-from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS  # noqa: E402
+from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS  # noqa: E402
 from megatron_mok.schedule import build_schedule_from_gathered  # noqa: E402
 from megatron_mok.backends.kernel import (  # noqa: E402
     grouped_mm_dgrad_rows,
@@ -276,11 +276,10 @@ def main_fp8(args) -> None:
                 if "torch fp8 rw" in fns:
                     fns["torch fp8 rw"] = lambda s: ops.swiglu_forward(torch_fp8_rowwise(s, "rows", "fc1"), s["offsets"])
             for v, c, g, column in ours:
-                if label == "fc1+swiglu" and v != "default":
-                    continue  # the SwiGLU epilogue runs the default mainloop only
-                kwargs = {} if label == "fc1+swiglu" else {"variant": v}
-                fns[column] = lambda s, c=c, g=g, op=fp8_op, kwargs=kwargs: op(
-                    *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, g, **kwargs
+                if label == "fc1+swiglu" and v not in FP8_SWIGLU_GEMM_VARIANTS:
+                    continue  # (no pingpong instance of the SwiGLU epilogue)
+                fns[column] = lambda s, c=c, g=g, op=fp8_op, v=v: op(
+                    *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, g, variant=v
                 )
             ms_by = median_ms_interleaved(fns, sets)
             cell = {n: f"{flops / ms / 1e9:7.0f} ({ms:6.3f})" for n, ms in ms_by.items()}

@@ -104,13 +104,14 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
   }
 }
 
-// variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller.
-template <class Epilogue, class... Maps>
+// variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller. kWithPingpong false: the
+// epilogue has no kPingpong instance (the caller refuses that variant).
+template <class Epilogue, bool kWithPingpong = true, class... Maps>
 void launch_with_variant(int64_t variant, int64_t cluster_m,
                          const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const Maps&... maps) {
   switch (Fp8Mainloop(variant)) {
     case Fp8Mainloop::kPingpong:
-      launch_with_cluster<Epilogue, Fp8Mainloop::kPingpong>(cluster_m, params, maps...);
+      if constexpr (kWithPingpong) launch_with_cluster<Epilogue, Fp8Mainloop::kPingpong>(cluster_m, params, maps...);
       break;
     case Fp8Mainloop::kOverlap:
       launch_with_cluster<Epilogue, Fp8Mainloop::kOverlap>(cluster_m, params, maps...);
@@ -207,14 +208,20 @@ at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, cons
 // The gate/up projection with SwiGLU, act quantized 1x128 along F: weight (E, 2F, K) gate rows then
 // up rows, F a multiple of 128. Returns (gate_up (rows, 2F) bf16, act (rows, F) e4m3, act_scales
 // (F/128, fp8_scale_rows(rows)) fp32, the GEMM-A layout; its padding columns hold 1 as
-// quantization.gemm_a_scales makes them). Rows past the last segment are not written.
+// quantization.gemm_a_scales makes them). Rows past the last segment are not written. variant: the
+// consumers' mainloop (Fp8Mainloop), as fp8_expert_gemm's, kDefault or kOverlap: kPingpong with this
+// epilogue spills (its turn barriers beside the act registers), so it is not built.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::Tensor& a, const at::Tensor& a_scales,
                                                                       const at::Tensor& weight,
                                                                       const at::Tensor& weight_scales,
                                                                       const at::Tensor& expert_offsets,
-                                                                      int64_t cluster_m, int64_t group_m) {
+                                                                      int64_t cluster_m, int64_t group_m,
+                                                                      int64_t variant) {
   constexpr const char* kOp = "fp8_expert_gemm_swiglu: ";
   TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  TORCH_CHECK(variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap), kOp,
+              "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default) or ",
+              std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap), got ", std::to_string(variant));
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, two_ffn, k, scale_rows] =
       check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
@@ -232,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::
                                        int32_t(scale_rows)};
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * two_ffn, k, Tile::kN / 2, "weight");
-  launch_with_cluster<Fp8SwigluEpilogue>(cluster_m, p, a_map, b_map);
+  launch_with_variant<Fp8SwigluEpilogue, false>(variant, cluster_m, p, a_map, b_map);
   return {gate_up, act, act_scales};
 }
 
@@ -244,7 +251,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "int cluster_m, int group_m, int variant=0) -> Tensor");
   m.def(
       "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
-      "int cluster_m, int group_m) -> (Tensor, Tensor, Tensor)");
+      "int cluster_m, int group_m, int variant=0) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {

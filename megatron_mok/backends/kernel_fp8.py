@@ -53,6 +53,7 @@ from megatron_mok.backends.tuning import (
     EXPERT_GEMM_CHOICES,
     FP8_EXPERT_GEMM_CLUSTER_M,
     FP8_EXPERT_GEMM_GROUP_M,
+    FP8_EXPERT_GEMM_SWIGLU_VARIANT,
     FP8_EXPERT_GEMM_VARIANT,
     FP8_WGRAD_OUT_BYTES,
 )
@@ -145,7 +146,8 @@ def dispatch_gate_up(
     rows_scales = gemm_a_layout(rows.scales)
     if not recipe.pow2_scales:
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
-            rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH
+            rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH,
+            variant=FP8_EXPERT_GEMM_SWIGLU_VARIANT,
         )
         return None, gate_up, GemmOperand(act, act_scales)
     gate_up = _gemm(rows.values, rows_scales, weight, offsets)

@@ -59,11 +59,13 @@ EXPERT_GEMM_GROUP_M = 16
 # fastest of the six launches on the H200 at the DeepSeek-V3 and Qwen3-30B shapes
 # (docs/performance.md, "The FP8 blockwise grouped GEMM alone"; 2-CTA clusters sharing each weight
 # slice through TMA multicast were slower in every mainloop). Every mainloop gives the default's
-# bits (tests/ops/test_gpu_fp8_gemm.py), so this choice is speed only. The SwiGLU-epilogue GEMM has
-# the default mainloop only.
+# bits (tests/ops/test_gpu_fp8_gemm.py), so this choice is speed only. The SwiGLU-epilogue GEMM of the
+# forward gate/up (ops.fp8_expert_gemm_swiglu) takes every mainloop too, and keeps "default" until its
+# variants' bitwise test and its benchmark have run on a GPU.
 FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
 FP8_EXPERT_GEMM_VARIANT = "overlap"
+FP8_EXPERT_GEMM_SWIGLU_VARIANT = "default"
 
 # The FP8 weight gradient (ops.fp8_expert_wgrad) writes fp32; the kernel backend launches it once per
 # group of experts whose fp32 (experts, m, n) fits this many bytes, each group rounded into the bf16

@@ -26,6 +26,9 @@ E4M3 = torch.float8_e4m3fn
 # Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); every one computes bitwise
 # the same output, so the choice is speed only. "default" is the one the backends use.
 FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap")
+# The mainloops of ops.fp8_expert_gemm_swiglu: pingpong's turn barriers beside the SwiGLU epilogue's
+# registers spill, so that instance is not built.
+FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")
 
 
 @register_fake("fp8_expert_gemm")
@@ -34,7 +37,7 @@ def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cl
 
 
 @register_fake("fp8_expert_gemm_swiglu")
-def _fp8_expert_gemm_swiglu_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+def _fp8_expert_gemm_swiglu_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant=0):
     rows, ffn = a.shape[0], weight.shape[1] // 2
     return (
         a.new_empty((rows, 2 * ffn), dtype=torch.bfloat16),
@@ -90,6 +93,7 @@ def fp8_expert_gemm_swiglu(
     expert_offsets: torch.Tensor,
     cluster_m: int,
     group_m: int,
+    variant: str = "default",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate/up projection with SwiGLU in the epilogue, act quantized 1x128 along F for the down
     projection: weight (E, 2F, K) gate rows then up rows (F a multiple of 128), quantized 128 x 128.
@@ -97,11 +101,14 @@ def fp8_expert_gemm_swiglu(
     (F/128, fp8_scale_rows(R)) float32 in the GEMM-A layout, padding columns 1): act is
     silu(gate) * up of the bf16 gate_up rounded to bf16 (ops.swiglu_forward's arithmetic), then
     quantization.quantize_rowwise of it exactly (the same q and scales bit for bit). Rows at or past
-    expert_offsets[-1] are not written. Ref: fp8_expert_gemm_swiglu_reference."""
+    expert_offsets[-1] are not written. variant: one of FP8_SWIGLU_GEMM_VARIANTS, the mainloop as
+    fp8_expert_gemm's (the same outputs bit for bit). Ref: fp8_expert_gemm_swiglu_reference."""
+    if variant not in FP8_SWIGLU_GEMM_VARIANTS:
+        raise ValueError(f"fp8_expert_gemm_swiglu: variant must be one of {FP8_SWIGLU_GEMM_VARIANTS}, got {variant!r}")
     check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
                                op="fp8_expert_gemm_swiglu", gated=True)
     return torch.ops.megatron_mok.fp8_expert_gemm_swiglu(
-        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant)
     )
 
 

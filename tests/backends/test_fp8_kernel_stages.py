@@ -76,7 +76,8 @@ def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, clu
     return _unwritten(out, expert_offsets)
 
 
-def _sim_fp8_expert_gemm_swiglu(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m):
+def _sim_fp8_expert_gemm_swiglu(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant="default"):
+    assert variant in fp8_gemm.FP8_SWIGLU_GEMM_VARIANTS, variant
     _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_args, a, a_scales, weight, weight_scales, expert_offsets,
                            cluster_m, group_m, "fp8_expert_gemm_swiglu", True)
     gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu_reference(a, a_scales, weight, weight_scales, expert_offsets)

@@ -113,6 +113,9 @@ def test_swiglu_checks_name_their_op_and_f():
     weight = torch.zeros(E, 256, K, dtype=E4M3)
     with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu: a must be a CUDA tensor"):
         ops.fp8_expert_gemm_swiglu(**gemm_args(weight=weight, weight_scales=torch.ones(E, 2, K // 128)))
+    # Its mainloops: default and overlap (no pingpong instance), checked before the operands.
+    with pytest.raises(ValueError, match=r"fp8_expert_gemm_swiglu: variant must be one of \('default', 'overlap'\), got 'pingpong'"):
+        ops.fp8_expert_gemm_swiglu(**gemm_args(weight=weight, weight_scales=torch.ones(E, 2, K // 128), variant="pingpong"))
 
 
 REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
@@ -122,8 +125,8 @@ HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not N
 @pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
 def test_kernels_compile_without_spills_or_wgmma_serialization(tmp_path):
     """ptxas's verdict on every FP8 GEMM kernel the bindings instantiate (csrc/bindings/fp8_gemm_ops.cu
-    compiled as setup.py does): both epilogues of the default mainloop and the pingpong and overlap
-    variants of the store epilogue, at both cluster sizes, all without a spill (the promoted sums,
+    compiled as setup.py does): both epilogues in the default and overlap mainloops and the store
+    epilogue in the pingpong one, at both cluster sizes, all without a spill (the promoted sums,
     the partials and the scales fit the consumers' registers; the pingpong turns' bounded waits
     too), and none of the silent losses tests/ops/test_extension.py lists for the BF16 kernels
     (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized)."""
@@ -133,7 +136,7 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(tmp_path):
     for warning in ("C7510", "C7507", "C7518", "C7515"):
         assert warning not in log, log
     kernels = [(name, spill) for name, spill in found if "Fp8ExpertGemmKernel" in name]
-    # (cluster 1 and 2) x (SwiGLU default, store default, store pingpong, store overlap)
-    assert len(kernels) == 8, [name for name, _ in kernels] or log[-4000:]
+    # (cluster 1 and 2) x (SwiGLU default, SwiGLU overlap, store default, store pingpong, store overlap)
+    assert len(kernels) == 10, [name for name, _ in kernels] or log[-4000:]
     for name, spill in kernels:
         assert spill == 0, f"{spill} bytes spilled in {name}"

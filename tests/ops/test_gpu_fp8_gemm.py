@@ -39,7 +39,7 @@ import torch
 from megatron_mok import ops, quantization
 from megatron_mok.limits import fp8_scale_rows
 from megatron_mok.backends.tuning import FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M
-from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS
+from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
 
 pytestmark = NEEDS_HOPPER_KERNELS
@@ -216,6 +216,26 @@ def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
     gate, up = fp32.chunk(2, dim=-1)
     act_fp32 = torch.nn.functional.silu(gate) * up
     assert sqnr_db(act_fp32, quantization.dequantize_rowwise(act[:end], act_scales[:, :end].t())) >= MIN_SQNR_ACT_VS_FP32_DB
+
+
+@pytest.mark.parametrize("variant", FP8_SWIGLU_GEMM_VARIANTS[1:])
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_swiglu_variants_equal_the_default_bitwise(case, cluster_m, variant):
+    """The SwiGLU-epilogue GEMM in each mainloop against the default mainloop's three outputs, bit for
+    bit (the default is held to the recipe by test_fp8_expert_gemm_swiglu_quantizes_act_exactly):
+    its two passes per tile (gate, then up) each run the variant's K loop."""
+    rows_per_expert, k, two_ffn = SWIGLU_CASES[case]
+    padded = case != "odd_segments_unpadded"
+    args, _, end = make_case(rows_per_expert, k, two_ffn, padded, False, seed=zlib.crc32(case.encode()) % 1000 + 2)
+    rows = args[0].shape[0]
+    want = [t.clone() for t in ops.fp8_expert_gemm_swiglu(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)]
+    poison_allocator()
+    got = ops.fp8_expert_gemm_swiglu(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M, variant=variant)
+    assert torch.equal(got[0][:end], want[0][:end]), "gate_up"
+    assert torch.equal(got[1][:end].view(torch.uint8), want[1][:end].view(torch.uint8)), "act"
+    assert torch.equal(got[2][:, :end], want[2][:, :end]), "act scales"
+    assert torch.equal(got[2][:, rows:], want[2][:, rows:]), "the act scales' padding columns"
 
 
 def test_fp8_expert_gemm_swiglu_deterministic_graph_and_registration():
