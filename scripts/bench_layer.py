@@ -1,7 +1,13 @@
 """MoE layer benchmark on one GPU: the PyTorch grouped-GEMM pipeline, Megatron's MoE layer with
 the alltoall dispatcher (if megatron-core is installed) and mok, on the same inputs.
 
-    python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR]
+    python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR] [--fp8]
+
+--fp8 adds the FP8 blockwise rows: mok's kernel backend with MoKConfig(precision="fp8_blockwise")
+(the FP8 kernels' gate, MEGATRON_MOK_UNVERIFIED_FP8_KERNELS, is opened for this process, said on a
+line), and torchao's FP8 rowwise MoE op where torchao is installed (torch's grouped GEMM pipeline
+with each GEMM through torchao's dynamically quantizing FP8 rowwise grouped GEMM), each with its
+forward error beside the bf16 rows'.
 
 Prints ms, effective TFLOP/s (6*T*K*H*F forward, twice that backward), peak memory, and the
 same-run dense cuBLAS bf16 GEMM rate; a table last, a plot saved to DIR/bench_layer.png. Each
@@ -62,6 +68,51 @@ def pytorch_pipeline(x, ids, weights, fc1, fc2):
     y = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
     y.index_add_(0, token, scaled)
     return y.to(x.dtype)
+
+
+def torchao_fp8_rowwise_pipeline():
+    """(pytorch_pipeline with both grouped GEMMs through torchao's FP8 rowwise op, None), or (None,
+    why). torch._scaled_grouped_mm takes groups that start at multiples of 16 rows, so each expert's
+    rows are placed at a 16-aligned start of a buffer of T*K + 16*E rows (zero padding rows)."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as fp8_mm
+    except Exception as error:  # noqa: BLE001 (not installed, or no Triton)
+        return None, f"torchao: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+
+    def run(x, ids, weights, fc1, fc2):
+        t, k = ids.shape
+        e, h = fc1.shape[0], x.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e)
+        padded = (counts + 15) // 16 * 16
+        ends = torch.cumsum(padded, 0)
+        sorted_expert = flat[order]
+        # Route order[i] (the i-th in expert order) lands at its expert's aligned start plus its rank there.
+        position = (ends - padded)[sorted_expert] + torch.arange(t * k, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+        token = order // k
+        rows = x.new_zeros(t * k + 16 * e, h).index_copy(0, position, x.index_select(0, token))
+        offs = ends.to(torch.int32)
+        gate, up = fp8_mm(rows, fc1.transpose(1, 2), offs, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
+        out = fp8_mm(F.silu(gate) * up, fc2.transpose(1, 2), offs, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False)
+        scaled = out.index_select(0, position).float() * weights.reshape(-1)[order].unsqueeze(1)
+        y = torch.zeros(t, h, device=x.device, dtype=torch.float32)
+        y.index_add_(0, token, scaled)
+        return y.to(x.dtype)
+
+    return run, None
+
+
+def open_fp8_gate() -> None:
+    """The FP8 kernels' gate (megatron_mok/fp8_gate.py) opened for this process, said on a line."""
+    from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV
+
+    if os.environ.get(UNVERIFIED_FP8_KERNELS_ENV) != "1":
+        os.environ[UNVERIFIED_FP8_KERNELS_ENV] = "1"
+        print(f"bench_layer --fp8: {UNVERIFIED_FP8_KERNELS_ENV}=1 for this process (the FP8 kernels' gate)", file=sys.stderr)
+
+
+FP8_KERNEL = MoKConfig(backend="kernel", precision="fp8_blockwise")
 
 
 def mok_layer(config):
@@ -146,8 +197,9 @@ def kernel_forward_stage_ms(s, expert_gemm: str, reps: int = 10) -> dict:
     return {n: statistics.median(v[2:]) for n, v in samples.items()}
 
 
-def forward_errors(s) -> dict:
-    """||y - y_fp32|| / ||y_fp32|| of the kernel and of the bf16 reference (same precision)."""
+def forward_errors(s, fp8: bool = False) -> dict:
+    """||y - y_fp32|| / ||y_fp32|| of the kernel and of the bf16 reference (same precision); with fp8,
+    of the FP8 rows too."""
     from megatron_mok import MoKConfig as C
 
     with torch.no_grad():
@@ -161,10 +213,16 @@ def forward_errors(s) -> dict:
         ):
             y = mok_moe(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"], config=cfg).float()
             errors[label] = float((y - exact).norm() / exact.norm())
+        if fp8:
+            fns = {"mok_kernel_fp8": mok_layer(FP8_KERNEL), "torchao_fp8_rowwise": torchao_fp8_rowwise_pipeline()[0]}
+            for label, fn in fns.items():
+                if fn is not None:
+                    y = fn(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"]).float()
+                    errors[label] = float((y - exact).norm() / exact.norm())
     return errors
 
 
-def bench_shape(name, shape, results, progress):
+def bench_shape(name, shape, results, progress, fp8: bool = False):
     t, h, f, e, k = shape
     flops_fwd = 6 * t * k * h * f
     sets = [make_inputs(shape, seed) for seed in range(NUM_INPUT_SETS)]
@@ -178,6 +236,11 @@ def bench_shape(name, shape, results, progress):
         "mok_reference": mok_layer(MoKConfig(backend="reference")),
     }
     row = {"shape": name, "T": t, "H": h, "F": f, "E": e, "K": k}
+    if fp8:
+        methods["mok_kernel_fp8"] = mok_layer(FP8_KERNEL)
+        torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
+        if torchao_run is not None:
+            methods["torchao_fp8_rowwise"] = torchao_run
     for label, fn in methods.items():
         progress(f"{name}: {label}")
 
@@ -222,7 +285,7 @@ def bench_shape(name, shape, results, progress):
         )
         del layer
     row["kernel_stages_ms"] = {gemm: kernel_forward_stage_ms(sets[0], gemm) for gemm in ("auto", "grouped_mm", "sm90")}
-    row["forward_error"] = forward_errors(sets[0])
+    row["forward_error"] = forward_errors(sets[0], fp8)
     results.append(row)
     del sets
     torch.cuda.empty_cache()
@@ -232,7 +295,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--fp8", action="store_true", help="add mok's FP8 blockwise kernel layer and torchao's FP8 rowwise MoE op")
     args = parser.parse_args()
+    if args.fp8:
+        open_fp8_gate()
     try:
         from tqdm import tqdm
     except ImportError:
@@ -251,7 +317,7 @@ def main() -> None:
     dense = dense_gemm_tflops()
     results = []
     for name in names:
-        bench_shape(name, SHAPES[name], results, progress)
+        bench_shape(name, SHAPES[name], results, progress, args.fp8)
     if bar:
         bar.close()
     out = Path(args.out)
@@ -265,10 +331,11 @@ def main() -> None:
     print(f"{'shape':<12} {'method':<23} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
-        for label in METHOD_LABELS:
+        for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
             if r is None:
-                print(f"{row['shape']:<12} {label:<23} {'n/a: ' + str(row.get('megatron_experts')):>40}")
+                why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
+                print(f"{row['shape']:<12} {label:<23} {'n/a: ' + str(why):>40}")
                 continue
             print(
                 f"{row['shape']:<12} {label:<23} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
@@ -284,6 +351,8 @@ METHOD_LABELS = (
     "pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_grouped_mm", "mok_kernel_sm90_no_ring",
     "mok_kernel_sm90", "mok_kernel",
 )
+# With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
+FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8")
 
 
 def _print_queued(results):
@@ -291,7 +360,7 @@ def _print_queued(results):
     for row in results:
         base = row["pytorch"]
         cells = []
-        for label in METHOD_LABELS:
+        for label in METHOD_LABELS + FP8_LABELS:
             r = row.get(label)
             if r is None or "queued_fwd_ms" not in r:
                 continue
@@ -325,7 +394,7 @@ def _plot(results, dense, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    labels = METHOD_LABELS
+    labels = METHOD_LABELS + tuple(label for label in FP8_LABELS if any(row.get(label) for row in results))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward + backward")):
         width = 0.8 / len(labels)

@@ -51,6 +51,10 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
+        # The layer: mok FP8 beside mok BF16, torchao's FP8 rowwise op and the PyTorch pipeline (bench_layer.json in \$OUT).
+        fp8_layer_bench) echo 400 "python3 scripts/bench_layer.py --fp8 --shapes deepseek_v3,qwen3_30b --out \$OUT" ;;
+        # The FP8 layer's kernels by stage (the quantization steps' share), forward and backward.
+        fp8_stages) echo 150 "python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise" ;;
         # Warp stall reasons, tensor-pipe activity and time of the FP8 GEMM's variants beside torch's
         # FP8 rowwise grouped GEMM (fc1, DeepSeek-V3 EP 8 shape); stalls.csv stays in \$OUT.
         fp8_profile) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertGemm|cutlass' --launch-skip 4 --launch-count 4 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection fc1 > \$OUT/stalls.csv && python3 scripts/ncu_stalls.py \$OUT/stalls.csv" ;;

@@ -3,6 +3,11 @@ from torch.profiler, beside the step's event-timed wall time (the difference is 
 between kernels, e.g. waiting for the CPU to launch them).
 
     python3 scripts/profile_layer_kernels.py [--shapes deepseek_v3,qwen3_30b] [--expert-gemm auto] [--backward] [--timeline]
+        [--precision fp8_blockwise]
+
+Each step's kernels are also summed by stage (STAGES: the quantization kernels of the FP8 recipe in
+a stage of their own, so their share of the layer shows), each with its share of the kernels' time.
+--precision fp8_blockwise opens the FP8 kernels' gate for this process (said on a line).
 """
 
 from __future__ import annotations
@@ -22,6 +27,32 @@ from timing import median_ms  # noqa: E402
 from megatron_mok import MoKConfig, mok_moe  # noqa: E402
 
 STEPS = 5
+
+# (stage, substrings of a kernel's name, lower case): the first stage whose substring a kernel's name
+# holds; every other kernel (torch's elementwise ops, copies, fills) is "other".
+STAGES = (
+    ("quantize (FP8)", ("quantize_",)),
+    ("schedule", ("count_routes", "place_routes", "invert_slots")),
+    ("grouped GEMMs", ("gemm", "wgrad", "cutlass", "sm90_xmma", "nvjet")),
+    ("dispatch / pull", ("scatter_rows", "fill_unscattered", "gather", "dispatch", "pull")),
+    ("SwiGLU", ("swiglu",)),
+    ("combine / push", ("combine", "push_rows", "route_weight_grads")),
+    ("exchange signals", ("exchange_",)),
+)
+
+
+def stage_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((stage for stage, keys in STAGES if any(key in name for key in keys)), "other")
+
+
+def stage_table(rows: list[tuple[str, int, float]]) -> list[tuple[str, float, float]]:
+    """(stage, GPU microseconds per step, share of the kernels' time) from kernel_table's rows."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for kernel, _, us in rows:
+        totals[stage_of(kernel)] += us
+    whole = sum(totals.values()) or 1.0
+    return sorted(((stage, us, us / whole) for stage, us in totals.items()), key=lambda r: -r[1])
 
 
 def kernel_table(step, steps: int) -> list[tuple[str, int, float]]:
@@ -62,8 +93,13 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="also each kernel's start, duration and the gap before it")
     parser.add_argument("--cprofile", action="store_true", help="also the host's Python time per function for one step")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
     args = parser.parse_args()
-    config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm)
+    if args.precision != "bf16":
+        from bench_layer import open_fp8_gate
+
+        open_fp8_gate()
+    config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm, precision=args.precision)
     for name in args.shapes.split(","):
         s = make_inputs(SHAPES[name], seed=0)
 
@@ -87,8 +123,11 @@ def main() -> None:
         rows = kernel_table(step, STEPS)
         busy_ms = sum(us for _, _, us in rows) / 1e3
         what = "forward+backward" if args.backward else "forward"
-        print(f"\n{name} {what}, expert_gemm={args.expert_gemm}: wall {wall_ms:.3f} ms, kernels {busy_ms:.3f} ms "
-              f"(idle {wall_ms - busy_ms:.3f} ms); queued back to back {queued_ms:.3f} ms per step")
+        print(f"\n{name} {what}, expert_gemm={args.expert_gemm}, {args.precision}: wall {wall_ms:.3f} ms, kernels "
+              f"{busy_ms:.3f} ms (idle {wall_ms - busy_ms:.3f} ms); queued back to back {queued_ms:.3f} ms per step")
+        print(f"  {'us/step':>9} {'share':>6}  stage")
+        for stage, us, share in stage_table(rows):
+            print(f"  {us:9.1f} {100 * share:5.1f}%  {stage}")
         print(f"  {'us/step':>9} {'calls':>5}  kernel")
         for kernel, calls, us in rows:
             print(f"  {us:9.1f} {calls:5d}  {kernel[:110]}")
