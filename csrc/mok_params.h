@@ -264,7 +264,9 @@ struct Fp8ExpertWgradParams {
   Fp8ExpertWgradProblem problem;
   const float* grad_scales;    // (num_rows / 128, m) fp32: block b's scales contiguous over columns
   const float* inputs_scales;  // (num_rows / 128, n) fp32
-  float* out;                  // (num_experts, m, n) fp32
+  float* out;                  // (num_experts, m, n) fp32: read with accumulate; written unless rounded_out
+  uint16_t* rounded_out;       // (num_experts, m, n) bf16 bits or null: the sums rounded (to nearest even)
+                               // here instead of written to out
   FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 
@@ -309,9 +311,9 @@ struct Fp8QuantizeColumnsParams {
 // (quantization.transpose_weight of it): one pass over the weight.
 struct Fp8QuantizeWeightParams {
   const void* src;            // (num_experts, n, k) bf16 or fp32
-  uint8_t* q;                 // (num_experts, n, k) e4m3
+  uint8_t* q;                 // (num_experts, n, k) e4m3, or null (then scales is null too)
   float* scales;              // (num_experts, n / 128, k / 128) fp32
-  uint8_t* q_t;               // (num_experts, k, n) e4m3, or null (then scales_t is null too)
+  uint8_t* q_t;               // (num_experts, k, n) e4m3, or null (then scales_t is null too); q or q_t
   float* scales_t;            // (num_experts, k / 128, n / 128) fp32
   int64_t num_experts;
   int64_t n;                  // a multiple of 128

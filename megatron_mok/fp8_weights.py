@@ -4,6 +4,11 @@
     quantized_transposed(fc1, pow2)  (E, H, 2F) e4m3 + (E, H/128, 2F/128) fp32: dgrad's (sm90's FP8
                                      wgmma takes K-major operands only; 128x128 blocks transpose exactly)
 
+Two makers of the same bits: the reference backend's (kernels=False: quantization.quantize_weight and
+transpose_weight, PyTorch on any device) and the kernel backend's (kernels=True: the one-pass
+quantization kernel ops.fp8_quantize_weight, bitwise the reference, tests/ops/test_gpu_fp8_quant.py).
+Each caches its own copies, so the reference stays an oracle independent of the kernels.
+
 A copy is cached per weight tensor (held weakly: it goes with the tensor) and is valid while the
 tensor's version counter, data pointer, shape, strides and dtype are what they were when it was
 made, for the same pow2 choice. In-place updates through the tensor (`w.mul_()`, `w.copy_()` under
@@ -15,8 +20,12 @@ first cached weight; Megatron's optimizers wrap torch.optim ones and copy into t
 their step, before the next forward). Code that writes weights through `.data` outside an optimizer
 step calls `clear()`.
 
-Forward takes `quantized`, backward `quantized_transposed` (made from the cached copy on first use);
-between them autograd refuses in-place changes of a saved weight, so both read one version. Inside a
+Forward takes `quantized`, backward `quantized_transposed`; between them autograd refuses in-place
+changes of a saved weight, so both read one version. The reference caches the transposed copy beside
+the forward one (made from it on first use). The kernel maker does not: its transposed copy is made
+from the weight by the kernel when a dgrad asks for it and dies with that GEMM, so a layer holds one
+FP8 copy per weight (half the bf16 weight's bytes) between its passes, not two, and the FP8 layer's
+peak stays within the BF16 layer's (the kernel pass costs a read of the weight per backward). Inside a
 CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every replay.
 """
 
@@ -29,6 +38,7 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megatron_mok import ops
 from megatron_mok.quantization import quantize_weight, transpose_weight
 
 Tensor = torch.Tensor
@@ -49,7 +59,7 @@ class _Entry:
     transposed: Optional[QuantizedWeight] = None
 
 
-# weight tensor -> {pow2: _Entry}. Emulated ranks run their passes in threads: one lock.
+# weight tensor -> {(pow2, kernels): _Entry}. Emulated ranks run their passes in threads: one lock.
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LOCK = threading.Lock()
 _step_hook = None
@@ -59,39 +69,50 @@ def _stamp(weight: Tensor) -> tuple:
     return (weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device)
 
 
-def _entry(weight: Tensor, pow2: bool) -> Optional[_Entry]:
+def _quantize(weight: Tensor, pow2: bool, kernels: bool) -> QuantizedWeight:
+    with torch.no_grad():
+        if kernels:
+            q, scales, _, _ = ops.fp8_quantize_weight(weight.detach(), transposed=False, pow2=pow2)
+            return QuantizedWeight(q, scales)
+        return QuantizedWeight(*quantize_weight(weight.detach(), pow2))
+
+
+def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
     """The weight's valid entry, quantized now if missing or stale; None where nothing is cached:
     for an inference tensor (it has no version counter, so nothing can tell whether it changed) and
     inside a CUDA-graph capture (a replay must quantize the weights it reads then, not a copy of
     their values at capture time)."""
     if weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    stamp = _stamp(weight)
+    stamp, key = _stamp(weight), (pow2, kernels)
     with _LOCK:
         entries = _CACHE.get(weight)
-        entry = entries.get(pow2) if entries is not None else None
+        entry = entries.get(key) if entries is not None else None
         if entry is not None and entry.stamp == stamp:
             return entry
-    with torch.no_grad():
-        entry = _Entry(stamp, QuantizedWeight(*quantize_weight(weight.detach(), pow2)))
+    entry = _Entry(stamp, _quantize(weight, pow2, kernels))
     with _LOCK:
         _register_step_hook()
-        _CACHE.setdefault(weight, {})[pow2] = entry
+        _CACHE.setdefault(weight, {})[key] = entry
     return entry
 
 
-def quantized(weight: Tensor, pow2: bool = False) -> QuantizedWeight:
-    """weight (E, N, K) bf16/fp32, N and K multiples of 128 -> its 128x128 quantization (cached)."""
-    entry = _entry(weight, pow2)
-    if entry is None:
+def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False) -> QuantizedWeight:
+    """weight (E, N, K) bf16/fp32, N and K multiples of 128 -> its 128x128 quantization (cached).
+    kernels: made by ops.fp8_quantize_weight (a CUDA weight; the kernel backend) instead of PyTorch."""
+    entry = _entry(weight, pow2, kernels)
+    return _quantize(weight, pow2, kernels) if entry is None else entry.weight
+
+
+def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = False) -> QuantizedWeight:
+    """weight (E, N, K) -> the quantization of its transpose, (E, K, N) with (E, K/128, N/128) scales:
+    cached beside quantized's copy (kernels=False), or made afresh by the kernel (kernels=True, never
+    held past the caller's use: see the module's docstring)."""
+    if kernels:
         with torch.no_grad():
-            return QuantizedWeight(*quantize_weight(weight.detach(), pow2))
-    return entry.weight
-
-
-def quantized_transposed(weight: Tensor, pow2: bool = False) -> QuantizedWeight:
-    """weight (E, N, K) -> the quantization of its transpose, (E, K, N) with (E, K/128, N/128) scales (cached)."""
-    entry = _entry(weight, pow2)
+            _, _, q_t, scales_t = ops.fp8_quantize_weight(weight.detach(), pow2=pow2, forward_copy=False)
+        return QuantizedWeight(q_t, scales_t)
+    entry = _entry(weight, pow2, kernels)
     if entry is None:
         copy = quantized(weight, pow2)
         return QuantizedWeight(*transpose_weight(copy.values, copy.scales))

@@ -93,9 +93,10 @@ def plan_for(exchange: Exchange, num_tokens: int, topk: int, num_local_experts: 
     )
 
 
-def _published(rows: torch.Tensor, fp8: Optional[Fp8Recipe]) -> torch.Tensor | QuantizedRows:
-    """What a rank publishes of its (T, H) rows: the rows, or with FP8 their 1x128 quantization."""
-    return rows if fp8 is None else QuantizedRows.quantize(rows, fp8.pow2_scales)
+def _published(rows: torch.Tensor, fp8: Optional[Fp8Recipe], stages) -> torch.Tensor | QuantizedRows:
+    """What a rank publishes of its (T, H) rows: the rows, or with FP8 their 1x128 quantization (the
+    backend's stages.quantize_rows)."""
+    return rows if fp8 is None else stages.quantize_rows(rows, fp8.pow2_scales)
 
 
 def build_schedule(
@@ -192,7 +193,7 @@ def forward(
     # sources; the first window's gate/up output is kept for backward. (FP8 keeps neither rows nor act:
     # backward quantizes its weight gradients' operands from the high-precision values.)
     keep_rows = schedule.num_ranks == 1 and plan.num_windows == 1 and fp8 is None
-    source = exchange.dispatch_source(_published(x, fp8))
+    source = exchange.dispatch_source(_published(x, fp8, stages))
     returned = exchange.open_return(schedule, x.shape[1], x.dtype)
     for window in windows(schedule, plan):
         # (One call per window: its buffers are freed before the next window's are allocated.)
@@ -278,7 +279,7 @@ def backward(
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
-    sources = _backward_sources(exchange, ctx, grad_y, len(passes) > 1, need_weight_grads)
+    sources = _backward_sources(exchange, ctx, grad_y, len(passes) > 1, need_weight_grads, stages)
     # The dX rows go back to their sources (the push reverse-dispatch).
     returned = exchange.open_return(schedule, ctx.x.shape[1], ctx.x.dtype) if (need_input_grads or crosses_ranks) else None
     d_x = None
@@ -326,14 +327,14 @@ class _BackwardSources:
 
 
 def _backward_sources(
-    exchange: Exchange, ctx: ForwardContext, grad_y: torch.Tensor, recompute: bool, need_weight_grads: bool
+    exchange: Exchange, ctx: ForwardContext, grad_y: torch.Tensor, recompute: bool, need_weight_grads: bool, stages
 ) -> _BackwardSources:
     """Publishes what backward pulls. What crosses ranks runs on every rank at EP > 1, whatever its
     own requires_grad flags say: a rank that skipped it would leave the others waiting. Whether
     forward kept its rows depends on the shapes, the ring, the EP size and the precision only, so it
     is the same on every rank."""
     fp8, crosses_ranks = ctx.fp8, exchange.num_ranks > 1
-    grad = exchange.grad_source(_published(grad_y, fp8), ctx.topk_weights)
+    grad = exchange.grad_source(_published(grad_y, fp8, stages), ctx.topk_weights)
     if fp8 is None:
         # The rows again, for the fc1 weight gradient and for the gate/up of every window after the first.
         pull_rows = ctx.rows is None and (need_weight_grads or crosses_ranks or recompute)
@@ -344,7 +345,7 @@ def _backward_sources(
         grad=grad,
         grad_for_weights=exchange.grad_source(grad_y, ctx.topk_weights) if for_weights else None,
         rows=exchange.dispatch_source(ctx.x) if for_weights else None,
-        rows_for_gate_up=exchange.dispatch_source(_published(ctx.x, fp8)) if recompute else None,
+        rows_for_gate_up=exchange.dispatch_source(_published(ctx.x, fp8, stages)) if recompute else None,
     )
 
 

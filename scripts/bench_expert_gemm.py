@@ -32,10 +32,11 @@ ours per mainloop variant (ops.fp8_gemm.FP8_GEMM_VARIANTS; fc1+swiglu: FP8_SWIGL
 size and raster group (g<group_m> in the column name when several are given). Quantization is done
 before timing for every FP8 column (GEMMs only).
 A second table, the FP8 weight gradients (ops.fp8_expert_wgrad, both operands quantized 1x128 along
-tokens, fp32 out): wgrad_fc1 (d fc1 (2F, H) = d gate_up^T . rows) and wgrad_fc2 (d fc2 (H, F) =
-dY^T . act), beside torch's bf16 grouped_mm (offsets on K), our bf16 sm90 wgrad kernel (bf16 out) and,
-where torch has it, torch._scaled_grouped_mm k-grouped with rowwise scales; ours writing out
-(the first or only window) and accumulating into it (a later receive window: out read too).
+tokens): wgrad_fc1 (d fc1 (2F, H) = d gate_up^T . rows) and wgrad_fc2 (d fc2 (H, F) = dY^T . act),
+beside torch's bf16 grouped_mm (offsets on K), our bf16 sm90 wgrad kernel (bf16 out) and, where torch
+has it, torch._scaled_grouped_mm k-grouped with rowwise scales; ours per mainloop
+(ops.fp8_wgrad.FP8_WGRAD_VARIANTS) writing the bf16 gradient (`rounded`: one window, as the layer runs
+it), and the fastest accumulating into an fp32 out (a later receive window: out read and written).
 TFLOP/s count the routed rows only (2 * t * topk * N * K), as for the GEMMs.
 
     python3 scripts/bench_expert_gemm.py --fp8-quant [--shapes ...]
@@ -66,6 +67,7 @@ from timing import dense_gemm_tflops, median_ms_interleaved  # noqa: E402
 from megatron_mok import MoKConfig, build_schedule, ops, quantization  # noqa: E402
 from megatron_mok.backends import tuning  # noqa: E402
 from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS  # noqa: E402
+from megatron_mok.ops.fp8_wgrad import FP8_WGRAD_VARIANTS  # noqa: E402
 from megatron_mok.schedule import build_schedule_from_gathered  # noqa: E402
 from megatron_mok.backends.kernel import (  # noqa: E402
     grouped_mm_dgrad_rows,
@@ -185,7 +187,8 @@ def torch_fp8_rowwise_wgrad(s, grad_name, inputs_name):
     return torch._scaled_grouped_mm(qg, qx.t(), scale_g, scale_x, offs=s["offsets"][1:], out_dtype=torch.bfloat16)
 
 
-WGRAD_COLUMNS = ("torch bf16", "ours bf16", "torch fp8 rw", "fp8", "fp8 acc")
+WGRAD_ACCUMULATE_VARIANT = tuning.FP8_WGRAD_VARIANT
+WGRAD_COLUMNS = ("torch bf16", "ours bf16", "torch fp8 rw", *(f"fp8 {v}" for v in FP8_WGRAD_VARIANTS), "fp8 acc")
 
 
 def wgrad_table(name, shape, sets, labels) -> None:
@@ -194,20 +197,23 @@ def wgrad_table(name, shape, sets, labels) -> None:
     for label in labels:
         grad_name, inputs_name, flops_per_row = FP8_WGRAD_PROJECTIONS[label]
         flops = t * k * flops_per_row(h, f)
-        outs = [torch.zeros(e, s[grad_name].shape[1], s[inputs_name].shape[1], device="cuda") for s in sets]
-        for s, out in zip(sets, outs):
-            s["wgrad_out"] = out
+        for s in sets:
+            size = (e, s[grad_name].shape[1], s[inputs_name].shape[1])
+            s["wgrad_out"] = torch.zeros(size, device="cuda")
+            s["wgrad_rounded"] = torch.empty(size, dtype=torch.bfloat16, device="cuda")
 
-        def fp8(s, accumulate):
+        def fp8(s, variant, accumulate=False):
             operands = (*s[grad_name + "_col"], *s[inputs_name + "_col"], s["offsets"])
-            return ops.fp8_expert_wgrad(*operands, s["wgrad_out"], accumulate=accumulate)
+            if accumulate:
+                return ops.fp8_expert_wgrad(*operands, s["wgrad_out"], accumulate=True, variant=variant)
+            return ops.fp8_expert_wgrad(*operands, rounded=s["wgrad_rounded"], variant=variant)
 
         fns = {
             "torch bf16": lambda s: segment_weight_grad(s[grad_name], s[inputs_name], s["offsets"]),
             "ours bf16": lambda s: ops.expert_gemm_wgrad(s[grad_name], s[inputs_name], s["offsets"]),
             "torch fp8 rw": lambda s: torch_fp8_rowwise_wgrad(s, grad_name, inputs_name),
-            "fp8": lambda s: fp8(s, False),
-            "fp8 acc": lambda s: fp8(s, True),
+            **{f"fp8 {v}": (lambda s, v=v: fp8(s, v)) for v in FP8_WGRAD_VARIANTS},
+            "fp8 acc": lambda s: fp8(s, WGRAD_ACCUMULATE_VARIANT, accumulate=True),
         }
         try:
             torch_fp8_rowwise_wgrad(sets[0], grad_name, inputs_name)
@@ -216,11 +222,13 @@ def wgrad_table(name, shape, sets, labels) -> None:
             del fns["torch fp8 rw"]
         ms_by = median_ms_interleaved(fns, sets)
         cell = {n: f"{flops / ms / 1e9:7.0f} ({ms:6.3f})" for n, ms in ms_by.items()}
-        ratio = f"{ms_by['ours bf16'] / ms_by['fp8']:5.2f}"
+        best = min(ms_by[f"fp8 {v}"] for v in FP8_WGRAD_VARIANTS)
+        ratio = f"{ms_by['ours bf16'] / best:5.2f}"
         cols = " ".join(f"{cell.get(n, 'n/a'):>16}" for n in WGRAD_COLUMNS)
         print(f"{name:<16} {label:<10} {cols} {ratio}", flush=True)
         for s in sets:
             s.pop("wgrad_out", None)
+            s.pop("wgrad_rounded", None)
 
 
 def main_fp8(args) -> None:
@@ -289,8 +297,8 @@ def main_fp8(args) -> None:
             fp8_cols = " ".join(f"{cell.get(column, 'n/a'):>{width}}" for *_, column in ours)
             print(f"{name:<16} {label:<10} {cols} {fp8_cols} {ratio}", flush=True)
         if wgrad_labels:
-            print("weight gradients, fp32 out (ours bf16: bf16 out); TFLOP/s (ms); x: ours FP8 over ours bf16; "
-                  "fp8 acc: accumulating into out (a later receive window)")
+            print("weight gradients, bf16 out; TFLOP/s (ms); x: ours bf16 over our fastest FP8 mainloop; "
+                  f"fp8 acc: {WGRAD_ACCUMULATE_VARIANT}, accumulating into an fp32 out (a later receive window)")
             print(f"{'shape':<16} {'projection':<10} {wgrad_header} {'x':>5}")
             wgrad_table(name, shape, sets, wgrad_labels)
         del sets

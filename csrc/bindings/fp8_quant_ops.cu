@@ -141,12 +141,14 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
   return {q, scales};
 }
 
-// (q (E, N, K) e4m3, scales (E, N/128, K/128) fp32, q_t (E, K, N) e4m3 or (0,), scales_t
-// (E, K/128, N/128) fp32 or (0,)): weight (E, N, K) bf16 or fp32 quantized 128 x 128, and with
-// `transposed` its transposed copy.
+// (q (E, N, K) e4m3 and scales (E, N/128, K/128) fp32, or (0,) each without forward_copy; q_t
+// (E, K, N) e4m3 and scales_t (E, K/128, N/128) fp32, or (0,) each without transposed): weight
+// (E, N, K) bf16 or fp32 quantized 128 x 128, and its transposed copy (at least one of the two).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(const at::Tensor& weight,
-                                                                               bool transposed, bool pow2) {
+                                                                               bool transposed, bool pow2,
+                                                                               bool forward_copy) {
   constexpr const char* kOp = "fp8_quantize_weight: ";
+  TORCH_CHECK(transposed || forward_copy, kOp, "forward_copy or transposed must be set (at least one copy)");
   TORCH_CHECK(weight.is_cuda() && weight.is_contiguous(), kOp, "weight must be a contiguous CUDA tensor");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, kOp,
               "weight must be bfloat16 or float32, got ", c10::toString(weight.scalar_type()));
@@ -159,8 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(c
   const int64_t experts = weight.size(0), n = weight.size(1), k = weight.size(2);
   const auto e4m3 = weight.options().dtype(at::kFloat8_e4m3fn);
   const auto fp32 = weight.options().dtype(at::kFloat);
-  auto q = at::empty({experts, n, k}, e4m3);
-  auto scales = at::empty({experts, n / kFp8Block, k / kFp8Block}, fp32);
+  auto q = forward_copy ? at::empty({experts, n, k}, e4m3) : nothing(weight);
+  auto scales = forward_copy ? at::empty({experts, n / kFp8Block, k / kFp8Block}, fp32) : nothing(weight);
   auto q_t = transposed ? at::empty({experts, k, n}, e4m3) : nothing(weight);
   auto scales_t = transposed ? at::empty({experts, k / kFp8Block, n / kFp8Block}, fp32) : nothing(weight);
   const int64_t tiles = experts * (n / kFp8Block) * (k / kFp8Block);
@@ -168,8 +170,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(c
   TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 blocks of 128 x 128");
   Fp8QuantizeWeightParams p{};
   p.src = weight.data_ptr();
-  p.q = e4m3_ptr(q);
-  p.scales = scales.data_ptr<float>();
+  p.q = forward_copy ? e4m3_ptr(q) : nullptr;
+  p.scales = forward_copy ? scales.data_ptr<float>() : nullptr;
   p.q_t = transposed ? e4m3_ptr(q_t) : nullptr;
   p.scales_t = transposed ? scales_t.data_ptr<float>() : nullptr;
   p.num_experts = experts;
@@ -193,7 +195,9 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_rows(Tensor x, Tensor? row_index, bool source_scales, bool gemm_a_scales, bool pow2) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2) -> (Tensor, Tensor)");
-  m.def("fp8_quantize_weight(Tensor weight, bool transposed, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {

@@ -12,7 +12,9 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "bindings/checks.h"
 #include "common/device_info.h"
@@ -48,9 +50,10 @@ void check_register_budget(Kernel kernel) {
   checked.emplace(key, true);
 }
 
+template <Fp8WgradMainloop kMainloop>
 void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad, const at::Tensor& inputs) {
-  using Kernel = Fp8ExpertWgradKernel;
-  using Tile = Kernel::Tile;
+  using Kernel = Fp8ExpertWgradKernel<kMainloop>;
+  using Tile = typename Kernel::Tile;
   constexpr size_t kSmemBytes = Kernel::SharedStorage::kSmemBytes;
   TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
               "this GPU has less shared memory per block than the kernel's ", std::to_string(kSmemBytes), " bytes");
@@ -59,7 +62,7 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
   const CUtensorMap inputs_map = e4m3_tensor_map_sw128(inputs.data_ptr(), g.n, g.num_rows, Tile::kN, "inputs");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   params.failure_record = failure_record(stream);
-  auto kernel = gemm_kernel_sm90<Kernel, Kernel::Maps, Kernel::Params, CUtensorMap, CUtensorMap>;
+  auto kernel = gemm_kernel_sm90<Kernel, typename Kernel::Maps, typename Kernel::Params, CUtensorMap, CUtensorMap>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   check_register_budget<Tile>(kernel);
   // Persistent: at most one CTA per SM (the shared memory allows no second), at most one per tile.
@@ -69,17 +72,27 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// out (E, m, n) fp32, in place: expert e's weight gradient from the window's rows (mok_params.h
-// Fp8ExpertWgradProblem). grad (m, R) and inputs (n, R) E4M3 column-wise, grad_scales (R/128, m) and
-// inputs_scales (R/128, n) fp32, R the window's rows (a multiple of 128); m and n multiples of 128.
+// Expert e's weight gradient from the window's rows (mok_params.h Fp8ExpertWgradProblem) into out
+// (E, m, n) fp32, in place (read first with accumulate), or, with rounded_out (E, m, n) bf16, rounded
+// into it (out then read with accumulate only, and may be absent without it); variant: the mainloop
+// (Fp8WgradMainloop), the same bits for every one. grad (m, R) and inputs (n, R) E4M3 column-wise,
+// grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the window's rows (a multiple of 128);
+// m and n multiples of 128.
 void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, const at::Tensor& inputs,
                       const at::Tensor& inputs_scales, const at::Tensor& expert_offsets, int64_t window_begin,
-                      bool accumulate, const at::Tensor& out) {
+                      bool accumulate, const std::optional<at::Tensor>& out_opt,
+                      const std::optional<at::Tensor>& rounded_out, int64_t variant) {
   TORCH_CHECK(grad.is_cuda(), kOp, "grad must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(grad.device());
-  const std::pair<const at::Tensor*, const char*> tensors[] = {
+  TORCH_CHECK(variant >= 0 && variant < kFp8WgradMainloopCount, kOp, "variant must be in [0, ",
+              std::to_string(kFp8WgradMainloopCount), "), got ", std::to_string(variant));
+  TORCH_CHECK(out_opt.has_value() || rounded_out.has_value(), kOp, "out or rounded_out must be given");
+  TORCH_CHECK(out_opt.has_value() || !accumulate, kOp, "accumulate=True reads out: out must be given");
+  std::vector<std::pair<const at::Tensor*, const char*>> tensors = {
       {&grad, "grad"}, {&grad_scales, "grad_scales"}, {&inputs, "inputs"}, {&inputs_scales, "inputs_scales"},
-      {&expert_offsets, "expert_offsets"}, {&out, "out"}};
+      {&expert_offsets, "expert_offsets"}};
+  if (out_opt.has_value()) tensors.emplace_back(&*out_opt, "out");
+  if (rounded_out.has_value()) tensors.emplace_back(&*rounded_out, "rounded_out");
   for (auto [t, name] : tensors) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == grad.device(), kOp, name,
                 " must be a contiguous CUDA tensor on grad's device");
@@ -89,8 +102,10 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
               "grad and inputs must be float8_e4m3fn, got ", c10::toString(grad.scalar_type()), " and ",
               c10::toString(inputs.scalar_type()));
   TORCH_CHECK(grad_scales.scalar_type() == at::kFloat && inputs_scales.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
+                  (!out_opt.has_value() || out_opt->scalar_type() == at::kFloat),
               kOp, "grad_scales, inputs_scales and out must be float32");
+  TORCH_CHECK(!rounded_out.has_value() || rounded_out->scalar_type() == at::kBFloat16, kOp,
+              "rounded_out must be bfloat16, got ", c10::toString(rounded_out->scalar_type()));
   TORCH_CHECK(grad.dim() == 2 && inputs.dim() == 2 && inputs.size(1) == grad.size(1), kOp,
               "grad must be (m, R) and inputs (n, R) with the same R; got ", sizes_str(grad), " and ",
               sizes_str(inputs));
@@ -108,9 +123,13 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   TORCH_CHECK(expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 && expert_offsets.numel() >= 2,
               kOp, "expert_offsets must be int32 (E + 1,) with E >= 1, got ", sizes_str(expert_offsets));
   const int64_t experts = expert_offsets.numel() - 1;
-  TORCH_CHECK(out.dim() == 3 && out.size(0) == experts && out.size(1) == m && out.size(2) == n, kOp,
-              "out must be (E, m, n) = (", std::to_string(experts), ", ", std::to_string(m), ", ", std::to_string(n),
-              "), got ", sizes_str(out));
+  const auto check_result_shape = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == experts && t.size(1) == m && t.size(2) == n, kOp, name,
+                " must be (E, m, n) = (", std::to_string(experts), ", ", std::to_string(m), ", ", std::to_string(n),
+                "), got ", sizes_str(t));
+  };
+  if (out_opt.has_value()) check_result_shape(*out_opt, "out");
+  if (rounded_out.has_value()) check_result_shape(*rounded_out, "rounded_out");
   TORCH_CHECK(window_begin >= 0 && window_begin % kFp8Block == 0, kOp,
               "window_begin must be a non-negative multiple of ", std::to_string(kFp8Block), ", got ",
               std::to_string(window_begin));
@@ -118,7 +137,11 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
                   experts < (int64_t(1) << 31),
               kOp, "sizes past 2^31 (window_begin + R, m, n, E)");
   if (rows == 0) {  // no block: nothing to add
-    if (!accumulate) out.zero_();
+    if (rounded_out.has_value()) {
+      if (accumulate) rounded_out->copy_(*out_opt); else rounded_out->zero_();
+    } else if (!accumulate) {
+      out_opt->zero_();
+    }
     return;
   }
   Fp8ExpertWgradParams p{};
@@ -126,8 +149,13 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
                                     int32_t(n), int32_t(window_begin), int32_t(accumulate ? 1 : 0)};
   p.grad_scales = grad_scales.data_ptr<float>();
   p.inputs_scales = inputs_scales.data_ptr<float>();
-  p.out = out.data_ptr<float>();
-  launch_fp8_expert_wgrad(p, grad, inputs);
+  p.out = out_opt.has_value() ? out_opt->data_ptr<float>() : nullptr;
+  p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
+  if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs);
+  } else {
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs);
+  }
 }
 
 }  // namespace
@@ -135,7 +163,7 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_expert_wgrad(Tensor grad, Tensor grad_scales, Tensor inputs, Tensor inputs_scales, Tensor expert_offsets, "
-      "int window_begin, bool accumulate, Tensor(a!) out) -> ()");
+      "int window_begin, bool accumulate, Tensor(a!)? out, Tensor(b!)? rounded_out, int variant) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) { m.impl("fp8_expert_wgrad", &fp8_expert_wgrad); }

@@ -23,6 +23,13 @@ __device__ __forceinline__ uint64_t smem_descriptor_sw128(const void* tile) {
   return desc;
 }
 
+// A descriptor `units` 16-byte units past `desc` (a stage's operand, or a K step inside it): the
+// address field (bits 0-13) holds shared addresses below 256 KB, so the sum never carries out of the
+// low word, which alone is added to (the high word keeps the layout constants).
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t units) {
+  return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + units);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>

@@ -571,12 +571,12 @@ struct Fp8ExpertGemmKernel {
           sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
           const uint32_t a_units = stage * (Tile::kABytes >> 4), b_units = stage * (Tile::kBBytes >> 4);
           sm90::wgmma_fence();  // the promotion's reads of `partial` come before the wgmmas' writes
-          sm90::wgmma_m64n128k32_e4m3_fresh(partial, descriptor_plus(a_desc0, a_units),
-                                            descriptor_plus(b_desc0, b_units));
+          sm90::wgmma_m64n128k32_e4m3_fresh(partial, sm90::descriptor_plus(a_desc0, a_units),
+                                            sm90::descriptor_plus(b_desc0, b_units));
 #pragma unroll
           for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
-            sm90::wgmma_m64n128k32_e4m3(partial, descriptor_plus(a_desc0, a_units + 2 * kk),
-                                        descriptor_plus(b_desc0, b_units + 2 * kk), 1);
+            sm90::wgmma_m64n128k32_e4m3(partial, sm90::descriptor_plus(a_desc0, a_units + 2 * kk),
+                                        sm90::descriptor_plus(b_desc0, b_units + 2 * kk), 1);
           }
           sm90::wgmma_commit_group();
           sm90::advance_stage<Tile::kStages>(stage, phase);
@@ -623,13 +623,6 @@ struct Fp8ExpertGemmKernel {
       sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
       sm90::mark_finished(watch);
     }
-  }
-
-  // A descriptor `units` 16-byte units past `desc`: the address field (bits 0-13) holds shared
-  // addresses below 256 KB, so the sum never carries out of the low word, which alone is added to
-  // (the high word stays the constants smem_descriptor_sw128 puts there).
-  static __device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t units) {
-    return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + units);
   }
 
   // acc += (scale_a[row] * scale_b[half]) * partial, s = {scale_a of the thread's two rows, scale_b

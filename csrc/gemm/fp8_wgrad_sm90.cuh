@@ -19,19 +19,22 @@
 //   warpgroups 1 and 2, consumers, 64 output rows each: per block four wgmma m64n128k32 E4M3 into a
 //     fresh fp32 partial (the first with scale_d = 0, so a partial never spans two token blocks),
 //     wait, and promote: acc = fma(sa[i] * sb[j], partial, acc), the scale product rounded to fp32
-//     first, blocks ascending (bitwise reproducible). The stage's scales are read from shared
-//     memory while the MMAs run; each warp releases the stage once the MMAs and its reads are
-//     done, before promoting. The two consumer warpgroups alternate on the tensor cores: one
-//     promotes while the other's MMAs run.
+//     first, blocks ascending (bitwise reproducible), the scales read from the stage's shared
+//     memory; each warp releases the stage once the MMAs and its reads are done. The mainloop
+//     variants (Fp8WgradMainloop) differ in what overlaps the promotion.
 //   With accumulate, acc starts as the tile's out (loaded before its first block, prefetched into L2
 //   by the producer when it starts the tile) instead of zero:
 //   a sequence of windows continues each expert's chain exactly where the previous window stored it,
 //   so windows give out bitwise equal to one pass over all their rows. A tile whose expert has no
 //   block in the window stores zeros, or (accumulate) is skipped. out is written from registers with
-//   8-byte stores (a quad's four lanes cover one 32-byte sector of a row).
+//   8-byte stores (a quad's four lanes cover one 32-byte sector of a row). With rounded_out, the sums
+//   are rounded to bf16 there instead (out is then only read, with accumulate; a tile without blocks
+//   stores its start rounded): one window, or a sequence's last, writes the bf16 gradient with no
+//   fp32 copy of it, bitwise the fp32 result converted.
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 
 #include <cstdint>
 
@@ -150,8 +153,26 @@ class Fp8WgradTileScheduler {
   int m_tiles_, per_expert_;
 };
 
-// Launched through gemm_kernel_sm90<Fp8ExpertWgradKernel, Fp8ExpertWgradMaps, Fp8ExpertWgradParams,
+// The consumers' mainloops, chosen per launch (the op's `variant`, megatron_mok/ops/fp8_wgrad.py
+// FP8_WGRAD_VARIANTS names them in this order). Both compute bitwise the same out: the same four
+// wgmmas per token block into a fresh fp32 partial, the same acc = fma(sa * sb, partial, acc) in
+// ascending blocks; they differ only in what the tensor cores can do while a warpgroup promotes.
+enum class Fp8WgradMainloop : int {
+  // Per block: wait for the stage, issue, wait for the block's wgmmas, promote with the stage's
+  // scales, release. The two consumer warpgroups issue whenever they are ready.
+  kDefault = 0,
+  // Two partial sums per warpgroup used in turn: block k + 1's wgmmas are issued before block k's
+  // are waited for (wgmma.wait_group 1), so each warpgroup promotes block k while its next block
+  // runs. The scales are read from the stage during the promotion, so a stage is released after its
+  // block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for
+  // the sums: the consumers' setmaxnreg budget, not the 168 of the whole launch.
+  kOverlap = 1,
+};
+constexpr int kFp8WgradMainloopCount = 2;  // the op checks 0 <= variant < this
+
+// Launched through gemm_kernel_sm90<Fp8ExpertWgradKernel<...>, Fp8ExpertWgradMaps, Fp8ExpertWgradParams,
 // CUtensorMap, CUtensorMap> without clusters.
+template <Fp8WgradMainloop kMainloop = Fp8WgradMainloop::kDefault>
 struct Fp8ExpertWgradKernel {
   using Tile = Fp8WgradTile;
   using SharedStorage = Fp8WgradSharedStorage;
@@ -184,7 +205,11 @@ struct Fp8ExpertWgradKernel {
       return;
     }
     sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
-    consume(p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+    if constexpr (kMainloop == Fp8WgradMainloop::kOverlap) {
+      consume_overlap(p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+    } else {
+      consume(p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+    }
   }
 
  private:
@@ -222,16 +247,83 @@ struct Fp8ExpertWgradKernel {
     sm90::mark_finished(watch);
   }
 
+  // This thread's place in a tile: its first row (the second is 8 further) and the first column of
+  // each of its 8-column groups, the fragment layout; acc[4 j + 2 h + {0, 1}] is element
+  // (row + 8 h, 8 j + col + {0, 1}) of the tile.
+  struct Fragment {
+    int row, col;
+    __device__ Fragment(int consumer, int thread)
+        : row(64 * consumer + 16 * (thread / 32) + (thread % 32) / 4), col(2 * ((thread % 32) % 4)) {}
+  };
+
+  // A tile nobody adds to: accumulate leaves out[e] as it is when out is the result (no rounded
+  // copy to write).
+  static __device__ __forceinline__ bool skipped(const Params& p, const Fp8WgradTileCoord& c) {
+    return p.problem.accumulate != 0 && c.k_blocks == 0 && p.rounded_out == nullptr;
+  }
+
+  // The offset of this thread's first element of the tile in out / rounded_out.
+  static __device__ __forceinline__ int64_t tile_offset(const Params& p, const Fp8WgradTileCoord& c, const Fragment& f) {
+    return (int64_t(c.expert) * p.problem.m + c.m0 + f.row) * p.problem.n + c.n0 + f.col;
+  }
+
+  // acc = the tile's out (accumulate: the chain continues where the previous window stored it) or 0.
+  static __device__ __forceinline__ void start_chain(const Params& p, int64_t offset, Accumulators& acc) {
+    const int64_t n = p.problem.n;
+    const float* out = p.out + offset;
+#pragma unroll
+    for (int i = 0; i < Tile::kAccumulators; i += 2) {
+      float2 v = make_float2(0.f, 0.f);
+      if (p.problem.accumulate != 0) v = *reinterpret_cast<const float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4));
+      acc[i] = v.x;
+      acc[i + 1] = v.y;
+    }
+  }
+
+  // The tile's sums into out (8-byte stores: a quad's four lanes cover one 32-byte sector of a row),
+  // or rounded to bf16 into rounded_out (4-byte stores, each value rounded once, to nearest even:
+  // the bits of out's value converted).
+  static __device__ __forceinline__ void store_tile(const Params& p, int64_t offset, const Accumulators& acc) {
+    const int64_t n = p.problem.n;
+    if (p.rounded_out != nullptr) {
+      uint16_t* out = p.rounded_out + offset;
+#pragma unroll
+      for (int i = 0; i < Tile::kAccumulators; i += 2) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4)) = v;
+      }
+      return;
+    }
+    float* out = p.out + offset;
+#pragma unroll
+    for (int i = 0; i < Tile::kAccumulators; i += 2) {
+      *reinterpret_cast<float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4)) = make_float2(acc[i], acc[i + 1]);
+    }
+  }
+
+  // acc += (sa[h] * sb[j]) * partial for the thread's two rows h and 32 columns (column pair j:
+  // 8 j + col + {0, 1}), the scale product rounded to fp32 first; a_scales / b_scales: the shared
+  // addresses of the thread's first row's and first column's scales in the block's stage.
+  static __device__ __forceinline__ void promote(Accumulators& acc, const Accumulators& partial, uint32_t a_scales,
+                                                 uint32_t b_scales) {
+    const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
+#pragma unroll
+    for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
+      const float2 sb = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h;
+        acc[i] = __fmaf_rn(__fmul_rn(sa[h], sb.x), partial[i], acc[i]);
+        acc[i + 1] = __fmaf_rn(__fmul_rn(sa[h], sb.y), partial[i + 1], acc[i + 1]);
+      }
+    }
+  }
+
   static __device__ __forceinline__ void consume(const Params& p, const Scheduler& scheduler,
                                                  const SharedStorage& shared, int consumer, int thread) {
     sm90::WaitWatch* watch = shared.watch;
-    const int64_t m = p.problem.m, n = p.problem.n;
-    const bool accumulate = p.problem.accumulate != 0;
     const int lane = thread % 32;
-    // This thread's first row of the tile (the second is 8 further) and first column of each
-    // 8-column group: the fragment layout.
-    const int fragment_row = 64 * consumer + 16 * (thread / 32) + lane / 4;
-    const int fragment_col = 2 * (lane % 4);
+    const Fragment f(consumer, thread);
     Accumulators acc, partial;
 #pragma unroll
     for (int i = 0; i < Tile::kAccumulators; ++i) partial[i] = 0.f;  // (overwritten: scale_d = 0)
@@ -239,56 +331,105 @@ struct Fp8ExpertWgradKernel {
     uint32_t phase = 0;
     Fp8WgradTileCoord c;
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
-      if (accumulate && c.k_blocks == 0) continue;  // nothing to add: out[e] stays as it is
-      // acc[4 j + 2 h + {0, 1}] is element (fragment_row + 8 h, 8 j + fragment_col + {0, 1}) of the
-      // tile of out[e].
-      float* out = p.out + (int64_t(c.expert) * m + c.m0 + fragment_row) * n + c.n0 + fragment_col;
-#pragma unroll
-      for (int i = 0; i < Tile::kAccumulators; i += 2) {
-        float2 v = make_float2(0.f, 0.f);
-        if (accumulate) v = *reinterpret_cast<const float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4));
-        acc[i] = v.x;
-        acc[i + 1] = v.y;
-      }
+      if (skipped(p, c)) continue;
+      const int64_t offset = tile_offset(p, c, f);
+      start_chain(p, offset, acc);
 #pragma unroll 1
       for (int kb = 0; kb < c.k_blocks; ++kb) {
         sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
-        const uint32_t a_scales = sm90::smem_u32(shared.a_scales + stage * Tile::kM + fragment_row);
-        const uint32_t b_scales = sm90::smem_u32(shared.b_scales + stage * Tile::kN + fragment_col);
         const uint64_t a_desc =
             sm90::smem_descriptor_sw128(shared.a + stage * Tile::kABytes + consumer * Tile::kConsumerABytes);
         const uint64_t b_desc = sm90::smem_descriptor_sw128(shared.b + stage * Tile::kBBytes);
         sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
-        // The scales of the thread's two rows and of its 32 columns (column pair j: 8 j + fragment_col
-        // + {0, 1}), read while the MMAs run.
-        const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
-        float2 sb[Tile::kAccumulators / 4];
-#pragma unroll
-        for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
-          sb[j] = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
-        }
         sm90::wgmma_wait_group<0>();
         sm90::fence_accumulators(partial);
+        promote(acc, partial, sm90::smem_u32(shared.a_scales + stage * Tile::kM + f.row),
+                sm90::smem_u32(shared.b_scales + stage * Tile::kN + f.col));
         // The warp's shared-memory reads of the stage (the MMAs' and the scales') are done: hand it
-        // back before promoting, lane 0 for the warp (__syncwarp orders the other lanes' loads
-        // before its arrival).
+        // back, lane 0 for the warp (__syncwarp orders the other lanes' loads before its arrival).
         __syncwarp();
         if (lane == 0) sm90::mbarrier_arrive(&shared.empty[stage]);
         sm90::advance_stage<Tile::kStages>(stage, phase);
+      }
+      store_tile(p, offset, acc);
+    }
+    if (thread == 0) sm90::mark_finished(watch);
+  }
+
+  // kOverlap. Per tile of k_blocks blocks: block 0 issued into p0, then for each block k, block k + 1
+  // issued into the other partial (once its stage landed), wait_group 1 (block k's wgmmas done,
+  // k + 1's may run), promote k with its stage's scales, release k's stage. The partials alternate by
+  // the parity of k, so the block loop is unrolled by two and every register index is static
+  // (wgmma accumulators must be). Stage s's descriptors, barrier and scales are stage 0's plus s
+  // stages of bytes, formed once per launch (registers are the constraint here); the bounded waits
+  // trap out of line.
+  static __device__ __forceinline__ void consume_overlap(const Params& p, const Scheduler& scheduler,
+                                                         const SharedStorage& shared, int consumer, int thread) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int lane = thread % 32;
+    const Fragment f(consumer, thread);
+    const uint64_t a_desc0 = sm90::smem_descriptor_sw128(shared.a + consumer * Tile::kConsumerABytes);
+    const uint64_t b_desc0 = sm90::smem_descriptor_sw128(shared.b);
+    const uint32_t full0 = sm90::smem_u32(shared.full);
+    const uint32_t a_scales0 = sm90::smem_u32(shared.a_scales + f.row);
+    const uint32_t b_scales0 = sm90::smem_u32(shared.b_scales + f.col);
+    int stage = 0;  // of the next block to issue
+    uint32_t phase = 0;
+    Accumulators acc, p0, p1;  // (the partials are written by each block's first wgmma)
+    const auto issue = [&](Accumulators& partial) {
+      sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
+      const uint32_t a_units = stage * (Tile::kABytes >> 4), b_units = stage * (Tile::kBBytes >> 4);
+      sm90::wgmma_fence();  // the promotion's reads of `partial` come before the wgmmas' writes
+      sm90::wgmma_m64n128k32_e4m3_fresh(partial, sm90::descriptor_plus(a_desc0, a_units),
+                                        sm90::descriptor_plus(b_desc0, b_units));
 #pragma unroll
-        for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = 4 * j + 2 * h;
-            acc[i] = __fmaf_rn(__fmul_rn(sa[h], sb[j].x), partial[i], acc[i]);
-            acc[i + 1] = __fmaf_rn(__fmul_rn(sa[h], sb[j].y), partial[i + 1], acc[i + 1]);
-          }
+      for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
+        sm90::wgmma_m64n128k32_e4m3(partial, sm90::descriptor_plus(a_desc0, a_units + 2 * kk),
+                                    sm90::descriptor_plus(b_desc0, b_units + 2 * kk), 1);
+      }
+      sm90::wgmma_commit_group();
+      sm90::advance_stage<Tile::kStages>(stage, phase);
+    };
+    // After the wait that retired the oldest block in flight, issued `back` blocks before the next
+    // to issue: its partial into acc with its stage's scales, then the stage back (lane 0 for the
+    // warp, once the warp's reads of it are done).
+    const auto retire = [&](Accumulators& partial, int back) {
+      sm90::fence_accumulators(partial);
+      const int oldest = stage >= back ? stage - back : stage - back + Tile::kStages;
+      promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
+      __syncwarp();
+      if (lane == 0) sm90::mbarrier_arrive(&shared.empty[oldest]);
+    };
+    Fp8WgradTileCoord c;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      if (skipped(p, c)) continue;
+      const int64_t offset = tile_offset(p, c, f);
+      start_chain(p, offset, acc);
+      const int k_blocks = c.k_blocks;
+      if (k_blocks > 0) {
+        issue(p0);
+        int kb = 0;  // the oldest block in flight, in p0
+#pragma unroll 1
+        for (; kb + 2 < k_blocks; kb += 2) {
+          issue(p1);
+          sm90::wgmma_wait_group<1>();
+          retire(p0, 2);
+          issue(p0);
+          sm90::wgmma_wait_group<1>();
+          retire(p1, 2);
+        }
+        if (kb + 1 < k_blocks) {  // two blocks left: kb in p0, kb + 1 into p1
+          issue(p1);
+          sm90::wgmma_wait_group<1>();
+          retire(p0, 2);
+          sm90::wgmma_wait_group<0>();
+          retire(p1, 1);
+        } else {
+          sm90::wgmma_wait_group<0>();
+          retire(p0, 1);
         }
       }
-#pragma unroll
-      for (int i = 0; i < Tile::kAccumulators; i += 2) {
-        *reinterpret_cast<float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4)) = make_float2(acc[i], acc[i + 1]);
-      }
+      store_tile(p, offset, acc);
     }
     if (thread == 0) sm90::mark_finished(watch);
   }

@@ -13,8 +13,16 @@ from __future__ import annotations
 import torch
 
 from megatron_mok import ops, quantization
+from megatron_mok.quantization import QuantizedRows
 
 Tensor = torch.Tensor
+
+
+def quantize_source_rows(x: Tensor, pow2: bool) -> QuantizedRows:
+    """x (R, C) bf16 -> QuantizedRows (q (R, C) e4m3, scales (R, C/128) fp32, the source layout): what
+    a rank publishes of x and dY (ops.fp8_quantize_rows with source scales only)."""
+    q, scales, _ = ops.fp8_quantize_rows(x.contiguous(), source_scales=True, gemm_a_scales=False, pow2=pow2)
+    return QuantizedRows(q, scales)
 
 
 def quantize_rows_gemm_a(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:

@@ -23,10 +23,10 @@ dtype is bf16 (the kernel backend's). Per stage:
     dgrad_rows         d gate_up quantized 1x128 along 2F -> ops.fp8_expert_gemm with fc1 transposed
                        (E, H, 2F) -> d rows bf16 (pushed back as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
-                       bf16 values -> ops.fp8_expert_wgrad, fp32 per launch, a launch per group of
-                       experts whose fp32 gradients fit tuning.FP8_WGRAD_OUT_BYTES, each rounded once
-                       into the bf16 result; over several receive windows one fp32 (E, m, n) carried
-                       from window to window (bitwise one pass); or the BF16 kernel's weight gradients
+                       bf16 values -> ops.fp8_expert_wgrad, the fp32 sums rounded once into the bf16
+                       result in the kernel; over several receive windows one fp32 (E, m, n) carried
+                       from window to window (bitwise one pass), the last window rounding it; or the
+                       BF16 kernel's weight gradients
 
 A padding row's scale is 0 here where the reference writes 1: its E4M3 bytes are zero, so every
 product it enters is 0 either way. Rows at or past the schedule's end are left unwritten, as the
@@ -47,7 +47,7 @@ import torch
 
 from megatron_mok import fp8_weights, ops
 from megatron_mok.backends import kernel
-from megatron_mok.backends.fp8_quantize import gemm_a_layout, quantize_columns, quantize_rows_gemm_a
+from megatron_mok.backends.fp8_quantize import gemm_a_layout, quantize_columns, quantize_rows_gemm_a, quantize_source_rows
 from megatron_mok.backends.stages import Stages
 from megatron_mok.backends.tuning import (
     EXPERT_GEMM_CHOICES,
@@ -55,7 +55,7 @@ from megatron_mok.backends.tuning import (
     FP8_EXPERT_GEMM_GROUP_M,
     FP8_EXPERT_GEMM_SWIGLU_VARIANT,
     FP8_EXPERT_GEMM_VARIANT,
-    FP8_WGRAD_OUT_BYTES,
+    FP8_WGRAD_VARIANT,
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV, fp8_kernels_unlocked
@@ -142,7 +142,7 @@ def dispatch_gate_up(
     them before the down projection runs. ring_minibatches (the BF16 dispatching GEMM's) does not apply."""
     rows = dispatch_rows(source, schedule)
     offsets = schedule.expert_offsets
-    weight = fp8_weights.quantized(fc1, recipe.pow2_scales)
+    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True)
     rows_scales = gemm_a_layout(rows.scales)
     if not recipe.pow2_scales:
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
@@ -157,7 +157,7 @@ def dispatch_gate_up(
 
 def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """act (capacity, F) FP8 -> (capacity, H) bf16."""
-    return _gemm(act.values, act.scales, fp8_weights.quantized(fc2, recipe.pow2_scales), offsets)
+    return _gemm(act.values, act.scales, fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True), offsets)
 
 
 def pull_route_grads(source: GradSource, schedule: Schedule):
@@ -181,7 +181,7 @@ def pull_route_grads(source: GradSource, schedule: Schedule):
 def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F) bf16: d act = FP8 GEMM with fc2 transposed
     (E, F, H), rounded to bf16, then the SwiGLU backward kernel (fp32, rounded once), as the reference."""
-    weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales)
+    weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True)
     grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
     return ops.swiglu_backward(gate_up, grad_act, offsets)
 
@@ -189,13 +189,7 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
 def dgrad_rows(grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """d gate_up (capacity, 2F) bf16, quantized 1x128 along 2F -> d rows (capacity, H) bf16."""
     values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
-    return _gemm(values, scales, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales), offsets)
-
-
-def wgrad_experts_per_launch(m: int, n: int) -> int:
-    """Experts per ops.fp8_expert_wgrad launch of one receive window: as many as keep the launch's fp32
-    (experts, m, n) within tuning.FP8_WGRAD_OUT_BYTES, at least one."""
-    return max(1, FP8_WGRAD_OUT_BYTES // (4 * m * n))
+    return _gemm(values, scales, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, kernels=True), offsets)
 
 
 def weight_grad_window(grad_out: Tensor, inputs: Tensor, window, carried: Optional[Tensor], *, recipe: Fp8Recipe) -> Tensor:
@@ -203,29 +197,18 @@ def weight_grad_window(grad_out: Tensor, inputs: Tensor, window, carried: Option
     1x128 along the rows, their FP8 weight gradients added to `carried`. Returns what the next window
     carries: (E, m, n) fp32 after a window that is not the last, (E, m, n) bf16 after the last.
 
-    One window (every pass over the collective exchange): a launch per group of experts into a fresh
-    fp32 buffer, rounded into the bf16 result (each expert's chain is one launch's: the grouping does
-    not change its bits). Several windows: one fp32 (E, m, n) that each window continues (accumulate),
-    bitwise one pass over every row (ops.fp8_expert_wgrad), rounded after the last."""
+    One window (every pass over the collective exchange): one launch writing the bf16 gradient
+    directly (ops.fp8_expert_wgrad `rounded`: each fp32 sum rounded once in the kernel), so no fp32
+    copy of the gradient exists. Several windows: one fp32 (E, m, n) that each window continues
+    (accumulate), the last one rounding it into the bf16 result, bitwise one pass over every row."""
     offsets = window.schedule.expert_offsets
     grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
     values, value_scales = quantize_columns(inputs, offsets, recipe.pow2_scales)
-    operands = (grad, grad_scales, values, value_scales)
+    operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
-    if window.num_windows > 1:
-        total = ops.fp8_expert_wgrad(
-            *operands, window.full_offsets, carried, accumulate=window.index > 0, window_begin=window.begin
-        )
-        return total.to(grad_out.dtype) if window.last else total
-    result = grad_out.new_empty((num_experts, m, n))
-    step = wgrad_experts_per_launch(m, n)
-    for first in range(0, num_experts, step):
-        last = min(num_experts, first + step)
-        # (A copy of the offsets' slice: the op takes 16-byte aligned tensors. The slice keeps the
-        # whole schedule's row numbers; the kernel clamps each segment to the window's rows.)
-        group_offsets = window.full_offsets if last - first == num_experts else window.full_offsets[first:last + 1].clone()
-        result[first:last] = ops.fp8_expert_wgrad(*operands, group_offsets)
-    return result
+    rounded = grad_out.new_empty((num_experts, m, n)) if window.last else None
+    launch = dict(accumulate=window.index > 0, window_begin=window.begin, rounded=rounded, variant=FP8_WGRAD_VARIANT)
+    return ops.fp8_expert_wgrad(*operands, carried, **launch)
 
 
 def _swiglu(gate_up: Tensor, offsets: Tensor) -> Tensor:
@@ -263,5 +246,6 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         combine=bf16.combine,
         pull_route_grads=pull_route_grads,
         route_weight_grads=bf16.route_weight_grads,
+        quantize_rows=quantize_source_rows,
         **weight_grads,
     )

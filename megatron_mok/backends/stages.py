@@ -127,6 +127,13 @@ class RouteWeightGrads(Protocol):
         ...
 
 
+class QuantizeRows(Protocol):
+    def __call__(self, rows: Tensor, pow2: bool) -> QuantizedRows:
+        """rows (T, H) -> their 1x128 quantization along H (the source layout): what a rank publishes
+        of x and dY with FP8 (docs/design.md §12.4)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Stages:
     dispatch_rows: DispatchRows
@@ -149,3 +156,6 @@ class Stages:
     weight_grad_into: Optional[WeightGradInto] = None
     # The "fp8_kernel" family's stage: the weight gradients carried from window to window.
     weight_grad_window: Optional[WeightGradWindow] = None
+    # FP8: the quantization of what a rank publishes (the reference's PyTorch unless a backend has a
+    # kernel for it).
+    quantize_rows: QuantizeRows = QuantizedRows.quantize

@@ -60,16 +60,15 @@ EXPERT_GEMM_GROUP_M = 16
 # (docs/performance.md, "The FP8 blockwise grouped GEMM alone"; 2-CTA clusters sharing each weight
 # slice through TMA multicast were slower in every mainloop). Every mainloop gives the default's
 # bits (tests/ops/test_gpu_fp8_gemm.py), so this choice is speed only. The SwiGLU-epilogue GEMM of the
-# forward gate/up (ops.fp8_expert_gemm_swiglu) takes every mainloop too, and keeps "default" until its
-# variants' bitwise test and its benchmark have run on a GPU.
+# forward gate/up (ops.fp8_expert_gemm_swiglu) runs the overlap mainloop too, its fastest (751 vs 658
+# TFLOP/s at DeepSeek-V3, 571 vs 507 at Qwen3-30B on the H200, docs/performance.md).
 FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
 FP8_EXPERT_GEMM_VARIANT = "overlap"
-FP8_EXPERT_GEMM_SWIGLU_VARIANT = "default"
+FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 
-# The FP8 weight gradient (ops.fp8_expert_wgrad) writes fp32; the kernel backend launches it once per
-# group of experts whose fp32 (experts, m, n) fits this many bytes, each group rounded into the bf16
-# result before the next, so the fp32 never exceeds this beside the bf16 gradients BF16 also holds
-# (DeepSeek-V3's d fc1: 117 MiB per expert, two per launch, 1792 tiles of 128 x 128 each; Qwen3-30B's:
-# 12 MiB per expert, 21 per launch). Not yet measured: fewer, larger launches trade memory for tail.
-FP8_WGRAD_OUT_BYTES = 256 << 20
+# The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS): "overlap" issues block k + 1's
+# wgmmas before promoting block k (two partial sums per warpgroup); every mainloop gives the default's
+# bits (tests/ops/test_gpu_fp8_wgrad.py), so this choice is speed only (docs/performance.md, "The FP8
+# blockwise grouped GEMM alone").
+FP8_WGRAD_VARIANT = "overlap"

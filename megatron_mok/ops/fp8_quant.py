@@ -52,12 +52,12 @@ def _fp8_quantize_columns_fake(x, expert_offsets, pow2):
 
 
 @register_fake("fp8_quantize_weight")
-def _fp8_quantize_weight_fake(weight, transposed, pow2):
+def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy):
     e, n, k = weight.shape
     nothing = weight.new_empty((0,), dtype=torch.float32)
     return (
-        weight.new_empty((e, n, k), dtype=E4M3),
-        weight.new_empty((e, n // FP8_BLOCK, k // FP8_BLOCK), dtype=torch.float32),
+        weight.new_empty((e, n, k), dtype=E4M3) if forward_copy else nothing.clone(),
+        weight.new_empty((e, n // FP8_BLOCK, k // FP8_BLOCK), dtype=torch.float32) if forward_copy else nothing.clone(),
         weight.new_empty((e, k, n), dtype=E4M3) if transposed else nothing,
         weight.new_empty((e, k // FP8_BLOCK, n // FP8_BLOCK), dtype=torch.float32) if transposed else nothing.clone(),
     )
@@ -129,14 +129,16 @@ def fp8_quantize_columns_reference(
 
 
 def fp8_quantize_weight(
-    weight: Tensor, *, transposed: bool = True, pow2: bool = False
-) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """weight (E, N, K) bf16 or fp32, 128x128 blocks -> (q (E, N, K) e4m3, scales (E, N/128, K/128)
-    fp32, q_t (E, K, N) e4m3 and scales_t (E, K/128, N/128) fp32 or None): the fprop operand and,
-    with `transposed`, the dgrad operand, in one pass. Ref: fp8_quantize_weight_reference."""
-    check_fp8_quantize_weight_args(weight, transposed, pow2)
-    q, scales, q_t, scales_t = torch.ops.megatron_mok.fp8_quantize_weight(weight, transposed, pow2)
-    return q, scales, q_t if transposed else None, scales_t if transposed else None
+    weight: Tensor, *, transposed: bool = True, pow2: bool = False, forward_copy: bool = True
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """weight (E, N, K) bf16 or fp32, 128x128 blocks -> (q (E, N, K) e4m3 and scales (E, N/128, K/128)
+    fp32, or None without forward_copy; q_t (E, K, N) e4m3 and scales_t (E, K/128, N/128) fp32, or None
+    without transposed): the fprop operand and the dgrad operand, each only if asked for (at least
+    one), in one pass. Ref: fp8_quantize_weight_reference."""
+    check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy)
+    q, scales, q_t, scales_t = torch.ops.megatron_mok.fp8_quantize_weight(weight, transposed, pow2, forward_copy)
+    return (q if forward_copy else None, scales if forward_copy else None,
+            q_t if transposed else None, scales_t if transposed else None)
 
 
 def fp8_quantize_weight_reference(weight: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -217,7 +219,7 @@ def check_fp8_quantize_columns_args(x, expert_offsets, pow2) -> None:
     _check_placement(op, tensors)
 
 
-def check_fp8_quantize_weight_args(weight, transposed, pow2) -> None:
+def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True) -> None:
     """As check_fp8_quantize_rows_args, for fp8_quantize_weight."""
     op = "fp8_quantize_weight"
     if not isinstance(weight, torch.Tensor):
@@ -231,4 +233,7 @@ def check_fp8_quantize_weight_args(weight, transposed, pow2) -> None:
             _fail(op, f"{name} must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {size}")
     _check_flag(op, "transposed", transposed)
     _check_flag(op, "pow2", pow2)
+    _check_flag(op, "forward_copy", forward_copy)
+    if not (transposed or forward_copy):
+        _fail(op, "forward_copy or transposed must be True (at least one copy)")
     _check_placement(op, {"weight": weight})

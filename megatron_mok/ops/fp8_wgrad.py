@@ -15,6 +15,7 @@ the high-precision (R, m) and (R, n) values: tokens contiguous, one scale per co
                    recorded, ops.last_failure(), and traps), and the rows of its last block past its
                    end are padding rows, zero in both operands (not checked).
     out            (E, m, n) float32
+    rounded        (E, m, n) bfloat16, optional: the result rounded, instead of written to out
 The reference is fp8_expert_wgrad_reference (quantization.fp8_segment_weight_grad).
 """
 
@@ -31,9 +32,16 @@ from megatron_mok.ops.extension import register_fake
 E4M3 = torch.float8_e4m3fn
 
 
+# The kernel's mainloops (csrc/gemm/fp8_wgrad_sm90.cuh Fp8WgradMainloop, in its order), every one
+# bitwise the default's: "overlap" keeps two partial sums per warpgroup, so one block is promoted while
+# the next runs (tests/ops/test_gpu_fp8_wgrad.py holds them to the default bit for bit).
+FP8_WGRAD_VARIANTS = ("default", "overlap")
+
+
 @register_fake("fp8_expert_wgrad")
-def _fp8_expert_wgrad_fake(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out):
-    return None  # writes out in place
+def _fp8_expert_wgrad_fake(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out,
+                           rounded_out, variant):
+    return None  # writes out or rounded_out in place
 
 
 def fp8_expert_wgrad(
@@ -46,26 +54,36 @@ def fp8_expert_wgrad(
     *,
     accumulate: bool = False,
     window_begin: int = 0,
+    rounded: Optional[torch.Tensor] = None,
+    variant: str = "default",
 ) -> torch.Tensor:
-    """out (E, m, n) float32, written in place (allocated when None, which needs accumulate=False) and
-    returned: for each expert e, with e's rows in the window [window_begin, window_begin + R) taken in
-    blocks b of 128 rows, ascending,
+    """out (E, m, n) float32, written in place (allocated when None and no `rounded` is given, which
+    needs accumulate=False) and returned: for each expert e, with e's rows in the window
+    [window_begin, window_begin + R) taken in blocks b of 128 rows, ascending,
         out[e] = (out[e] if accumulate else 0) + sum_b grad_scales[b, :, None] * inputs_scales[b, None, :] * P_b,
         P_b    = the fp32 sum over block b's rows r of grad[:, r] outer inputs[:, r] (E4M3 products, exact),
     accumulated as acc = fma(grad_scale * inputs_scale, P_b, acc) from acc = out[e] or 0. An expert with no
     row in the window gets zeros (accumulate=False) or is left as it is (accumulate=True).
 
+    rounded: (E, m, n) bfloat16. When given, the sums are written there instead, each rounded once to
+    nearest even (bitwise the fp32 result converted), and returned; out is then only read (the chains'
+    start, accumulate=True) and may be None without accumulate: no fp32 copy of the gradient exists.
+
     Receive windows: call it for the windows of the schedule in order, the first with accumulate=False
     and the rest with accumulate=True, each with its own rows' operands and window_begin (a multiple of
-    128): out ends bitwise equal to one call over all the rows, whatever the windows (each expert's
-    fp32 chain continues from where the previous window stored it). Ref: fp8_expert_wgrad_reference."""
-    check_fp8_expert_wgrad_args(grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin)
-    if out is None:
+    128), the last one with `rounded` if the bf16 gradient is wanted: the result ends bitwise equal to one
+    call over all the rows, whatever the windows (each expert's fp32 chain continues from where the
+    previous window stored it). variant: one of FP8_WGRAD_VARIANTS, the kernel's mainloop (speed only).
+    Ref: fp8_expert_wgrad_reference."""
+    check_fp8_expert_wgrad_args(grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin,
+                                rounded, variant)
+    if out is None and rounded is None:
         out = grad.new_empty((expert_offsets.shape[0] - 1, grad.shape[0], inputs.shape[0]), dtype=torch.float32)
     torch.ops.megatron_mok.fp8_expert_wgrad(
-        grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out
+        grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out, rounded,
+        FP8_WGRAD_VARIANTS.index(variant),
     )
-    return out
+    return out if rounded is None else rounded
 
 
 def fp8_expert_wgrad_reference(
@@ -88,7 +106,8 @@ def fp8_expert_wgrad_reference(
 
 
 def check_fp8_expert_wgrad_args(
-    grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin
+    grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin, rounded=None,
+    variant="default",
 ) -> None:
     """ValueErrors naming the argument: types, dtypes, shapes and multiples of 128 first, then the
     flags, contiguity, then devices (so everything but the device is checkable with CPU tensors)."""
@@ -102,11 +121,14 @@ def check_fp8_expert_wgrad_args(
     }
     if out is not None:
         tensors["out"] = out
+    if rounded is not None:
+        tensors["rounded"] = rounded
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             fail(f"{name} must be a tensor, got {type(t).__name__}")
     for name, dtype in (("grad", E4M3), ("inputs", E4M3), ("grad_scales", torch.float32),
-                        ("inputs_scales", torch.float32), ("expert_offsets", torch.int32), ("out", torch.float32)):
+                        ("inputs_scales", torch.float32), ("expert_offsets", torch.int32), ("out", torch.float32),
+                        ("rounded", torch.bfloat16)):
         if name in tensors and tensors[name].dtype != dtype:
             fail(f"{name} must be {dtype}, got {tensors[name].dtype}")
     if grad.dim() != 2:
@@ -131,12 +153,15 @@ def check_fp8_expert_wgrad_args(
     if expert_offsets.dim() != 1 or expert_offsets.shape[0] < 2:
         fail(f"expert_offsets must be (E + 1,) with E >= 1, got {tuple(expert_offsets.shape)}")
     experts = expert_offsets.shape[0] - 1
-    if out is not None and tuple(out.shape) != (experts, m, n):
-        fail(f"out must be (E, m, n) = {(experts, m, n)}, got {tuple(out.shape)}")
+    for name in ("out", "rounded"):
+        if name in tensors and tuple(tensors[name].shape) != (experts, m, n):
+            fail(f"{name} must be (E, m, n) = {(experts, m, n)}, got {tuple(tensors[name].shape)}")
     if not isinstance(accumulate, bool):
         fail(f"accumulate must be a bool, got {type(accumulate).__name__}")
     if accumulate and out is None:
         fail("accumulate=True adds to out: out must be given")
+    if variant not in FP8_WGRAD_VARIANTS:
+        fail(f"variant must be one of {FP8_WGRAD_VARIANTS}, got {variant!r}")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
         fail(f"window_begin must be an int, got {type(window_begin).__name__}")
     if window_begin < 0 or window_begin % FP8_BLOCK:

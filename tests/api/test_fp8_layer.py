@@ -31,7 +31,7 @@ import gc
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe
+from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe, ops
 from megatron_mok.backends import stages_for
 from megatron_mok.limits import FP8_BLOCK
 from megatron_mok.quantization import Fp8Recipe
@@ -254,6 +254,34 @@ def test_weights_are_quantized_once_per_version():
     torch.testing.assert_close(second.scales, first.scales * 2, rtol=0, atol=0, msg="the copy must follow the change")
     transposed = fp8_weights.quantized_transposed(fc1)
     assert torch.equal(transposed.scales, second.scales.transpose(1, 2))
+
+
+def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(monkeypatch):
+    """kernels=True (the kernel backend): ops.fp8_quantize_weight makes the copies (here its reference,
+    on CPU), the same bits as the PyTorch maker's; the forward copy is cached apart from the reference's,
+    the transposed one is made per call and never cached (one FP8 copy per weight between passes)."""
+    calls = []
+
+    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
+        calls.append((forward_copy, transposed))
+        q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(weight, pow2)
+        return (q if forward_copy else None, scales if forward_copy else None,
+                q_t if transposed else None, scales_t if transposed else None)
+
+    monkeypatch.setattr(ops, "fp8_quantize_weight", quantize_weight)
+    fc1 = (torch.randn(2, 256, 384) / 10).to(torch.bfloat16)
+    made = fp8_weights.quantized(fc1, kernels=True)
+    assert fp8_weights.quantized(fc1, kernels=True) is made and calls == [(True, False)]
+    reference = fp8_weights.quantized(fc1)
+    assert reference is not made, "the reference keeps copies of its own"
+    assert torch.equal(made.values.view(torch.uint8), reference.values.view(torch.uint8))
+    assert torch.equal(made.scales, reference.scales)
+    first, second = fp8_weights.quantized_transposed(fc1, kernels=True), fp8_weights.quantized_transposed(fc1, kernels=True)
+    assert first is not second and calls == [(True, False), (False, True), (False, True)], "made per call, alone"
+    want = fp8_weights.quantized_transposed(fc1)
+    assert first.values.shape == (2, 384, 256)
+    assert torch.equal(first.values.view(torch.uint8), want.values.view(torch.uint8))
+    assert torch.equal(first.scales, want.scales)
 
 
 def test_an_in_place_weight_change_between_calls_is_seen():

@@ -92,13 +92,15 @@ def _zero_past_end(t, offsets):
     return t
 
 
-def _sim_fp8_expert_wgrad(grad, grad_scales, inputs, inputs_scales, expert_offsets, out=None, *, accumulate=False, window_begin=0):
+def _sim_fp8_expert_wgrad(grad, grad_scales, inputs, inputs_scales, expert_offsets, out=None, *, accumulate=False,
+                          window_begin=0, rounded=None, variant="default"):
     _meets_the_op_contract(fp8_wgrad.check_fp8_expert_wgrad_args, grad, grad_scales, inputs, inputs_scales, expert_offsets,
-                           out, accumulate, window_begin)
+                           out, accumulate, window_begin, rounded, variant)
     part = ops.fp8_expert_wgrad_reference(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin)
-    if out is None:
-        return part
-    return out.add_(part) if accumulate else out.copy_(part)
+    total = out + part if accumulate else part
+    if rounded is not None:
+        return rounded.copy_(total)
+    return part if out is None else out.copy_(total)
 
 
 def _meets_the_op_contract(check, *args) -> None:
@@ -123,8 +125,16 @@ def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False):
     return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2)
 
 
+def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_weight_args, weight, transposed, pow2, forward_copy)
+    q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(weight, pow2)
+    return (q if forward_copy else None, scales if forward_copy else None,
+            q_t if transposed else None, scales_t if transposed else None)
+
+
 SIMULATED = {
     "fp8_quantize_rows": _sim_fp8_quantize_rows,
+    "fp8_quantize_weight": _sim_fp8_quantize_weight,
     "fp8_quantize_columns": _sim_fp8_quantize_columns,
     "dispatch_rows": _sim_dispatch_rows,
     "pull_grad_rows": _sim_pull_grad_rows,
@@ -176,18 +186,6 @@ def test_kernel_fp8_options_equal_the_reference_backend(simulated_kernels, weigh
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=5)
     kernel_config, reference_config = _configs(weight_grad, pow2)
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "options")
-
-
-def test_fp8_weight_gradient_in_expert_groups_is_the_one_launch_result(simulated_kernels, monkeypatch):
-    """A launch per expert (the fp32 budget at its smallest) gives the bits of one launch over all."""
-    problem = make_problem(SHAPES["small"], "uniform", torch.bfloat16, seed=6)
-    kernel_config, _ = _configs()
-    want = run_layer(*problem, config=kernel_config)
-    launches = []
-    real = kernel_fp8.wgrad_experts_per_launch
-    monkeypatch.setattr(kernel_fp8, "wgrad_experts_per_launch", lambda m, n: launches.append(real(m, n)) or 1)
-    _assert_equal(run_layer(*problem, config=kernel_config), want, "one expert per launch")
-    assert launches, "the FP8 weight gradients did not run through kernel_fp8.weight_grad_window"
 
 
 @pytest.mark.parametrize("routing", ("uniform", "all_to_last_rank", "dropped"))

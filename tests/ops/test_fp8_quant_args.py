@@ -85,6 +85,8 @@ BAD_ARGS = {
                               dict(weight=torch.zeros(2, 256, 96, dtype=torch.bfloat16)),
                               r"K \(weight's columns\) must be a positive multiple of 128 .* got 96"),
     "weight_flag_str": ("fp8_quantize_weight", weight_args, dict(transposed="yes"), "transposed must be a bool"),
+    "weight_no_copy": ("fp8_quantize_weight", weight_args, dict(transposed=False, forward_copy=False),
+                       "forward_copy or transposed must be True"),
     "weight_not_contiguous": ("fp8_quantize_weight", weight_args,
                               dict(weight=torch.zeros(2, 384, 256, dtype=torch.bfloat16).transpose(1, 2)),
                               "weight must be contiguous"),
@@ -96,7 +98,8 @@ BAD_ARGS = {
 def test_bad_argument_is_a_value_error_naming_it(case):
     op, build, changes, words = BAD_ARGS[case]
     args = build(**changes)
-    flags = {name: args.pop(name) for name in ("source_scales", "gemm_a_scales", "pow2", "transposed") if name in args}
+    flags = {name: args.pop(name) for name in ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy")
+             if name in args}
     with pytest.raises(ValueError, match=f"{op}: {words}"):
         getattr(ops, op)(*args.values(), **flags)
 

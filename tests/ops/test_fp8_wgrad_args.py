@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_mok import ops
+from megatron_mok.ops import fp8_wgrad
 
 E4M3 = torch.float8_e4m3fn
 M, N, R, E = 256, 384, 512, 3
@@ -72,6 +73,10 @@ BAD_ARGS = {
     "out_not_contiguous": (dict(out=torch.zeros(E, N, M).transpose(1, 2)), "out must be contiguous"),
     "grad_scales_misaligned": (dict(grad_scales=torch.ones(R // 128 * M + 1)[1:].view(R // 128, M)),
                                "grad_scales must start 16-byte aligned"),
+    "rounded_fp32": (dict(rounded=torch.zeros(E, M, N)), "rounded must be torch.bfloat16"),
+    "rounded_wrong_shape": (dict(rounded=torch.zeros(E, N, M, dtype=torch.bfloat16)),
+                            r"rounded must be \(E, m, n\) = \(3, 256, 384\)"),
+    "variant_unknown": (dict(variant="pingpong"), r"variant must be one of \('default', 'overlap'\)"),
     "cpu_tensors": ({}, r"grad must be a CUDA tensor on grad's device"),
 }
 
@@ -148,18 +153,20 @@ HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not N
 
 @pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
 def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
-    """ptxas's verdict on the kernel (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py does): no
-    spill (the promoted sums, the block's partial and the stage's 34 scales fit the 168 registers a
-    thread has at 384 threads), and none of the silent losses test_extension.py lists for the BF16
-    kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized)."""
+    """ptxas's verdict on the kernel's two mainloops (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py
+    does): no spill (default: the promoted sums and the block's partial; overlap: the sums and two
+    partials, 3 x 64 registers, inside the consumers' setmaxnreg budget), and none of the silent losses
+    test_extension.py lists for the BF16 kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515
+    wgmma serialized)."""
     from cuda_checks import ptxas_report
 
     log, found = ptxas_report("fp8_wgrad_ops.cu", tmp_path)
     for warning in ("C7510", "C7507", "C7518", "C7515"):
         assert warning not in log, log
     kernels = [(name, spill) for name, spill in found if "Fp8ExpertWgradKernel" in name]
-    assert len(kernels) == 1, log[-4000:]
-    assert kernels[0][1] == 0, f"{kernels[0][1]} bytes spilled in {kernels[0][0]}"
+    assert len(kernels) == len(fp8_wgrad.FP8_WGRAD_VARIANTS), log[-4000:]
+    for name, spill in kernels:
+        assert spill == 0, f"{spill} bytes spilled in {name}"
 
 
 def test_the_column_wise_quantization_is_the_layout_the_kernel_takes():

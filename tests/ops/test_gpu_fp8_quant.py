@@ -329,6 +329,19 @@ def test_weight_without_the_transposed_copy():
     assert_scales_equal(scales, want_scales, "scales")
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_weight_transposed_copy_alone(pow2):
+    """forward_copy=False (the kernel backend's dgrad copy): q_t and scales_t as the full call's, no
+    forward copy returned."""
+    w = weight_values("gaussian", WEIGHT_SHAPES[next(iter(WEIGHT_SHAPES))], torch.bfloat16, seed=5)
+    poison_allocator()
+    q, scales, q_t, scales_t = ops.fp8_quantize_weight(w, pow2=pow2, forward_copy=False)
+    assert q is None and scales is None
+    want = ops.fp8_quantize_weight_reference(w, pow2=pow2)
+    assert_q_equal(q_t, want[2], "q_t")
+    assert_scales_equal(scales_t, want[3], "scales_t")
+
+
 # ---- every op: the reference's scale on this device, determinism, graphs, registration ------------
 
 def test_reference_scale_is_the_same_on_the_gpu_and_the_cpu():
@@ -351,7 +364,8 @@ def op_cases():
         ("rows", torch.ops.megatron_mok.fp8_quantize_rows.default, (x, None, True, True, False)),
         ("gathered_rows", torch.ops.megatron_mok.fp8_quantize_rows.default, (x, index, True, True, True)),
         ("columns", torch.ops.megatron_mok.fp8_quantize_columns.default, (x, offsets, False)),
-        ("weight", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False)),
+        ("weight", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, True)),
+        ("weight_transposed_only", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, False)),
     ]
 
 

@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from megatron_mok import ops, quantization
+from megatron_mok.ops.fp8_wgrad import FP8_WGRAD_VARIANTS
 from cuda_checks import NEEDS_HOPPER_KERNELS, TRAP_SCRIPT_TAIL, poison_allocator, run_until_trap
 
 pytestmark = NEEDS_HOPPER_KERNELS
@@ -215,24 +216,78 @@ def window_operands(case, window):
     ]
 
 
-def run_windows(windows, offsets, out):
+def run_windows(windows, offsets, out, variant="default", rounded=None):
+    """The windows in order into out (fp32), the last one rounded into `rounded` (bf16) if given."""
     for w, (begin, qg, sg, qx, sx) in enumerate(windows):
-        ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets, out, accumulate=w > 0, window_begin=begin)
+        last = rounded if w == len(windows) - 1 else None
+        ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets, out, accumulate=w > 0, window_begin=begin, rounded=last,
+                             variant=variant)
 
 
+@pytest.mark.parametrize("variant", FP8_WGRAD_VARIANTS)
 @pytest.mark.parametrize("window", [128, 256, 1024])
 @pytest.mark.parametrize("routing", list(WINDOW_ROUTINGS))
 @pytest.mark.parametrize("shape", list(WINDOW_SHAPES))
-def test_windows_accumulate_bitwise_equal_to_one_pass(shape, routing, window):
+def test_windows_accumulate_bitwise_equal_to_one_pass(shape, routing, window, variant):
     """Each window continues each expert's fp32 chain from where the previous one stored it in out, so
-    the windows' out equals one pass's bit for bit; out starts as NaN, so an element the first window
-    does not write shows too."""
+    the windows' out equals one pass's (the default mainloop's) bit for bit, in every mainloop; out
+    starts as NaN, so an element the first window does not write shows too. Run again with the last
+    window rounded into a bf16 result: the one pass's fp32 converted, bit for bit."""
     m, n = WINDOW_SHAPES[shape]
     case = make_case(WINDOW_ROUTINGS[routing], m, n, seed=zlib.crc32(f"{shape}{routing}".encode()) % 1000)
     want = ops.fp8_expert_wgrad(*operands(case))
+    windows = window_operands(case, window)
     out = torch.full_like(want, float("nan"))
-    run_windows(window_operands(case, window), case["offsets"], out)
+    run_windows(windows, case["offsets"], out, variant)
     assert torch.equal(out, want), f"{int((out != want).sum())} elements differ (NaN: {int(out.isnan().sum())})"
+    out.fill_(float("nan"))
+    rounded = torch.full(want.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    run_windows(windows, case["offsets"], out, variant, rounded)
+    assert_same_bits(rounded, want.bfloat16(), "the rounded last window")
+    assert ops.last_failure() is None
+
+
+def assert_same_bits(got, want, what):
+    same = got.view(torch.int16) == want.view(torch.int16)
+    assert bool(same.all()), f"{what}: {int((~same).sum())} of {same.numel()} elements differ"
+
+
+@pytest.mark.parametrize("variant", [v for v in FP8_WGRAD_VARIANTS if v != "default"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_variants_equal_the_default_bitwise(name, variant):
+    """Every mainloop computes the default's fma chain: the same fp32 bits for every case (empty experts,
+    one block, model shapes), fp32 out and bf16 rounded out."""
+    case = case_of(name)
+    want = ops.fp8_expert_wgrad(*operands(case))
+    got = ops.fp8_expert_wgrad(*operands(case), variant=variant)
+    assert torch.equal(got, want), f"{variant}: {int((got != want).sum())} elements differ"
+    rounded = torch.full(want.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    ops.fp8_expert_wgrad(*operands(case), rounded=rounded, variant=variant)
+    assert_same_bits(rounded, want.bfloat16(), f"{variant} rounded")
+
+
+@pytest.mark.parametrize("variant", FP8_WGRAD_VARIANTS)
+def test_rounded_out_with_accumulate_rounds_every_chain_and_leaves_out_alone(variant):
+    """rounded with accumulate: every expert's chain starts from out and ends rounded in rounded_out,
+    an expert without rows in the window too (its out rounded); out itself is only read; R = 0 rounds
+    out, or zeroes rounded_out without accumulate."""
+    case = make_case([300, 0, 129], 256, 384, seed=23)
+    qg, sg, qx, sx, offsets = operands(case)
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    prior = 1e3 * torch.randn(3, 256, 384, device="cuda", generator=gen)
+    out = prior.clone()
+    want = ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets, prior.clone(), accumulate=True, variant=variant)
+    rounded = torch.full(want.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets, out, accumulate=True, rounded=rounded, variant=variant)
+    assert torch.equal(out, prior), "out was written"
+    assert_same_bits(rounded, want.bfloat16(), "rounded with accumulate")
+    empty = (qg[:, :0].contiguous(), sg[:0], qx[:, :0].contiguous(), sx[:0], offsets)
+    rounded.fill_(float("nan"))
+    ops.fp8_expert_wgrad(*empty, out, accumulate=True, rounded=rounded, variant=variant)
+    assert_same_bits(rounded, prior.bfloat16(), "R = 0 with accumulate")
+    ops.fp8_expert_wgrad(*empty, rounded=rounded, variant=variant)
+    assert_same_bits(rounded, torch.zeros_like(rounded), "R = 0")
+    torch.cuda.synchronize()
     assert ops.last_failure() is None
 
 
@@ -274,11 +329,12 @@ def test_no_rows():
     assert ops.last_failure() is None
 
 
-def test_is_bitwise_deterministic():
+@pytest.mark.parametrize("variant", FP8_WGRAD_VARIANTS)
+def test_is_bitwise_deterministic(variant):
     case = case_of("deepseek_v3_dw2")
-    first = ops.fp8_expert_wgrad(*operands(case))
+    first = ops.fp8_expert_wgrad(*operands(case), variant=variant)
     for _ in range(2):
-        assert torch.equal(ops.fp8_expert_wgrad(*operands(case)), first)
+        assert torch.equal(ops.fp8_expert_wgrad(*operands(case), variant=variant), first)
 
 
 def test_cuda_graph_replay_equals_eager():
@@ -303,7 +359,7 @@ def test_cuda_graph_replay_equals_eager():
 
 
 def test_op_registration_fake_and_compile():
-    """The schema declares out as the one tensor written; the fake agrees with the kernel (opcheck's
+    """The schema declares out and rounded_out as the tensors written; the fake agrees with the kernel (opcheck's
     test_faketensor); the inputs' bytes stay as they were (opcheck's test_schema would check it by
     multiplying the inputs, which torch cannot on float8_e4m3fn: done by hand); torch.compile(fullgraph)
     runs the op and gives the eager result."""
@@ -311,9 +367,9 @@ def test_op_registration_fake_and_compile():
     qg, sg, qx, sx, offsets = operands(case)
     op = torch.ops.megatron_mok.fp8_expert_wgrad.default
     written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert written == {"out"}
+    assert written == {"out", "rounded_out"}
     out = torch.empty(len(case["offsets_host"]) - 1, qg.shape[0], qx.shape[0], device="cuda")
-    args = (qg, sg, qx, sx, offsets, 0, False, out)
+    args = (qg, sg, qx, sx, offsets, 0, False, out, None, 0)
     inputs = [qg, sg, qx, sx, offsets]
     before = [t.view(torch.uint8).clone() if t.dtype == E4M3 else t.clone() for t in inputs]
     torch.library.opcheck(op, args, test_utils=("test_faketensor",))
@@ -322,7 +378,7 @@ def test_op_registration_fake_and_compile():
     eager = ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets)
 
     def wgrad(qg, sg, qx, sx, offsets, out):
-        op(qg, sg, qx, sx, offsets, 0, False, out)
+        op(qg, sg, qx, sx, offsets, 0, False, out, None, 1)
         return out
 
     compiled = torch.compile(wgrad, fullgraph=True)
@@ -347,6 +403,7 @@ BAD = [
     ("out transposed", _changed(6, lambda out: out.transpose(1, 2).contiguous()), "out must be"),
     ("window_begin inside a block", _changed(5, lambda w: 64), "window_begin must be"),
     ("offsets int64", _changed(4, lambda o: o.long()), "expert_offsets must be int32"),
+    ("out bf16", _changed(6, lambda out: out.bfloat16()), "out must be float32"),
 ]
 
 
@@ -356,7 +413,7 @@ def test_kernel_checks_are_clear_errors(case, change, fragment):
     out = torch.zeros(2, 128, 256, device="cuda")
     qg, sg, qx, sx, offsets, window_begin, out = change([*operands(c), 0, out])
     with pytest.raises(RuntimeError, match=fragment):
-        torch.ops.megatron_mok.fp8_expert_wgrad(qg, sg, qx, sx, offsets, window_begin, False, out)
+        torch.ops.megatron_mok.fp8_expert_wgrad(qg, sg, qx, sx, offsets, window_begin, False, out, None, 0)
 
 
 # One window whose segment starts inside a 128-row block (offsets are read on the device only: the
