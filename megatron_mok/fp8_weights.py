@@ -24,13 +24,15 @@ Forward takes `quantized`, backward `quantized_transposed`; between them autogra
 changes of a saved weight, so both read one version. The reference caches the transposed copy beside
 the forward one (made from it on first use). The kernel maker does not: its transposed copy is made
 from the weight by the kernel when a dgrad asks for it and dies with that GEMM, so a layer holds one
-FP8 copy per weight (half the bf16 weight's bytes) between its passes, not two, and the FP8 layer's
-peak stays within the BF16 layer's (the kernel pass costs a read of the weight per backward). Inside a
-CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every replay.
+FP8 copy per weight (half the bf16 weight's bytes) between its passes, not two (the kernel pass costs
+a read of the weight per backward). A backward over several receive windows holds each transposed
+copy from its first dgrad to its end (transposed_copies_held), not one per window. Inside a CUDA-graph
+capture nothing is cached or read from the cache: the graph quantizes on every replay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Optional
@@ -39,6 +41,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_mok import ops
+from megatron_mok.ops.fp8_quant import kernel_ready
 from megatron_mok.quantization import quantize_weight, transpose_weight
 
 Tensor = torch.Tensor
@@ -62,6 +65,9 @@ class _Entry:
 # weight tensor -> {(pow2, kernels): _Entry}. Emulated ranks run their passes in threads: one lock.
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LOCK = threading.Lock()
+# The kernel maker's transposed copies held by transposed_copies_held in this thread (a backward's
+# windows): {(id(weight), pow2): QuantizedWeight}, or None outside such a block.
+_HELD = threading.local()
 _step_hook = None
 
 
@@ -72,7 +78,7 @@ def _stamp(weight: Tensor) -> tuple:
 def _quantize(weight: Tensor, pow2: bool, kernels: bool) -> QuantizedWeight:
     with torch.no_grad():
         if kernels:
-            q, scales, _, _ = ops.fp8_quantize_weight(weight.detach(), transposed=False, pow2=pow2)
+            q, scales, _, _ = ops.fp8_quantize_weight(kernel_ready(weight.detach()), transposed=False, pow2=pow2)
             return QuantizedWeight(q, scales)
         return QuantizedWeight(*quantize_weight(weight.detach(), pow2))
 
@@ -109,9 +115,16 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
     cached beside quantized's copy (kernels=False), or made afresh by the kernel (kernels=True, never
     held past the caller's use: see the module's docstring)."""
     if kernels:
+        held = getattr(_HELD, "copies", None)
+        key = (id(weight), pow2)
+        if held is not None and key in held:
+            return held[key]
         with torch.no_grad():
-            _, _, q_t, scales_t = ops.fp8_quantize_weight(weight.detach(), pow2=pow2, forward_copy=False)
-        return QuantizedWeight(q_t, scales_t)
+            _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()), pow2=pow2, forward_copy=False)
+        copy = QuantizedWeight(q_t, scales_t)
+        if held is not None:
+            held[key] = copy
+        return copy
     entry = _entry(weight, pow2, kernels)
     if entry is None:
         copy = quantized(weight, pow2)
@@ -120,6 +133,23 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
         if entry.transposed is None:
             entry.transposed = QuantizedWeight(*transpose_weight(entry.weight.values, entry.weight.scales))
         return entry.transposed
+
+
+@contextlib.contextmanager
+def transposed_copies_held(hold: bool):
+    """With hold, the kernel maker's transposed copies made inside the block (in this thread) are made
+    once and kept until it ends: a backward over several receive windows, whose every window's dgrads
+    read the same weights, quantizes each weight once instead of once per window (the weights' own
+    autograd versions cannot change inside a backward). Without hold nothing changes: one window keeps
+    a single transposed copy alive at a time."""
+    if not hold or getattr(_HELD, "copies", None) is not None:
+        yield
+        return
+    _HELD.copies = {}
+    try:
+        yield
+    finally:
+        _HELD.copies = None
 
 
 def clear() -> None:

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from megatron_mok import fp8_weights
 from megatron_mok.backends import resolve_backend, stages_for
 from megatron_mok.comm import Exchange, ProcessGroup, exchange_for, get_expert_parallel_group
 from megatron_mok.backends.weight_grads import accumulator_for
@@ -289,14 +290,16 @@ def backward(
         )
         for _ in range(2)
     )
-    for window in passes:
-        # (One call per window: its buffers are freed before the next window's are allocated.)
-        window_d_x = _backward_window(
-            stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
-            need_input_grads, need_weight_grads, grad_y.dtype,
-        )
-        if window.last:
-            d_x = window_d_x
+    # FP8 over several windows: each weight's transposed copy made once for all of them.
+    with fp8_weights.transposed_copies_held(fp8 is not None and len(passes) > 1):
+        for window in passes:
+            # (One call per window: its buffers are freed before the next window's are allocated.)
+            window_d_x = _backward_window(
+                stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
+                need_input_grads, need_weight_grads, grad_y.dtype,
+            )
+            if window.last:
+                d_x = window_d_x
     sources.release(exchange)
 
     return Grads(

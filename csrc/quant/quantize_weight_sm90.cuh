@@ -73,13 +73,13 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const F
   const float scale = fp8_block_scale(amax, p.pow2 != 0);
   const Fp8BlockQuantizer quantizer(scale);
 
-  uint8_t* q = p.q + block_offset;  // (unused when null: only the transposed copy)
+  uint8_t* q = p.q != nullptr ? p.q + block_offset : nullptr;  // null: only the transposed copy
 #pragma unroll
   for (int s = 0; s < kWeightRowsPerThread; ++s) {
     const int row = row_in_step + 16 * s;
     const uint2 bytes = make_uint2(quantizer.quad(v[s][0], v[s][1], v[s][2], v[s][3]),
                                    quantizer.quad(v[s][4], v[s][5], v[s][6], v[s][7]));
-    if (p.q != nullptr) reinterpret_cast<uint2*>(q + row * p.k)[piece] = bytes;
+    if (q != nullptr) reinterpret_cast<uint2*>(q + row * p.k)[piece] = bytes;
     if (p.q_t != nullptr) reinterpret_cast<uint2*>(transposed + row * (kFp8Block / 4))[piece] = bytes;
   }
   if (threadIdx.x == 0) {

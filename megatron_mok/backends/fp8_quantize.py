@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mok import ops, quantization
+from megatron_mok.ops.fp8_quant import kernel_ready
 from megatron_mok.quantization import QuantizedRows
 
 Tensor = torch.Tensor
@@ -21,7 +22,7 @@ Tensor = torch.Tensor
 def quantize_source_rows(x: Tensor, pow2: bool) -> QuantizedRows:
     """x (R, C) bf16 -> QuantizedRows (q (R, C) e4m3, scales (R, C/128) fp32, the source layout): what
     a rank publishes of x and dY (ops.fp8_quantize_rows with source scales only)."""
-    q, scales, _ = ops.fp8_quantize_rows(x.contiguous(), source_scales=True, gemm_a_scales=False, pow2=pow2)
+    q, scales, _ = ops.fp8_quantize_rows(kernel_ready(x), source_scales=True, gemm_a_scales=False, pow2=pow2)
     return QuantizedRows(q, scales)
 
 

@@ -67,6 +67,14 @@ def _padded_rows(rows: int) -> int:
     return -(-rows // FP8_BLOCK) * FP8_BLOCK
 
 
+def kernel_ready(t: Tensor) -> Tensor:
+    """t contiguous and starting 16-byte aligned, as the quantization kernels read their inputs (16-byte
+    loads): t itself when it already is, else a copy (a misaligned view, e.g. one that starts at an odd
+    element of its storage)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def fp8_quantize_rows(
     x: Tensor,
     row_index: Optional[Tensor] = None,

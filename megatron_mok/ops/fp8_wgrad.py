@@ -105,6 +105,16 @@ def fp8_expert_wgrad_reference(
     return quantization.fp8_segment_weight_grad(grad, grad_scales, inputs, inputs_scales, local)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of two tensors (each contiguous or not) share an address range."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
+
+
 def check_fp8_expert_wgrad_args(
     grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin, rounded=None,
     variant="default",
@@ -162,6 +172,8 @@ def check_fp8_expert_wgrad_args(
         fail("accumulate=True adds to out: out must be given")
     if variant not in FP8_WGRAD_VARIANTS:
         fail(f"variant must be one of {FP8_WGRAD_VARIANTS}, got {variant!r}")
+    if out is not None and rounded is not None and _overlap(out, rounded):
+        fail("out and rounded must not overlap in memory (out is read while rounded is written)")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
         fail(f"window_begin must be an int, got {type(window_begin).__name__}")
     if window_begin < 0 or window_begin % FP8_BLOCK:

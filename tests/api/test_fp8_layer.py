@@ -284,6 +284,35 @@ def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(mo
     assert torch.equal(first.scales, want.scales)
 
 
+def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
+    """transposed_copies_held(True) (functional's backward over several receive windows): the kernel
+    maker makes each weight's transposed copy once inside the block, per weight and pow2, and per call
+    again after it; transposed_copies_held(False) changes nothing."""
+    calls = []
+
+    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
+        calls.append(pow2)
+        q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(weight, pow2)
+        return (q if forward_copy else None, scales if forward_copy else None,
+                q_t if transposed else None, scales_t if transposed else None)
+
+    monkeypatch.setattr(ops, "fp8_quantize_weight", quantize_weight)
+    fc1, fc2 = (torch.randn(1, 128, 256) / 10).bfloat16(), (torch.randn(1, 256, 128) / 10).bfloat16()
+    with fp8_weights.transposed_copies_held(False):
+        fp8_weights.quantized_transposed(fc1, kernels=True)
+        fp8_weights.quantized_transposed(fc1, kernels=True)
+    assert len(calls) == 2
+    calls.clear()
+    with fp8_weights.transposed_copies_held(True):
+        first = fp8_weights.quantized_transposed(fc1, kernels=True)
+        for _ in range(3):  # three more windows
+            assert fp8_weights.quantized_transposed(fc1, kernels=True) is first
+            fp8_weights.quantized_transposed(fc2, kernels=True)
+        fp8_weights.quantized_transposed(fc1, pow2=True, kernels=True)
+    assert calls == [False, False, True], calls
+    assert fp8_weights.quantized_transposed(fc1, kernels=True) is not first, "nothing is held after the block"
+
+
 def test_an_in_place_weight_change_between_calls_is_seen():
     problem = make_problem(SHAPES["odd_t"], "uniform", torch.bfloat16, seed=12)
     x, ids, weights, fc1, fc2, grad = problem

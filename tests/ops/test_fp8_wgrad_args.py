@@ -181,3 +181,15 @@ def test_the_column_wise_quantization_is_the_layout_the_kernel_takes():
     args = wgrad_args(grad=qg, grad_scales=sg, inputs=qx, inputs_scales=sx)
     with pytest.raises(ValueError, match="must be a CUDA tensor|device"):
         ops.fp8_expert_wgrad(**args)
+
+
+def test_rounded_sharing_out_memory_is_a_value_error():
+    """With accumulate the kernel reads out while other CTAs write rounded: the two must not overlap."""
+    args = wgrad_args(accumulate=True)
+    out = args.pop("out")
+    rounded = out.view(torch.bfloat16)[..., :N]  # (E, M, N) bf16 over out's first bytes
+    with pytest.raises(ValueError, match="fp8_expert_wgrad: out and rounded must not overlap"):
+        ops.fp8_expert_wgrad(**args, out=out, rounded=rounded)
+    apart = torch.zeros(E, M, N, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):  # every check but the device's passes
+        ops.fp8_expert_wgrad(**args, out=out, rounded=apart)
