@@ -207,8 +207,10 @@ def weight_grad_window(grad_out: Tensor, inputs: Tensor, window, carried: Option
     operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
     rounded = grad_out.new_empty((num_experts, m, n)) if window.last else None
-    launch = dict(accumulate=window.index > 0, window_begin=window.begin, rounded=rounded, variant=FP8_WGRAD_VARIANT)
-    return ops.fp8_expert_wgrad(*operands, carried, **launch)
+    return ops.fp8_expert_wgrad(
+        *operands, carried, accumulate=window.index > 0, window_begin=window.begin, rounded=rounded,
+        variant=FP8_WGRAD_VARIANT,
+    )
 
 
 def _swiglu(gate_up: Tensor, offsets: Tensor) -> Tensor:

@@ -149,10 +149,15 @@ def fp8_quantize_weight(
             q_t if transposed else None, scales_t if transposed else None)
 
 
-def fp8_quantize_weight_reference(weight: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantization.quantize_weight and quantization.transpose_weight of it."""
+def fp8_quantize_weight_reference(
+    weight: Tensor, pow2: bool = False, *, transposed: bool = True, forward_copy: bool = True
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """quantization.quantize_weight and quantization.transpose_weight of it, each copy None where
+    fp8_quantize_weight's flags leave it out."""
     q, scales = quantization.quantize_weight(weight, pow2)
-    return (q, scales, *quantization.transpose_weight(q, scales))
+    q_t, scales_t = quantization.transpose_weight(q, scales)
+    return (q if forward_copy else None, scales if forward_copy else None,
+            q_t if transposed else None, scales_t if transposed else None)
 
 
 def _fail(op: str, message: str) -> None:

@@ -256,28 +256,34 @@ def test_weights_are_quantized_once_per_version():
     assert torch.equal(transposed.scales, second.scales.transpose(1, 2))
 
 
+def _record_weight_quantizations(monkeypatch) -> list:
+    """ops.fp8_quantize_weight replaced by its reference (the kernel maker on CPU); returns the list of
+    (pow2, forward_copy, transposed) of each call."""
+    calls = []
+
+    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
+        calls.append((pow2, forward_copy, transposed))
+        return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
+
+    monkeypatch.setattr(ops, "fp8_quantize_weight", quantize_weight)
+    return calls
+
+
 def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(monkeypatch):
     """kernels=True (the kernel backend): ops.fp8_quantize_weight makes the copies (here its reference,
     on CPU), the same bits as the PyTorch maker's; the forward copy is cached apart from the reference's,
     the transposed one is made per call and never cached (one FP8 copy per weight between passes)."""
-    calls = []
-
-    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
-        calls.append((forward_copy, transposed))
-        q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(weight, pow2)
-        return (q if forward_copy else None, scales if forward_copy else None,
-                q_t if transposed else None, scales_t if transposed else None)
-
-    monkeypatch.setattr(ops, "fp8_quantize_weight", quantize_weight)
+    calls = _record_weight_quantizations(monkeypatch)
     fc1 = (torch.randn(2, 256, 384) / 10).to(torch.bfloat16)
     made = fp8_weights.quantized(fc1, kernels=True)
-    assert fp8_weights.quantized(fc1, kernels=True) is made and calls == [(True, False)]
+    assert fp8_weights.quantized(fc1, kernels=True) is made and calls == [(False, True, False)]
     reference = fp8_weights.quantized(fc1)
     assert reference is not made, "the reference keeps copies of its own"
     assert torch.equal(made.values.view(torch.uint8), reference.values.view(torch.uint8))
     assert torch.equal(made.scales, reference.scales)
     first, second = fp8_weights.quantized_transposed(fc1, kernels=True), fp8_weights.quantized_transposed(fc1, kernels=True)
-    assert first is not second and calls == [(True, False), (False, True), (False, True)], "made per call, alone"
+    assert first is not second and calls == [(False, True, False), (False, False, True), (False, False, True)], \
+        "made per call, alone"
     want = fp8_weights.quantized_transposed(fc1)
     assert first.values.shape == (2, 384, 256)
     assert torch.equal(first.values.view(torch.uint8), want.values.view(torch.uint8))
@@ -288,15 +294,7 @@ def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
     """transposed_copies_held(True) (functional's backward over several receive windows): the kernel
     maker makes each weight's transposed copy once inside the block, per weight and pow2, and per call
     again after it; transposed_copies_held(False) changes nothing."""
-    calls = []
-
-    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
-        calls.append(pow2)
-        q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(weight, pow2)
-        return (q if forward_copy else None, scales if forward_copy else None,
-                q_t if transposed else None, scales_t if transposed else None)
-
-    monkeypatch.setattr(ops, "fp8_quantize_weight", quantize_weight)
+    calls = _record_weight_quantizations(monkeypatch)
     fc1, fc2 = (torch.randn(1, 128, 256) / 10).bfloat16(), (torch.randn(1, 256, 128) / 10).bfloat16()
     with fp8_weights.transposed_copies_held(False):
         fp8_weights.quantized_transposed(fc1, kernels=True)
@@ -309,7 +307,7 @@ def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
             assert fp8_weights.quantized_transposed(fc1, kernels=True) is first
             fp8_weights.quantized_transposed(fc2, kernels=True)
         fp8_weights.quantized_transposed(fc1, pow2=True, kernels=True)
-    assert calls == [False, False, True], calls
+    assert [pow2 for pow2, _, _ in calls] == [False, False, True], calls
     assert fp8_weights.quantized_transposed(fc1, kernels=True) is not first, "nothing is held after the block"
 
 

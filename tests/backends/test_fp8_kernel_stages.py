@@ -127,9 +127,7 @@ def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False):
 
 def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
     _meets_the_op_contract(fp8_quant.check_fp8_quantize_weight_args, weight, transposed, pow2, forward_copy)
-    q, scales, q_t, scales_t = ops.fp8_quantize_weight_reference(weight, pow2)
-    return (q if forward_copy else None, scales if forward_copy else None,
-            q_t if transposed else None, scales_t if transposed else None)
+    return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
 
 
 SIMULATED = {
