@@ -297,14 +297,17 @@ struct Fp8QuantizeRowsParams {
 // unused tail and the last block's padding need not be zero in memory. Every output element is
 // written.
 struct Fp8QuantizeColumnsParams {
-  const void* src;            // (num_rows, cols) bf16
+  const void* src;            // (num_src_rows, cols) bf16
+  const int64_t* row_index;   // (num_rows,) or null: the source row of each row, -1 for a zero row
   const int32_t* row_end;     // null, or the schedule's end row on the device (expert_offsets[E])
   uint8_t* q;                 // (cols, padded_rows) e4m3
   float* scales;              // (padded_rows / 128, cols) fp32
+  int64_t num_src_rows;
   int64_t num_rows;
   int64_t cols;               // a multiple of 128
   int64_t padded_rows;        // num_rows rounded up to 128
   int32_t pow2;
+  FailureRecord* failure_record;  // host-mapped; null: trap without a record (an index out of range)
 };
 
 // 128x128 blocks of a weight (quantization.quantize_weight), and with q_t its transposed copy

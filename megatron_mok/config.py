@@ -78,16 +78,20 @@ class MoKConfig:
             128x128 for the weights (quantized once per weight version, megatron_mok/fp8_weights.py),
             accumulation promoted to fp32 every 128 of K; router, combine and everything outside
             the routed experts' GEMMs stay in the activation dtype / fp32. Needs hidden and ffn_hidden
-            multiples of 128 (a ValueError naming the argument otherwise). The reference backend runs
-            it (on CPU too); the kernel backend's FP8 path is not verified on a GPU yet (backend="kernel"
-            is an error unless MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1, "auto" runs the reference). Over
-            the collective exchange ("auto" takes it); exchange="symmetric" moves the FP8 rows
-            through symmetric memory, not yet verified on a GPU: an error unless the same variable
-            is 1.
+            multiples of 128 (a ValueError naming the argument otherwise). The kernel backend runs it
+            on Hopper ("auto" picks it where it picks the BF16 kernels), the reference backend
+            anywhere (CPU too). Either exchange moves the FP8 rows and their scales (half the bytes
+            of bf16 rows); "auto" chooses as for bf16.
         fp8_weight_grad: with fp8_blockwise, the expert weight gradients in FP8 (both operands
             quantized 1x128 along tokens from the high-precision values); False: in the activation
             dtype, as with bf16.
         fp8_pow2_scales: with fp8_blockwise, every scale rounded up to a power of two.
+        fp8_cache_weights: with fp8_blockwise, each expert weight's forward FP8 copy (half the
+            weight's bf16 bytes) is kept from one forward to the next until the weight changes, so
+            the microbatches of one optimizer step quantize it once (True, the default); False
+            quantizes it in every forward and frees it after its GEMM: no FP8 copy is held between
+            passes, and the layer's peak memory stays at or below the BF16 layer's (docs/design.md
+            §12.4), for one weight quantization more per microbatch.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one
@@ -105,6 +109,7 @@ class MoKConfig:
     precision: Precision = "bf16"
     fp8_weight_grad: bool = True
     fp8_pow2_scales: bool = False
+    fp8_cache_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -128,7 +133,7 @@ class MoKConfig:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
-        for name in ("fp8_weight_grad", "fp8_pow2_scales"):
+        for name in ("fp8_weight_grad", "fp8_pow2_scales", "fp8_cache_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -136,4 +141,6 @@ class MoKConfig:
         """The FP8 recipe a call runs, None for bf16."""
         if self.precision != "fp8_blockwise":
             return None
-        return Fp8Recipe(pow2_scales=self.fp8_pow2_scales, weight_grad=self.fp8_weight_grad)
+        return Fp8Recipe(
+            pow2_scales=self.fp8_pow2_scales, weight_grad=self.fp8_weight_grad, cache_weights=self.fp8_cache_weights
+        )

@@ -17,9 +17,8 @@ Each emulated rank has its own tensors and buffers and its own CUDA stream. Two 
   (`timeout_s`): a rank that never arrives (or fails) is an error naming the waiting rank and the
   collective, never a hang. Not capturable (the rendezvous is on the host).
 
-With `MoKConfig(precision="fp8_blockwise")` the ranks run the collective form unless the config
-names `exchange="symmetric"` (FP8 rows through the ranks' FP8 regions, not yet verified on a GPU:
-megatron_mok/fp8_gate.py); "auto" keeps FP8 on the collective form.
+With `MoKConfig(precision="fp8_blockwise")` the symmetric form moves FP8 rows through the ranks'
+FP8 regions, the collective form gathers them; "auto" chooses as for bf16.
 
 Either way rank r's outputs and gradients are bitwise those of a real group's rank r. With the
 symmetric exchange every rank's y must take part in the backward (as on a real group, where every

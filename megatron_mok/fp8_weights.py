@@ -103,17 +103,22 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
     return entry
 
 
-def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False) -> QuantizedWeight:
+def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
     """weight (E, N, K) bf16/fp32, N and K multiples of 128 -> its 128x128 quantization (cached).
-    kernels: made by ops.fp8_quantize_weight (a CUDA weight; the kernel backend) instead of PyTorch."""
+    kernels: made by ops.fp8_quantize_weight (a CUDA weight; the kernel backend) instead of PyTorch.
+    cache=False (Fp8Recipe.cache_weights): quantized now and neither cached nor read from the cache,
+    so the copy lives only as long as the caller holds it."""
+    if not cache:
+        return _quantize(weight, pow2, kernels)
     entry = _entry(weight, pow2, kernels)
     return _quantize(weight, pow2, kernels) if entry is None else entry.weight
 
 
-def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = False) -> QuantizedWeight:
+def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
     """weight (E, N, K) -> the quantization of its transpose, (E, K, N) with (E, K/128, N/128) scales:
     cached beside quantized's copy (kernels=False), or made afresh by the kernel (kernels=True, never
-    held past the caller's use: see the module's docstring)."""
+    held past the caller's use: see the module's docstring). cache=False: as quantized's, nothing
+    cached (the reference makes it from a fresh forward copy)."""
     if kernels:
         held = getattr(_HELD, "copies", None)
         key = (id(weight), pow2)
@@ -125,9 +130,9 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
         if held is not None:
             held[key] = copy
         return copy
-    entry = _entry(weight, pow2, kernels)
+    entry = _entry(weight, pow2, kernels) if cache else None
     if entry is None:
-        copy = quantized(weight, pow2)
+        copy = quantized(weight, pow2, cache=False)
         return QuantizedWeight(*transpose_weight(copy.values, copy.scales))
     with _LOCK:
         if entry.transposed is None:

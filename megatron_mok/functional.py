@@ -385,7 +385,7 @@ def _backward_window(
             d_x = _return_grad_x(returned, ctx, stages, need_input_grads, dtype)
     if need_weight_grads:
         if rows is None:
-            rows = stages.dispatch_rows(sources.rows, window.schedule)
+            rows = (stages.weight_grad_rows or stages.dispatch_rows)(sources.rows, window.schedule)
         d_fc1.add(grad_gate_up, rows, window)
     return d_x
 

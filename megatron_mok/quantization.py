@@ -43,10 +43,13 @@ class Fp8Recipe:
 
     pow2_scales: every scale a power of two (block_scale's pow2).
     weight_grad: the weight gradients in FP8 (both operands 1x128 along tokens); False: in the
-        activation dtype, as without FP8."""
+        activation dtype, as without FP8.
+    cache_weights: each weight's forward FP8 copy kept until the weight changes
+        (fp8_weights.quantized); False: quantized in every forward and freed after its GEMM."""
 
     pow2_scales: bool = False
     weight_grad: bool = True
+    cache_weights: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,7 @@ the alltoall dispatcher (if megatron-core is installed) and mok, on the same inp
     python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR] [--fp8]
 
 --fp8 adds the FP8 blockwise rows: mok's kernel backend with MoKConfig(precision="fp8_blockwise")
-(the FP8 kernels' gate, MEGATRON_MOK_UNVERIFIED_FP8_KERNELS, is opened for this process, said on a
-line), and torchao's FP8 rowwise MoE op where torchao is installed (torch's grouped GEMM pipeline
+(with and without its weight cache, MoKConfig.fp8_cache_weights), and torchao's FP8 rowwise MoE op where torchao is installed (torch's grouped GEMM pipeline
 with each GEMM through torchao's dynamically quantizing FP8 rowwise grouped GEMM), each with its
 forward error beside the bf16 rows'.
 
@@ -103,16 +102,9 @@ def torchao_fp8_rowwise_pipeline():
     return run, None
 
 
-def open_fp8_gate() -> None:
-    """The FP8 kernels' gate (megatron_mok/fp8_gate.py) opened for this process, said on a line."""
-    from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV
-
-    if os.environ.get(UNVERIFIED_FP8_KERNELS_ENV) != "1":
-        os.environ[UNVERIFIED_FP8_KERNELS_ENV] = "1"
-        print(f"bench_layer --fp8: {UNVERIFIED_FP8_KERNELS_ENV}=1 for this process (the FP8 kernels' gate)", file=sys.stderr)
-
-
 FP8_KERNEL = MoKConfig(backend="kernel", precision="fp8_blockwise")
+# The same without the weight cache: every forward quantizes its weights, no FP8 copy held between passes.
+FP8_KERNEL_UNCACHED = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_weights=False)
 
 
 def mok_layer(config):
@@ -238,6 +230,7 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
     row = {"shape": name, "T": t, "H": h, "F": f, "E": e, "K": k}
     if fp8:
         methods["mok_kernel_fp8"] = mok_layer(FP8_KERNEL)
+        methods["mok_kernel_fp8_uncached"] = mok_layer(FP8_KERNEL_UNCACHED)
         torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
         if torchao_run is not None:
             methods["torchao_fp8_rowwise"] = torchao_run
@@ -297,8 +290,6 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--fp8", action="store_true", help="add mok's FP8 blockwise kernel layer and torchao's FP8 rowwise MoE op")
     args = parser.parse_args()
-    if args.fp8:
-        open_fp8_gate()
     try:
         from tqdm import tqdm
     except ImportError:
@@ -352,7 +343,7 @@ METHOD_LABELS = (
     "mok_kernel_sm90", "mok_kernel",
 )
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
-FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8")
+FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached")
 
 
 def _print_queued(results):

@@ -58,6 +58,11 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # Warp stall reasons, tensor-pipe activity and time of the FP8 GEMM's variants beside torch's
         # FP8 rowwise grouped GEMM (fc1, DeepSeek-V3 EP 8 shape); stalls.csv stays in \$OUT.
         fp8_profile) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertGemm|cutlass' --launch-skip 4 --launch-count 4 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection fc1 > \$OUT/stalls.csv && python3 scripts/ncu_stalls.py \$OUT/stalls.csv" ;;
+        # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss
+        # criterion of scripts/throughput.py) beside both baselines (FP8_DISPATCHERS overrides the list,
+        # e.g. mok,mok_fp8,mok_fp8_reference: the kernels against the recipe on the reference backend);
+        # the run's budget is the step's bound.
+        fp8_throughput) echo 420 "env CONFIGS=proxy_1gpu DISPATCHERS=\${FP8_DISPATCHERS:-alltoall_grouped,mok,mok_fp8,alltoall} bash scripts/device_throughput.sh --budget \$((bound - 10))" ;;
         *) echo 0 "unknown" ;;
     esac
 }

@@ -16,9 +16,9 @@
 # leaves its logged iterations in the table). Knobs (environment): ITERS (default 20 for
 # proxy_1gpu, 12 for the Qwen3 proxy, whose alltoall run takes ~3 s an iteration); CONFIGS
 # ("proxy_1gpu proxy_qwen3_30b_1gpu"); DISPATCHERS (alltoall_grouped,mok,alltoall: the first is
-# the loss reference; mok_fp8 adds mok with FP8 experts, which on the kernel backend needs
-# MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1 until its GPU tests pass); PROFILE=1 (one more step per run under torch.profiler: MoE layers vs the
-# rest); REBUILD=1 (build even if megatron_mok/_C*.so exists); SKIP_BUILD=1; RUN_TIMEOUT (seconds
+# the loss reference; mok_fp8 adds mok with FP8 experts, mok_fp8_reference the same recipe on the
+# reference backend, ~11 s an iteration); PROFILE=1 (one more step per run under torch.profiler:
+# MoE layers vs the rest); REBUILD=1 (build even if megatron_mok/_C*.so exists); SKIP_BUILD=1; RUN_TIMEOUT (seconds
 # per training run at most, 180); MOK_BACKEND (kernel: a missing extension fails instead of timing
 # the reference). A CPU smoke test: SKIP_BUILD=1 MOK_BACKEND=reference CONFIGS=tiny ITERS=3.
 #

@@ -6,8 +6,8 @@ between kernels, e.g. waiting for the CPU to launch them).
         [--precision fp8_blockwise]
 
 Each step's kernels are also summed by stage (STAGES: the quantization kernels of the FP8 recipe in
-a stage of their own, so their share of the layer shows), each with its share of the kernels' time.
---precision fp8_blockwise opens the FP8 kernels' gate for this process (said on a line).
+a stage of their own, so their share of the layer shows), each with its share of the kernels' time;
+with FP8, each quantization launch of one step is listed on its own with its share.
 """
 
 from __future__ import annotations
@@ -95,10 +95,6 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="also the host's Python time per function for one step")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
     args = parser.parse_args()
-    if args.precision != "bf16":
-        from bench_layer import open_fp8_gate
-
-        open_fp8_gate()
     config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm, precision=args.precision)
     for name in args.shapes.split(","):
         s = make_inputs(SHAPES[name], seed=0)
@@ -131,6 +127,15 @@ def main() -> None:
         print(f"  {'us/step':>9} {'calls':>5}  kernel")
         for kernel, calls, us in rows:
             print(f"  {us:9.1f} {calls:5d}  {kernel[:110]}")
+        if args.precision != "bf16":
+            # Each quantization launch of one step on its own (the recipe's bound: none above 5% of
+            # the layer's kernels), in launch order.
+            launches = [(us, kernel) for _, us, kernel in kernel_timeline(step) if stage_of(kernel) == "quantize (FP8)"]
+            print(f"  each quantization launch of one step, in launch order ({len(launches)}; share of the kernels' {busy_ms:.3f} ms):")
+            for us, kernel in launches:
+                print(f"  {us:9.1f} {100 * us / (busy_ms * 1e3):5.1f}%  {kernel[:100]}")
+            if launches:
+                print(f"  largest: {100 * max(us for us, _ in launches) / (busy_ms * 1e3):.1f}% of the step's kernels")
         if args.cprofile:
             import cProfile
             import pstats

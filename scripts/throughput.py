@@ -10,9 +10,9 @@ torchrun), so memory peaks don't mix; flags after `--` go to every run. A dispat
 dispatcher with `--mok-grouped-mm-experts`, i.e. its experts on torch's grouped GEMM
 (GroupedMMExperts, what TEGroupedMLP computes, without Transformer Engine) instead of
 SequentialMLP's loop over experts. `mok_fp8` is mok with the routed experts in FP8 blockwise
-(`--mok-precision fp8_blockwise`, no Transformer Engine needed); `--dispatchers mok,mok_fp8` sets it
-against BF16 mok's loss curve from the same seed. (On the kernel backend the FP8 stages are gated
-until their GPU tests pass: README, "FP8 blockwise".)
+(`--mok-precision fp8_blockwise`, no Transformer Engine needed) and `mok_fp8_reference` the same on
+the reference backend (the recipe in PyTorch); each is also held against its twins that ran
+(LOSS_TWINS: mok_fp8 against BF16 mok and against mok_fp8_reference), in a table of its own.
 
 The table gives, after `--warmup` iterations: the median time per iteration (Megatron's own
 `interval-time`), tokens/s/GPU, TFLOP/s/GPU (Megatron's count, `--log-throughput`), the peak memory
@@ -56,6 +56,14 @@ _TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 GIB = 1024**3
 GROUPED_SUFFIX = "_grouped"  # NAME_grouped: Megatron's NAME dispatcher with GroupedMMExperts
 MOK_FP8 = "mok_fp8"  # mok with the routed experts in FP8 blockwise
+# mok_fp8 on the reference backend (the recipe computed in PyTorch: the oracle, slow) whatever `--`
+# says: kernel FP8 against it separates "the kernels compute the recipe" from "the recipe costs loss".
+MOK_FP8_REFERENCE = "mok_fp8_reference"
+# The runs a dispatcher's loss curve is also held against, beside the first dispatcher's: its twins
+# in the other precision or backend, where they ran. mok_fp8 against mok is the FP8 criterion of the
+# recipe (docs/design.md §12); against mok_fp8_reference it is the kernels' (same recipe: the
+# curves differ only by fp32 summation order, as BF16 mok's differs from the baselines').
+LOSS_TWINS = {MOK_FP8: ("mok", MOK_FP8_REFERENCE), MOK_FP8_REFERENCE: ("mok",)}
 # "Same curve": the first EARLY_ITERATIONS lm losses within EARLY_RTOL relative of the first
 # dispatcher's, and the mean of the last min(TAIL_ITERATIONS, n) within TAIL_RTOL relative.
 # Up to iteration 4 both runs compute the same function of (nearly) the same weights, so only
@@ -408,6 +416,8 @@ def dispatcher_flags(dispatcher: str) -> list[str]:
     """The pretrain flags of a dispatcher name (module docstring)."""
     if dispatcher == MOK_FP8:
         return ["--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise"]
+    if dispatcher == MOK_FP8_REFERENCE:  # after the `--` flags: the last --mok-backend wins
+        return [*dispatcher_flags(MOK_FP8), "--mok-backend", "reference"]
     if dispatcher.endswith(GROUPED_SUFFIX):
         return ["--moe-token-dispatcher-type", dispatcher[: -len(GROUPED_SUFFIX)], "--mok-grouped-mm-experts"]
     return ["--moe-token-dispatcher-type", dispatcher]
@@ -415,7 +425,7 @@ def dispatcher_flags(dispatcher: str) -> list[str]:
 
 def is_mok(dispatcher: str) -> bool:
     """mok in either precision: never a default baseline."""
-    return dispatcher in ("mok", MOK_FP8)
+    return dispatcher in ("mok", MOK_FP8, MOK_FP8_REFERENCE)
 
 
 def run_one(dispatcher: str, options, run_dir: Path, port: int, index: int, count: int) -> int:
@@ -603,6 +613,21 @@ def format_tables(report: dict) -> str:
             *(_fmt(speedups.get(b), ".2f", "-") + ("x" if b in speedups else "") for b in baselines),
             *_loss_cells(run, reference),
         ))
+    twinned = [(run, twin, cmp) for run in runs for twin, cmp in run.get("loss_vs_twins", {}).items()]
+    if twinned:
+        lines += ["", "lm loss against each run's twins (LOSS_TWINS; the same criterion)", "",
+                  _row("dispatcher", "against", f"it. 1-{EARLY_ITERATIONS}: max rel. diff", "worst it.",
+                       f"last {TAIL_ITERATIONS}: mean rel. diff", "same curve"),
+                  _row("---", "---", "---:", "---:", "---:", "---")]
+        for run, twin, cmp in twinned:
+            if cmp.get("same_curve") is None:
+                lines.append(_row(run["dispatcher"], twin, "-", "-", "-", "-"))
+                continue
+            early = cmp["early_iterations"]
+            worst = max(early, key=lambda i: cmp["rel_diff"][str(i)]) if early else "-"
+            verdict = "yes" if cmp["same_curve"] else "NO"
+            lines.append(_row(run["dispatcher"], twin, _fmt(cmp["early_max_rel_diff"], ".2e"), str(worst),
+                              _fmt(cmp["tail_mean_rel_diff"], ".2e"), verdict))
     profiled = [run for run in runs if "profile" in run]
     if profiled:
         clock = profiled[0]["profile"]["clock"]
@@ -718,6 +743,9 @@ def add_comparisons(runs: list[dict], baselines: list[str]) -> None:
         if "median_ms" in run:
             run["speedup"] = {b: by_name[b]["median_ms"] / run["median_ms"] for b in baselines if "median_ms" in by_name[b]}
         run["loss_vs_reference"] = compare_losses(losses(run), reference)
+        twins = [t for t in LOSS_TWINS.get(run["dispatcher"], ()) if t in by_name and t != runs[0]["dispatcher"]]
+        if twins:
+            run["loss_vs_twins"] = {t: compare_losses(losses(run), losses(by_name[t])) for t in twins}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -109,10 +109,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_rows(const at::Tenso
 
 // (q (C, R_pad) e4m3, scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: x (R, C) bf16
 // quantized 1x128 along R; rows at or past expert_offsets[-1] (when given) and past R as zeros.
+// With row_index (R,) int64, x is (num_src_rows, C) and row r is x[row_index[r]] (zeros for -1).
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
-                                                        const std::optional<at::Tensor>& expert_offsets, bool pow2) {
+                                                        const std::optional<at::Tensor>& expert_offsets, bool pow2,
+                                                        const std::optional<at::Tensor>& row_index) {
   constexpr const char* kOp = "fp8_quantize_columns: ";
   check_bf16_rows(kOp, x);
+  if (row_index.has_value()) {
+    const at::Tensor& index = *row_index;
+    TORCH_CHECK(index.is_cuda() && index.is_contiguous() && index.device() == x.device() &&
+                    index.scalar_type() == at::kLong && index.dim() == 1,
+                kOp, "row_index must be a contiguous 1-D int64 CUDA tensor on x's device");
+  }
   if (expert_offsets.has_value()) {
     const at::Tensor& offsets = *expert_offsets;
     TORCH_CHECK(offsets.is_cuda() && offsets.is_contiguous() && offsets.device() == x.device() &&
@@ -120,23 +128,31 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
                 kOp, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on x's device");
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t rows = row_index.has_value() ? row_index->numel() : x.size(0), cols = x.size(1);
   const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
   auto q = at::empty({cols, padded_rows}, x.options().dtype(at::kFloat8_e4m3fn));
   auto scales = at::empty({padded_rows / kFp8Block, cols}, x.options().dtype(at::kFloat));
   if (rows == 0) return {q, scales};
   const int64_t tiles = (padded_rows / kColumnsTileRows) * (cols / kColumnsTileCols);
   TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 tiles of 128 x 128");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Fp8QuantizeColumnsParams p{};
   p.src = x.data_ptr();
+  p.row_index = row_index.has_value() ? row_index->data_ptr<int64_t>() : nullptr;
   p.row_end = expert_offsets.has_value() ? expert_offsets->data_ptr<int32_t>() + (expert_offsets->numel() - 1) : nullptr;
   p.q = e4m3_ptr(q);
   p.scales = scales.data_ptr<float>();
+  p.num_src_rows = x.size(0);
   p.num_rows = rows;
   p.cols = cols;
   p.padded_rows = padded_rows;
   p.pow2 = pow2 ? 1 : 0;
-  quantize_columns_kernel<<<int(tiles), kColumnsThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  p.failure_record = row_index.has_value() ? failure_record(stream) : nullptr;
+  if (row_index.has_value()) {
+    quantize_columns_kernel<true><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
+  } else {
+    quantize_columns_kernel<false><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scales};
 }
@@ -194,7 +210,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_quantize_rows(Tensor x, Tensor? row_index, bool source_scales, bool gemm_a_scales, bool pow2) "
       "-> (Tensor, Tensor, Tensor)");
-  m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2) -> (Tensor, Tensor)");
+  m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2, Tensor? row_index=None) -> (Tensor, Tensor)");
   m.def(
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
       "(Tensor, Tensor, Tensor, Tensor)");

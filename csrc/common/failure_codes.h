@@ -92,7 +92,7 @@ constexpr int exchange_wait(int phase, int kind) { return phase * kNumSignalKind
 
 inline constexpr const char* kFailingKernelNames[] = {"expert_gemm", "expert_wgrad", "schedule", "exchange",
                                                        "fp8_expert_gemm", "fp8_expert_wgrad",
-                                                       "fp8_quantize_rows"};
+                                                       "fp8_quantize_rows/fp8_quantize_columns"};
 
 inline constexpr FailureName kFailureNames[] = {
     {kExpertGemmKernel, kWaitFreeStage, "expert GEMM producer waiting for a free pipeline stage (empty barrier)"},
@@ -127,7 +127,7 @@ inline constexpr FailureName kFailureNames[] = {
      "FP8 expert weight gradient: an expert's rows start inside a 128-row block of the window "
      "(offsets[e] % 128 != 0 for a segment with rows at or past window_begin)"},
     {kFp8QuantizeKernel, kCheckRowIndex,
-     "FP8 row-wise quantization: row_index holds a row outside [-1, the number of source rows)"},
+     "FP8 quantization (row-wise or column-wise): row_index holds a row outside [-1, the number of source rows)"},
 };
 
 }  // namespace mok

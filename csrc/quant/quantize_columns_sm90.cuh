@@ -1,10 +1,13 @@
 // FP8 1x128 quantization along the rows (tokens) of bf16 rows, transposed
 // (mok_params.h Fp8QuantizeColumnsParams): quantization.quantize_columnwise bit for bit, the
 // operands of the FP8 weight gradients (tokens contiguous: K-major for a GEMM reducing over tokens).
+// Optionally gathered (kGather): row r is src[row_index[r]], a zero row for -1, so a weight
+// gradient's operand is quantized straight from the token rows, with no gathered bf16 copy.
 //
 // One CTA per tile of 128 rows x 128 columns, in three steps:
 //   load      the tile's 128 rows of 256 bytes into shared memory, 16-byte loads (a half-warp per
-//             row), zeros for rows at or past the end (min(num_rows, *row_end)), not read;
+//             row), zeros for rows at or past the end (min(num_rows, *row_end)), not read (nor
+//             their row_index entries);
 //   amax      thread (pair p, part g) walks rows 32g .. 32g + 31 of columns 2p, 2p + 1; the four
 //             parts of a pair are lanes of one quad: two shuffles give each column's amax;
 //   quantize  each thread quantizes its 32 rows of both columns (read again from shared memory)
@@ -19,8 +22,10 @@
 
 #include <cstdint>
 
+#include "common/failure_codes.h"
 #include "common/fp8_block_math.cuh"
 #include "common/limits.h"
+#include "common/watchdog_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
@@ -34,6 +39,13 @@ static_assert(kColumnsThreads == (kColumnsTileCols / 2) * 4, "a thread per colum
 
 __device__ __forceinline__ int columns_swizzle(int row) { return 8 * ((row / kColumnsRowsPerPart) % 4); }
 
+// A row index outside [-1, num_src_rows): record it, then trap (as the row kernel does).
+__device__ __noinline__ void fail_columns_row_index_check(const Fp8QuantizeColumnsParams& p) {
+  record_failure(p.failure_record, kFp8QuantizeKernel, kCheckRowIndex, -1, -1);
+  asm volatile("trap;");
+}
+
+template <bool kGather>
 __global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(const Fp8QuantizeColumnsParams p) {
   __shared__ uint4 tile[kColumnsTileRows * kColumnsRowWords / 4];
   auto* words = reinterpret_cast<uint32_t*>(tile);
@@ -52,7 +64,14 @@ __global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(co
   for (int s = 0; s < kPieces; ++s) {
     const int i = threadIdx.x + s * kColumnsThreads, row = i / 16, piece = i % 16;
     raw[s] = make_uint4(0, 0, 0, 0);
-    if (row0 + row < end) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + (row0 + row) * p.cols + col0) + piece);
+    if (row0 + row >= end) continue;
+    int64_t src_row = row0 + row;
+    if constexpr (kGather) {
+      src_row = __ldg(p.row_index + src_row);
+      if (src_row < -1 || src_row >= p.num_src_rows) fail_columns_row_index_check(p);
+      if (src_row < 0) continue;
+    }
+    raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_row * p.cols + col0) + piece);
   }
 #pragma unroll
   for (int s = 0; s < kPieces; ++s) {

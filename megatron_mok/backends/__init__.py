@@ -2,11 +2,10 @@
 reference_fp8.py), the CUDA kernels (kernel.py; FP8 blockwise in kernel_fp8.py) with their tuning
 table (tuning.py), and here the choice of which one runs a call.
 
-The kernel backend needs MoKConfig.precision "bf16" (or "fp8_blockwise" where the environment sets
-MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1: that path is not verified on a GPU yet, and "auto" never
-picks it), CUDA tensors on a Hopper GPU (the extension is
-built for sm_90a), the extension loaded, bf16 activations, and hidden and ffn sizes
-that are multiples of 8 (16-byte rows for the grouped GEMM). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
+The kernel backend (either MoKConfig.precision: "bf16", or "fp8_blockwise" through kernel_fp8.py)
+needs CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the extension loaded, bf16
+activations, and hidden and ffn sizes that are multiples of 8 (16-byte rows for the grouped GEMM;
+FP8 needs multiples of 128, a ValueError of the input checks before any backend is chosen). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
 reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
 Any expert-parallel size: the stages are per rank, and what crosses ranks is the exchange's
 (comm/exchange.py), the same for both backends.
@@ -26,14 +25,8 @@ _warned: set[str] = set()
 
 
 def kernel_unsupported_reason(x: torch.Tensor, fc1: torch.Tensor, precision: str = "bf16") -> Optional[str]:
-    """None if the kernel backend can run this call (precision: MoKConfig.precision), else why not."""
-    if precision != "bf16":
-        # Named first, wherever the call runs: never a bf16 run in its place.
-        from megatron_mok.backends.kernel_fp8 import fp8_gate_reason
-
-        reason = fp8_gate_reason(precision)
-        if reason is not None:
-            return reason
+    """None if the kernel backend can run this call (precision: MoKConfig.precision, either of
+    config.PRECISIONS), else why not."""
     if not x.is_cuda:
         return f"x is on {x.device}, the kernel needs CUDA tensors"
     from megatron_mok.ops import extension_error
@@ -59,9 +52,6 @@ def resolve_backend(backend: str, x: torch.Tensor, fc1: torch.Tensor, precision:
     if backend == "reference":
         return "reference"
     reason = kernel_unsupported_reason(x, fc1, precision)
-    if backend == "auto" and precision != "bf16" and reason is None:
-        # (Only where the environment unlocks the FP8 kernels: "auto" picks the verified path.)
-        reason = f"MoKConfig.backend='auto' runs the reference recipe for MoKConfig.precision={precision!r} (the FP8 kernel path is not verified on a GPU yet)"
     if reason is None:
         return "kernel"
     if backend == "kernel":
@@ -88,11 +78,8 @@ def stages_for(backend: str, expert_gemm: str = "auto", fp8: Optional[Fp8Recipe]
         from megatron_mok.backends.kernel import KERNEL_STAGES
 
         if fp8 is not None:
-            from megatron_mok.backends.kernel_fp8 import fp8_gate_reason, kernel_fp8_stages
+            from megatron_mok.backends.kernel_fp8 import kernel_fp8_stages
 
-            reason = fp8_gate_reason("fp8_blockwise")
-            if reason is not None:
-                raise ValueError(reason)
             return kernel_fp8_stages(fp8, expert_gemm)
         if expert_gemm not in KERNEL_STAGES:
             raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(KERNEL_STAGES)}")

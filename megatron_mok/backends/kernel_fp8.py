@@ -23,7 +23,8 @@ dtype is bf16 (the kernel backend's). Per stage:
     dgrad_rows         d gate_up quantized 1x128 along 2F -> ops.fp8_expert_gemm with fc1 transposed
                        (E, H, 2F) -> d rows bf16 (pushed back as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
-                       bf16 values -> ops.fp8_expert_wgrad, the fp32 sums rounded once into the bf16
+                       bf16 values (fc1's rows straight from the source x, never gathered into a
+                       (capacity, H) copy: RowsToGather) -> ops.fp8_expert_wgrad, the fp32 sums rounded once into the bf16
                        result in the kernel; over several receive windows one fp32 (E, m, n) carried
                        from window to window (bitwise one pass), the last window rounding it; or the
                        BF16 kernel's weight gradients
@@ -31,10 +32,6 @@ dtype is bf16 (the kernel backend's). Per stage:
 A padding row's scale is 0 here where the reference writes 1: its E4M3 bytes are zero, so every
 product it enters is 0 either way. Rows at or past the schedule's end are left unwritten, as the
 BF16 kernel stages leave them; no stage reads them (the column-wise quantization zeroes them).
-
-Gate: the FP8 kernel path is not verified on a GPU yet. backend="kernel" with fp8_blockwise is a
-ValueError naming the setting unless the environment sets MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1;
-backend="auto" runs the reference recipe for FP8 whatever the environment.
 """
 
 from __future__ import annotations
@@ -58,22 +55,10 @@ from megatron_mok.backends.tuning import (
     FP8_WGRAD_VARIANT,
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
-from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV, fp8_kernels_unlocked
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
 from megatron_mok.schedule import Schedule
 
 Tensor = torch.Tensor
-
-def fp8_gate_reason(precision: str) -> Optional[str]:
-    """None if backend="kernel" may run MoKConfig.precision `precision` (not bf16), else why not."""
-    if precision == "fp8_blockwise" and fp8_kernels_unlocked():
-        return None
-    return (
-        f"MoKConfig.precision={precision!r}: the kernel backend's FP8 path is not verified on a GPU yet; "
-        f"{precision} runs on the reference backend (MoKConfig.backend='reference' or 'auto'), or on the "
-        f"kernels with the environment variable {UNVERIFIED_FP8_KERNELS_ENV}=1"
-    )
-
 
 @dataclasses.dataclass(frozen=True)
 class GemmOperand:
@@ -142,7 +127,7 @@ def dispatch_gate_up(
     them before the down projection runs. ring_minibatches (the BF16 dispatching GEMM's) does not apply."""
     rows = dispatch_rows(source, schedule)
     offsets = schedule.expert_offsets
-    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True)
+    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     rows_scales = gemm_a_layout(rows.scales)
     if not recipe.pow2_scales:
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
@@ -157,7 +142,7 @@ def dispatch_gate_up(
 
 def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """act (capacity, F) FP8 -> (capacity, H) bf16."""
-    return _gemm(act.values, act.scales, fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True), offsets)
+    return _gemm(act.values, act.scales, fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights), offsets)
 
 
 def pull_route_grads(source: GradSource, schedule: Schedule):
@@ -192,9 +177,39 @@ def dgrad_rows(grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor, *, recipe: Fp
     return _gemm(values, scales, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, kernels=True), offsets)
 
 
-def weight_grad_window(grad_out: Tensor, inputs: Tensor, window, carried: Optional[Tensor], *, recipe: Fp8Recipe) -> Tensor:
-    """grad_out (W, m), inputs (W, n) bf16: a receive window's rows (receive.Window) -> both quantized
-    1x128 along the rows, their FP8 weight gradients added to `carried`. Returns what the next window
+@dataclasses.dataclass(frozen=True)
+class RowsToGather:
+    """A window's dispatched rows not gathered: row r is source[row_index[r]], a zero row for -1 (the
+    dispatch kernel's rows, bit for bit). The fc1 weight gradient quantizes them column-wise straight
+    from the source (ops.fp8_quantize_columns row_index), so no (capacity, H) bf16 copy is made."""
+
+    source: Tensor  # (R * T, H) bf16: the exchange's stacked rows
+    row_index: Tensor  # (capacity,) int64
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.row_index.shape[0], self.source.shape[1])
+
+
+def weight_grad_rows(source: RowSource, schedule: Schedule):
+    """The fc1 weight gradient's rows: RowsToGather from a bf16 source in one tensor; over peer
+    mappings (a symmetric region) or from FP8 rows, dispatch_rows' gathered rows."""
+    if source.peer_ptrs is not None or _fp8_source(source) is not None:
+        return dispatch_rows(source, schedule)
+    route = schedule.slot_to_route
+    return RowsToGather(source.tensor, torch.where(route >= 0, route // schedule.topk, route))
+
+
+def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    if isinstance(rows, RowsToGather):
+        return quantize_columns(rows.source, offsets, pow2, row_index=rows.row_index)
+    return quantize_columns(rows, offsets, pow2)
+
+
+def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[Tensor], *, recipe: Fp8Recipe) -> Tensor:
+    """grad_out (W, m) bf16, inputs (W, n) bf16 or RowsToGather: a receive window's rows
+    (receive.Window) -> both quantized 1x128 along the rows, their FP8 weight gradients added to
+    `carried`. Returns what the next window
     carries: (E, m, n) fp32 after a window that is not the last, (E, m, n) bf16 after the last.
 
     One window (every pass over the collective exchange): one launch writing the bf16 gradient
@@ -203,7 +218,7 @@ def weight_grad_window(grad_out: Tensor, inputs: Tensor, window, carried: Option
     (accumulate), the last one rounding it into the bf16 result, bitwise one pass over every row."""
     offsets = window.schedule.expert_offsets
     grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
-    values, value_scales = quantize_columns(inputs, offsets, recipe.pow2_scales)
+    values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)
     operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
     rounded = grad_out.new_empty((num_experts, m, n)) if window.last else None
@@ -249,5 +264,6 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         pull_route_grads=pull_route_grads,
         route_weight_grads=bf16.route_weight_grads,
         quantize_rows=quantize_source_rows,
+        weight_grad_rows=weight_grad_rows if recipe.weight_grad else None,
         **weight_grads,
     )

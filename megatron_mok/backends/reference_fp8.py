@@ -79,14 +79,14 @@ def dispatch_gate_up(source, schedule: Schedule, fc1: Tensor, ring_minibatches: 
     ring_minibatches (the kernel's bound) does not apply."""
     rows = dispatch_rows(source, schedule)
     offsets = schedule.expert_offsets
-    gate_up = _matmul(rows, fp8_weights.quantized(fc1, recipe.pow2_scales), offsets, fc1.dtype)
+    gate_up = _matmul(rows, fp8_weights.quantized(fc1, recipe.pow2_scales, cache=recipe.cache_weights), offsets, fc1.dtype)
     act = reference.swiglu(gate_up, offsets)
     return rows, gate_up, QuantizedRows.quantize(act, recipe.pow2_scales)
 
 
 def expert_down(act: QuantizedRows, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """act (capacity, F) FP8 -> (capacity, H) in fc2's dtype."""
-    return _matmul(act, fp8_weights.quantized(fc2, recipe.pow2_scales), offsets, fc2.dtype)
+    return _matmul(act, fp8_weights.quantized(fc2, recipe.pow2_scales, cache=recipe.cache_weights), offsets, fc2.dtype)
 
 
 def pull_route_grads(source, schedule: Schedule):
@@ -102,14 +102,14 @@ def pull_route_grads(source, schedule: Schedule):
 
 def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F) in gate_up's dtype."""
-    grad_act = _matmul(grad_out, fp8_weights.quantized_transposed(fc2, recipe.pow2_scales), offsets, gate_up.dtype)
+    grad_act = _matmul(grad_out, fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, cache=recipe.cache_weights), offsets, gate_up.dtype)
     return reference.swiglu_backward(gate_up, grad_act, offsets)
 
 
 def dgrad_rows(grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """d gate_up (capacity, 2F) -> d rows (capacity, H) in its dtype, through its 1x128 quantization."""
     grad = QuantizedRows.quantize(grad_gate_up, recipe.pow2_scales)
-    return _matmul(grad, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales), offsets, grad_gate_up.dtype)
+    return _matmul(grad, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, cache=recipe.cache_weights), offsets, grad_gate_up.dtype)
 
 
 def _columnwise(t: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:

@@ -159,3 +159,7 @@ class Stages:
     # FP8: the quantization of what a rank publishes (the reference's PyTorch unless a backend has a
     # kernel for it).
     quantize_rows: QuantizeRows = QuantizedRows.quantize
+    # The rows the fc1 weight gradient reads (its `inputs`), from the exchange's source: None is
+    # dispatch_rows. A backend whose weight_grad_window quantizes straight from the source (the FP8
+    # kernel backend) gives what to gather instead of the gathered (capacity, H) rows.
+    weight_grad_rows: Optional[DispatchRows] = None

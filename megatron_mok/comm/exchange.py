@@ -20,9 +20,7 @@ FP8 blockwise (docs/design.md §12): a source may be published as QuantizedRows 
 1x128 along H where they are produced); the collective exchange then gathers the E4M3 rows and their
 scales, half the bytes of bf16 rows, and the stages read them as published. The symmetric exchange
 holds them in regions of their own (FP8 bytes and scales, comm/symmetric.py FP8_REGIONS), which the
-pull kernels read in place; "auto" keeps FP8 calls on the collective exchange until that path has
-run on a GPU, and "symmetric" runs it only where the environment opens the FP8 kernels' gate
-(megatron_mok/fp8_gate.py).
+pull kernels read in place; "auto" chooses between the two as for bf16 rows.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import torch
 
 from megatron_mok import ops
 from megatron_mok.comm.group import ExpertParallelGroup
-from megatron_mok.fp8_gate import fp8_kernels_gate_reason
 from megatron_mok.quantization import E4M3, QuantizedRows
 from megatron_mok.schedule import Schedule
 
@@ -241,18 +238,12 @@ def exchange_for(group: ExpertParallelGroup, kind: str = "auto", precision: str 
     """The exchange a call runs over `group` (kind: MoKConfig.exchange, precision:
     MoKConfig.precision): through symmetric memory (comm/symmetric_exchange.py) when asked for, or
     with "auto" wherever the group offers it (emulated ranks; a process group whose ranks can share
-    symmetric memory, comm/placement.py) and the rows are bf16, else the collective one. The choice
+    symmetric memory, comm/placement.py), else the collective one, whichever the precision (FP8 rows
+    move through regions of their own). The choice
     depends only on the group (what every rank reported) and the config, so every rank of a group
     decides alike; a process group of CUDA ranks says once which it took and why (`exchange_notes`)."""
     if kind == "collective" or group.num_ranks == 1 and kind == "auto":
         return CollectiveExchange(group)
-    if precision != "bf16":
-        if kind == "auto":
-            _note_once(group, f"the collective exchange (MoKConfig.exchange='auto'): MoKConfig.precision={precision!r} moves FP8 rows, which the in-kernel exchange has not yet moved on a GPU")
-            return CollectiveExchange(group)
-        reason = fp8_kernels_gate_reason("MoKConfig.exchange='symmetric' with MoKConfig.precision=" + repr(precision))
-        if reason is not None:
-            raise ValueError(reason)
     pool, reason = group.symmetric_pool()
     if pool is None:
         if kind == "symmetric":

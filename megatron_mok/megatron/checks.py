@@ -17,7 +17,6 @@ from typing import Optional
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV, fp8_kernels_unlocked
 from megatron_mok.limits import FP8_BLOCK
 
 FP8_FLAGS = "--fp8-format e4m3 --fp8-recipe blockwise"
@@ -101,12 +100,6 @@ def _unsupported(config: TransformerConfig) -> list[str]:
                 size is not None and size % FP8_BLOCK != 0,
                 f"{name} {size} must be a multiple of {FP8_BLOCK} for the experts' FP8 blockwise recipe",
             )
-        flag(
-            getattr(parsed_args(), "mok_backend", None) == "kernel" and not fp8_kernels_unlocked(),
-            "--mok-backend kernel with the experts' fp8_blockwise is gated until it has run end to end on a GPU: "
-            f"it runs where the environment sets {UNVERIFIED_FP8_KERNELS_ENV}=1; otherwise the experts' FP8 "
-            "runs on the reference backend (--mok-backend reference or auto)",
-        )
     flag(
         getattr(config, "activation_func_clamp_value", None) is not None,
         "--activation-func-clamp-value is not supported with mok",

@@ -56,7 +56,8 @@ def _note_precision(config: TransformerConfig, precision: str) -> None:
 
 def mok_config_for(config: TransformerConfig) -> MoKConfig:
     """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`,
-    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches`, `--mok-exchange` and the precision
+    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches`, `--mok-exchange`,
+    `--mok-no-fp8-weight-cache` and the precision
     (checks.expert_precision: `--mok-precision`, or Megatron's --fp8-format e4m3 --fp8-recipe
     blockwise), else default."""
     explicit = getattr(config, "mok_config", None)
@@ -76,6 +77,8 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
         value = getattr(args, flag, None) if args is not None else None
         if value is not None:
             fields[field] = value
+    if args is not None and getattr(args, "mok_no_fp8_weight_cache", False):
+        fields["fp8_cache_weights"] = False
     return MoKConfig(**fields)
 
 

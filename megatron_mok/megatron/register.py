@@ -3,7 +3,8 @@
 - widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
   parser takes the choices of --moe-token-dispatcher-type;
 - adds MoK's own flags (--mok-backend, --mok-expert-gemm, --mok-dispatch-ring-minibatches,
-  --mok-exchange, --mok-precision, --mok-grouped-mm-experts) to every Megatron argument parser;
+  --mok-exchange, --mok-precision, --mok-no-fp8-weight-cache, --mok-grouped-mm-experts) to every
+  Megatron argument parser;
 - checks mok's unsupported combinations when a TransformerConfig is built;
 - makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok (with
   --mok-grouped-mm-experts, MoELayer with GroupedMMExperts).
@@ -77,6 +78,14 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "sizes multiples of 128). Default: fp8_blockwise under --fp8-format e4m3 --fp8-recipe blockwise "
         "(Transformer Engine runs the dense layers), else bf16. --mok-precision fp8_blockwise without "
         "--fp8-format runs the experts alone in FP8 (no Transformer Engine needed).",
+    )
+    group.add_argument(
+        "--mok-no-fp8-weight-cache",
+        action="store_true",
+        help="With FP8 experts: quantize each expert weight in every forward and free the FP8 copy after "
+        "its GEMM, instead of keeping it until the optimizer step (MoKConfig.fp8_cache_weights=False): "
+        "no FP8 weight copy held between passes (half the experts' bf16 weight bytes per MoE layer), "
+        "for one weight quantization more per microbatch.",
     )
     group.add_argument(
         "--mok-grouped-mm-experts",

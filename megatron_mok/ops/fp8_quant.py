@@ -11,8 +11,8 @@ two (quantization.block_scale).
                           (quantization.quantize_rowwise, gemm_a_scales)
     fp8_quantize_columns  x (R, C) bf16 -> q (C, R_pad) e4m3, 1x128 along R (tokens), scales
                           (R_pad/128, C), R_pad = R rounded up to 128; rows at or past
-                          expert_offsets[-1] and the padding quantize as zeros
-                          (quantization.quantize_columnwise)
+                          expert_offsets[-1] and the padding quantize as zeros; optionally
+                          gathered as fp8_quantize_rows (quantization.quantize_columnwise)
     fp8_quantize_weight   weight (E, N, K) bf16 or fp32 -> q (E, N, K) e4m3, scales (E, N/128, K/128),
                           and its transposed copy q_t (E, K, N), scales_t (E, K/128, N/128)
                           (quantization.quantize_weight, transpose_weight)
@@ -46,8 +46,8 @@ def _fp8_quantize_rows_fake(x, row_index, source_scales, gemm_a_scales, pow2):
 
 
 @register_fake("fp8_quantize_columns")
-def _fp8_quantize_columns_fake(x, expert_offsets, pow2):
-    padded = _padded_rows(x.shape[0])
+def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None):
+    padded = _padded_rows(x.shape[0] if row_index is None else row_index.shape[0])
     return x.new_empty((x.shape[1], padded), dtype=E4M3), x.new_empty((padded // FP8_BLOCK, x.shape[1]), dtype=torch.float32)
 
 
@@ -111,7 +111,7 @@ def fp8_quantize_rows_reference(
 
 
 def fp8_quantize_columns(
-    x: Tensor, expert_offsets: Optional[Tensor] = None, *, pow2: bool = False
+    x: Tensor, expert_offsets: Optional[Tensor] = None, *, pow2: bool = False, row_index: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor]:
     """x (R, C) bf16, 1x128 blocks along R (tokens) -> (q (C, R_pad) e4m3, the matrix transposed;
     scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: the weight gradients' operands.
@@ -119,17 +119,26 @@ def fp8_quantize_columns(
     Rows at or past expert_offsets[-1] ((E + 1,) int32, the schedule's end row, read on the device)
     and the padding rows [R, R_pad) quantize as zeros, whatever their memory holds. Each 128-row
     block is one expert's when segments start at multiples of 128 (the FP8 schedule's
-    segment_alignment). Ref: fp8_quantize_columns_reference."""
-    check_fp8_quantize_columns_args(x, expert_offsets, pow2)
-    return torch.ops.megatron_mok.fp8_quantize_columns(x, expert_offsets, pow2)
+    segment_alignment).
+
+    row_index (R,) int64: x is (R_src, C) and row r is x[row_index[r]], a zero row for -1 (an index
+    outside [-1, R_src) traps with a failure record), so the rows are never gathered into memory;
+    entries at or past expert_offsets[-1] are not read. Ref: fp8_quantize_columns_reference."""
+    check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index)
+    return torch.ops.megatron_mok.fp8_quantize_columns(x, expert_offsets, pow2, row_index)
 
 
 def fp8_quantize_columns_reference(
-    x: Tensor, expert_offsets: Optional[Tensor] = None, pow2: bool = False
+    x: Tensor, expert_offsets: Optional[Tensor] = None, pow2: bool = False, row_index: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor]:
-    """fp8_quantize_columns through quantization.quantize_columnwise of x zero-padded to R_pad rows,
-    rows at or past expert_offsets[-1] zeroed. Reads the offsets on the host: tests and references
-    only."""
+    """fp8_quantize_columns through quantization.quantize_columnwise of x (gathered by row_index)
+    zero-padded to R_pad rows, rows at or past expert_offsets[-1] zeroed. Reads the offsets on the
+    host: tests and references only."""
+    if row_index is not None:
+        gathered = x.new_zeros((row_index.shape[0], x.shape[1]))
+        taken = row_index >= 0
+        gathered[taken] = x[row_index[taken]]
+        x = gathered
     end = x.shape[0] if expert_offsets is None else min(x.shape[0], int(expert_offsets[-1]))
     padded = x.new_zeros((_padded_rows(x.shape[0]), x.shape[1]))
     padded[:end] = x[:end]
@@ -169,13 +178,18 @@ def _check_flag(op: str, name: str, value) -> None:
         _fail(op, f"{name} must be a bool, got {value!r}")
 
 
+def _check_tensor(op: str, name: str, t, dtype: torch.dtype, dim: int, shape: str, optional: bool = False) -> None:
+    """t a tensor of dtype with dim dimensions (shape: how the message writes them)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a tensor{' or None' if optional else ''}, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(op, f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != dim:
+        _fail(op, f"{name} must be {shape}, got {tuple(t.shape)}")
+
+
 def _check_bf16_rows(op: str, x) -> None:
-    if not isinstance(x, torch.Tensor):
-        _fail(op, f"x must be a tensor, got {type(x).__name__}")
-    if x.dtype != torch.bfloat16:
-        _fail(op, f"x must be torch.bfloat16, got {x.dtype}")
-    if x.dim() != 2:
-        _fail(op, f"x must be (R, C), got {tuple(x.shape)}")
+    _check_tensor(op, "x", x, torch.bfloat16, 2, "(R, C)")
     if x.shape[1] <= 0 or x.shape[1] % FP8_BLOCK:
         _fail(op, f"x's columns (C) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {x.shape[1]}")
 
@@ -193,6 +207,10 @@ def _check_placement(op: str, tensors: dict) -> None:
             _fail(op, f"{name} must be a CUDA tensor on {first_name}'s device ({first.device}), got {t.device}")
 
 
+def _check_row_index(op: str, row_index) -> None:
+    _check_tensor(op, "row_index", row_index, torch.int64, 1, "(R,)", optional=True)
+
+
 def check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow2) -> None:
     """ValueErrors naming the argument, before any kernel runs: types, dtypes, shapes and the
     multiple of 128 first, then contiguity, alignment and devices (all but the device checkable
@@ -201,12 +219,7 @@ def check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow
     _check_bf16_rows(op, x)
     tensors = {"x": x}
     if row_index is not None:
-        if not isinstance(row_index, torch.Tensor):
-            _fail(op, f"row_index must be a tensor or None, got {type(row_index).__name__}")
-        if row_index.dtype != torch.int64:
-            _fail(op, f"row_index must be torch.int64, got {row_index.dtype}")
-        if row_index.dim() != 1:
-            _fail(op, f"row_index must be (R,), got {tuple(row_index.shape)}")
+        _check_row_index(op, row_index)
         tensors["row_index"] = row_index
     for name, value in (("source_scales", source_scales), ("gemm_a_scales", gemm_a_scales), ("pow2", pow2)):
         _check_flag(op, name, value)
@@ -215,11 +228,14 @@ def check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow
     _check_placement(op, tensors)
 
 
-def check_fp8_quantize_columns_args(x, expert_offsets, pow2) -> None:
+def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None) -> None:
     """As check_fp8_quantize_rows_args, for fp8_quantize_columns."""
     op = "fp8_quantize_columns"
     _check_bf16_rows(op, x)
     tensors = {"x": x}
+    if row_index is not None:
+        _check_row_index(op, row_index)
+        tensors["row_index"] = row_index
     if expert_offsets is not None:
         if not isinstance(expert_offsets, torch.Tensor):
             _fail(op, f"expert_offsets must be a tensor or None, got {type(expert_offsets).__name__}")

@@ -1,4 +1,4 @@
-"""The kernel backend's FP8 blockwise stages (backends/kernel_fp8.py) on CPU: the gate, and the path's
+"""The kernel backend's FP8 blockwise stages (backends/kernel_fp8.py) on CPU: the path's
 logic with every op replaced by its reference (tests' `_sim_*` below, over the `*_reference` functions
 of megatron_mok.ops and backends/reference.py), against the reference backend's FP8 layer.
 
@@ -30,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 from test_emulation import assert_bitwise, make_problem as make_ranks_problem, run_concatenated, run_emulated  # noqa: E402
 from test_fp8_layer import ROUTINGS, SHAPES, make_problem, run_layer  # noqa: E402
-
-ENV = kernel_fp8.UNVERIFIED_FP8_KERNELS_ENV
 
 
 def _end(offsets: torch.Tensor) -> int:
@@ -120,9 +118,12 @@ def _sim_fp8_quantize_rows(x, row_index=None, *, source_scales=True, gemm_a_scal
     return q, scales if source_scales else None, gemm_a if gemm_a_scales else None
 
 
-def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False):
-    _meets_the_op_contract(fp8_quant.check_fp8_quantize_columns_args, x, expert_offsets, pow2)
-    return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2)
+def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False, row_index=None):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_columns_args, x, expert_offsets, pow2, row_index)
+    if row_index is not None:  # only entries before the schedule's end are read (and must be in range)
+        end = row_index.shape[0] if expert_offsets is None else int(expert_offsets[-1])
+        assert bool(((row_index[:end] >= -1) & (row_index[:end] < x.shape[0])).all()), "row_index out of range"
+    return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2, row_index)
 
 
 def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
@@ -150,8 +151,7 @@ SIMULATED = {
 
 @pytest.fixture
 def simulated_kernels(monkeypatch):
-    """The kernel backend on CPU: the FP8 gate open, every op its reference, the backend forced."""
-    monkeypatch.setenv(ENV, "1")
+    """The kernel backend on CPU: every op its reference, the backend forced."""
     for name, sim in SIMULATED.items():
         monkeypatch.setattr(ops, name, sim)
     monkeypatch.setattr(functional, "resolve_backend", lambda backend, x, fc1, precision="bf16": backend)
@@ -195,29 +195,12 @@ def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(simulated_kernels, routing)
     assert_bitwise(got, run_concatenated(problem, config), f"fp8 kernel stages r2/{routing}")
 
 
-GATE = r"MoKConfig.precision='fp8_blockwise': the kernel backend's FP8 path is not verified on a GPU yet; .*MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1"
-
-
-@pytest.mark.parametrize("value", [None, "0", "yes"], ids=["unset", "zero", "not_one"])
-def test_the_gate_is_a_value_error_naming_the_setting(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, value)
-    x, ids, weights, fc1, fc2, _ = make_problem(SHAPES["odd_t"], "uniform", torch.bfloat16)
-    with pytest.raises(ValueError, match=r"MoKConfig.backend='kernel' cannot run this call: " + GATE):
-        mok_moe(x, ids, weights, fc1, fc2, config=MoKConfig(backend="kernel", precision="fp8_blockwise"))
-    with pytest.raises(ValueError, match=GATE):
-        stages_for("kernel", "auto", Fp8Recipe())
-
-
-def test_the_open_gate_gives_the_fp8_kernel_table_and_auto_keeps_the_reference(monkeypatch):
-    monkeypatch.setenv(ENV, "1")
+def test_the_fp8_kernel_table_and_the_backend_choice():
     table = stages_for("kernel", "auto", Fp8Recipe())
     assert table.weight_grad_family == "fp8_kernel" and table.weight_grad_window is not None
     assert stages_for("kernel", "sm90", Fp8Recipe(weight_grad=False)).weight_grad_family == "sm90"
     x, ids, weights, fc1, fc2, _ = make_problem(SHAPES["odd_t"], "uniform", torch.bfloat16)
-    assert resolve_backend("auto", x, fc1, "fp8_blockwise") == "reference"
-    # (On CPU the open gate still needs CUDA tensors: named as for bf16.)
+    assert resolve_backend("auto", x, fc1, "fp8_blockwise") == "reference"  # (CPU tensors)
+    # (On CPU the kernels need CUDA tensors: named as for bf16.)
     with pytest.raises(ValueError, match="the kernel needs CUDA tensors"):
         resolve_backend("kernel", x, fc1, "fp8_blockwise")

@@ -1,7 +1,6 @@
 """The kernel backend's FP8 blockwise layer (backends/kernel_fp8.py) on a Hopper GPU, against the
 reference backend's FP8 layer on the same inputs and against float64 of the unquantized inputs
-(skipped elsewhere; run on the device). The environment's gate is opened per test
-(MEGATRON_MOK_UNVERIFIED_FP8_KERNELS=1).
+(skipped elsewhere; run on the device).
 
 Tolerances (SQNR = 20·log10(‖want‖ / ‖want − got‖), tests/oracle.py sqnr_db):
 - Against the reference backend's FP8, same inputs: both quantize the same x, dY and weights with the
@@ -45,7 +44,6 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig
-from megatron_mok.backends.kernel_fp8 import UNVERIFIED_FP8_KERNELS_ENV
 from megatron_mok.emulation import EmulatedGroup
 from cuda_checks import NEEDS_HOPPER_KERNELS, assert_bitwise_reproducible_without_host_sync, assert_mok_moe_graph_replays_eager
 from oracle import Shape, moe_float64_with_grads, route_outputs_float64, sqnr_db
@@ -72,11 +70,6 @@ NAMES = ("y", "dx", "dtopk_weights", "dfc1", "dfc2")
 REFERENCE_BAR_DB = 35.0
 ROW_BAR_DB = 25.0
 FLOAT64_SLACK_DB = 0.5
-
-
-@pytest.fixture(autouse=True)
-def unlocked(monkeypatch):
-    monkeypatch.setenv(UNVERIFIED_FP8_KERNELS_ENV, "1")
 
 
 def _dot_scale(inputs) -> float:
@@ -166,7 +159,8 @@ def test_kernel_fp8_cuda_graph_replay():
 def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(routing):
     num_ranks, t, h, f, e, k = 2, 100, 256, 128, 2, 4
     problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16, zlib.crc32(f"fp8k/{routing}".encode()))
-    got = run_emulated(EmulatedGroup(num_ranks, "cuda"), problem, e, KERNEL_FP8)
+    # Over the collective exchange (the symmetric one, which "auto" takes on this group: below).
+    got = run_emulated(EmulatedGroup(num_ranks, "cuda", exchange="collective"), problem, e, KERNEL_FP8)
     torch.cuda.synchronize()
     assert_bitwise(got, run_concatenated(problem, KERNEL_FP8), f"fp8 kernel r2/{routing}")
 
@@ -204,3 +198,20 @@ def test_fp8_over_the_symmetric_exchange_equals_ep1_bitwise(routing, num_ranks, 
         collective = EmulatedGroup(num_ranks, "cuda", exchange="collective")
         want = run_emulated(collective, problem, e, dataclasses.replace(config, exchange="auto"))
     assert_bitwise(got, want, f"fp8 symmetric {config_name} r{num_ranks}/{routing}")
+
+
+def test_auto_runs_the_fp8_kernels():
+    """backend="auto" with FP8 on Hopper is the kernel backend (bitwise), as for bf16, not the
+    reference recipe."""
+    from megatron_mok import mok_moe
+
+    x, ids, weights, fc1, fc2, grad = make_inputs(Shape(64, 256, 128, 4, 2), "uniform", seed=21)
+    results = {}
+    for backend in ("auto", "kernel", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
+        y = mok_moe(leaves[0], ids, *leaves[1:], config=MoKConfig(backend=backend, precision="fp8_blockwise"))
+        y.backward(grad)
+        results[backend] = [y.detach()] + [leaf.grad for leaf in leaves]
+    for name, a, b in zip(NAMES, results["auto"], results["kernel"]):
+        assert torch.equal(a, b), f"auto's {name} is not the kernel backend's"
+    assert not all(torch.equal(a, b) for a, b in zip(results["auto"], results["reference"])), "auto ran the reference"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, backends, mok_moe
+from megatron_mok import MoKConfig, mok_moe
 from megatron_mok.emulation import EmulatedGroup
 from cuda_checks import assert_bitwise_reproducible_without_host_sync, assert_mok_moe_graph_replays_eager
 from fp8_emulation import fp8_layer
@@ -69,22 +69,13 @@ def test_cuda_fp8_graph_capture_and_replay():
     assert_mok_moe_graph_replays_eager(FP8, *_inputs(seed=2))
 
 
-def test_auto_runs_the_fp8_reference_and_kernel_refuses(monkeypatch):
-    monkeypatch.setattr(backends, "_warned", set())  # (the warning is once per reason and process)
-    monkeypatch.delenv("MEGATRON_MOK_UNVERIFIED_FP8_KERNELS", raising=False)
-    inputs = _inputs(t=64, seed=3)
-    want = _fwd_bwd(*inputs)
-    with pytest.warns(UserWarning, match="the kernel backend's FP8 path is not verified on a GPU yet"):
-        got = _fwd_bwd(*inputs, config=MoKConfig(precision="fp8_blockwise"))
-    assert torch.equal(got[0], want[0])
-    with pytest.raises(ValueError, match="fp8_blockwise runs on the reference backend"):
-        _fwd_bwd(*inputs, config=MoKConfig(backend="kernel", precision="fp8_blockwise"))
-
-
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_emulated_fp8_equals_ep1_bitwise_on_cuda(routing):
     num_ranks, t, h, f, e, k = 4, 100, 256, 128, 2, 4
     problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16, zlib.crc32(f"fp8/{routing}".encode()))
-    got = run_emulated(EmulatedGroup(num_ranks, "cuda"), problem, e, FP8)
+    # Over the collective exchange: the reference's torch reductions pick their cuBLAS kernels by the
+    # number of rows, so over the symmetric exchange (a rank's T rows) it is held to the collective
+    # one instead (tests/backends/test_gpu_fp8_kernel.py).
+    got = run_emulated(EmulatedGroup(num_ranks, "cuda", exchange="collective"), problem, e, FP8)
     torch.cuda.synchronize()
     assert_bitwise(got, run_concatenated(problem, FP8), f"fp8 cuda {routing}")

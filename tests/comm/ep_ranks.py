@@ -44,6 +44,9 @@ CONFIGS = {
     "sm90_ring3_windows": MoKConfig(
         backend="kernel", exchange="symmetric", expert_gemm="sm90", dispatch_ring_minibatches=3, receive_capacity_factor=0.25
     ),
+    # FP8 rows and scales through the processes' regions (H and F are multiples of 128 at every shape).
+    "fp8": MoKConfig(backend="kernel", exchange="symmetric", precision="fp8_blockwise"),
+    "fp8_windows": MoKConfig(backend="kernel", exchange="symmetric", precision="fp8_blockwise", receive_capacity_factor=0.25),
 }
 TIMED_STEPS = 5
 
@@ -102,6 +105,7 @@ def layer_checks(rank: int, num_ranks: int, mode: str) -> dict:
     from megatron_mok.comm import exchange_for, get_expert_parallel_group
     from megatron_mok.comm.exchange import exchange_notes
     from megatron_mok.comm.symmetric_exchange import SymmetricExchange
+    from megatron_mok.functional import segment_alignment_for
     from megatron_mok.receive import receive_plan
 
     device = start_rank(rank, mode)
@@ -110,6 +114,7 @@ def layer_checks(rank: int, num_ranks: int, mode: str) -> dict:
     # `auto` over a group whose ranks can share symmetric memory takes the in-kernel exchange, on
     # every rank alike, and says so once.
     assert isinstance(exchange_for(ep_group, "auto"), SymmetricExchange), "auto did not pick the in-kernel exchange"
+    assert isinstance(exchange_for(ep_group, "auto", "fp8_blockwise"), SymmetricExchange), "auto did not pick it for FP8"
     memory = ep_group.symmetric_memory()
     assert memory.kind == expected_memory(mode), memory
     assert any("in-kernel exchange" in note for note in exchange_notes), exchange_notes
@@ -129,7 +134,8 @@ def layer_checks(rank: int, num_ranks: int, mode: str) -> dict:
 
     for name, config in CONFIGS.items():
         if config.receive_capacity_factor < 1:
-            plan = receive_plan(num_ranks=num_ranks, num_tokens=t, topk=k, num_local_experts=e, segment_alignment=1,
+            plan = receive_plan(num_ranks=num_ranks, num_tokens=t, topk=k, num_local_experts=e,
+                                segment_alignment=segment_alignment_for(config),
                                 factor=config.receive_capacity_factor, windowed=True)
             assert plan.num_windows > 1, (name, plan)
 

@@ -89,20 +89,14 @@ def test_fp8_rows_cross_ranks_as_fp8(monkeypatch):
     assert E4M3.itemsize == 1  # (the bytes gathered are the E4M3 values)
 
 
-def test_fp8_over_the_symmetric_exchange_is_gated_and_auto_keeps_the_collective(monkeypatch):
-    """FP8 rows through symmetric memory are not yet verified on a GPU: exchange="symmetric" with FP8
-    is an error naming the gate's variable while it is closed; "auto" takes the collective exchange
-    whatever the gate (tests/backends/test_gpu_fp8_kernel.py runs the symmetric path with it open)."""
+def test_fp8_chooses_its_exchange_as_bf16_does():
+    """exchange="auto" with FP8 takes what it takes for bf16 over the same group (a CPU group of
+    emulated ranks: the collective exchange, it has no symmetric memory), and "symmetric" there is the
+    same error naming why."""
     from megatron_mok.comm.exchange import exchange_for
-    from megatron_mok.fp8_gate import UNVERIFIED_FP8_KERNELS_ENV
 
     rank = EmulatedGroup(2, "cpu").ranks[0]
-    MoKConfig(precision="fp8_blockwise", exchange="symmetric")  # a valid config: the gate is read per call
-    monkeypatch.delenv(UNVERIFIED_FP8_KERNELS_ENV, raising=False)
-    with pytest.raises(ValueError, match=f"MoKConfig.exchange='symmetric' with MoKConfig.precision='fp8_blockwise' is not verified on a GPU yet; it runs only with the environment variable {UNVERIFIED_FP8_KERNELS_ENV}=1"):
-        exchange_for(rank, "symmetric", "fp8_blockwise")
-    assert isinstance(exchange_for(rank, "auto", "fp8_blockwise"), CollectiveExchange)
-    monkeypatch.setenv(UNVERIFIED_FP8_KERNELS_ENV, "1")
-    assert isinstance(exchange_for(rank, "auto", "fp8_blockwise"), CollectiveExchange)
-    with pytest.raises(ValueError, match="MoKConfig.exchange='symmetric' cannot run over this group"):
-        exchange_for(rank, "symmetric", "fp8_blockwise")  # (a CPU group has no symmetric memory)
+    for precision in ("bf16", "fp8_blockwise"):
+        assert isinstance(exchange_for(rank, "auto", precision), CollectiveExchange)
+        with pytest.raises(ValueError, match="MoKConfig.exchange='symmetric' cannot run over this group"):
+            exchange_for(rank, "symmetric", precision)

@@ -49,12 +49,6 @@ CONFIG_CASES = [
         "mok-precision, kernel backend",
         dict(hidden_size=128, moe_ffn_hidden_size=128),
         ["--mok-precision", "fp8_blockwise", "--mok-backend", "kernel"],
-        "--mok-backend kernel with the experts' fp8_blockwise is gated",
-    ),
-    (
-        "mok-precision, kernel backend (gate open)",
-        dict(hidden_size=128, moe_ffn_hidden_size=128),
-        ["--mok-precision", "fp8_blockwise", "--mok-backend", "kernel"],
         None,
     ),
     (
@@ -78,12 +72,7 @@ def config_errors() -> dict[str, str]:
     import megatron_harness as mh
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
-    import os
     for case, overrides, flags, _ in {CONFIG_CASES!r}:
-        # The FP8 kernels' gate (megatron_mok/fp8_gate.py), open only for the cases that say so.
-        os.environ.pop("MEGATRON_MOK_UNVERIFIED_FP8_KERNELS", None)
-        if case.endswith("(gate open)"):
-            os.environ["MEGATRON_MOK_UNVERIFIED_FP8_KERNELS"] = "1"
         sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "8", *flags]
         global_vars._GLOBAL_ARGS = parse_args()
         try:
@@ -165,6 +154,22 @@ def test_the_experts_precision_follows_the_flags_with_one_notice_line():
     }, got
     notices = [line for line in result.stdout.splitlines() if "only the routed experts run FP8" in line]
     assert len(notices) == 1, result.stdout
+
+
+WEIGHT_CACHE = PRECISION.split("print(")[0] + """
+def cache(flags):
+    sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "4", "--mok-precision", "fp8_blockwise", *flags]
+    global_vars._GLOBAL_ARGS = parse_args()
+    return mok_config_for(Config()).fp8_cache_weights
+
+print("default =>", cache([]))
+print("no cache =>", cache(["--mok-no-fp8-weight-cache"]))
+"""
+
+
+def test_the_fp8_weight_cache_flag_reaches_the_config():
+    got = _lines(_run(WEIGHT_CACHE))
+    assert got == {"default": "True", "no cache": "False"}, got
 
 
 def test_a_bad_mok_precision_is_rejected_by_the_parser():

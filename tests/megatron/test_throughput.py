@@ -72,6 +72,34 @@ def test_dispatcher_flags():
         "--moe-token-dispatcher-type", "alltoall", "--mok-grouped-mm-experts"]
     assert throughput.dispatcher_flags("mok_fp8") == [
         "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise"]
+    # Its backend flag comes after the `--` flags, so it wins over a --mok-backend kernel there.
+    assert throughput.dispatcher_flags("mok_fp8_reference") == [
+        "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise", "--mok-backend", "reference"]
+    assert throughput.is_mok("mok_fp8_reference")
+
+
+def _run(dispatcher: str, losses: dict[int, float]) -> dict:
+    return {"dispatcher": dispatcher, "median_ms": 1.0,
+            "iterations": [{"iteration": i, "losses": {"lm loss": v}} for i, v in losses.items()]}
+
+
+def test_fp8_runs_are_held_against_their_twins():
+    """mok_fp8 against BF16 mok and against mok_fp8_reference, mok_fp8_reference against mok, each
+    by the same criterion, beside the first dispatcher's verdict; a twin that did not run is left
+    out, and the first dispatcher is not repeated as a twin."""
+    fp8_reference = _scaled({3: 3e-4}, REFERENCE)  # the recipe: off BF16 by more than 1e-4
+    fp8_kernels = _scaled({3: 3e-4 + 5e-5}, REFERENCE)  # the kernels: 5e-5 off the recipe
+    runs = [_run("alltoall_grouped", REFERENCE), _run("mok", REFERENCE),
+            _run("mok_fp8", fp8_kernels), _run("mok_fp8_reference", fp8_reference)]
+    throughput.add_comparisons(runs, ["alltoall_grouped"])
+    twins = runs[2]["loss_vs_twins"]
+    assert set(twins) == {"mok", "mok_fp8_reference"}
+    assert twins["mok"]["same_curve"] is False and twins["mok_fp8_reference"]["same_curve"] is True
+    assert runs[3]["loss_vs_twins"]["mok"]["same_curve"] is False
+    assert "loss_vs_twins" not in runs[1]
+    alone = [_run("mok", REFERENCE), _run("mok_fp8", fp8_kernels)]  # mok is the reference: no twin table
+    throughput.add_comparisons(alone, ["mok"])
+    assert "loss_vs_twins" not in alone[1] and alone[1]["loss_vs_reference"]["same_curve"] is False
 
 
 def _write_run(run_dir: Path, ms: list[float], peaks: list[int], world: int = 1) -> None:

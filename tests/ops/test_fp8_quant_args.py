@@ -73,6 +73,12 @@ BAD_ARGS = {
                               dict(expert_offsets=torch.zeros(0, dtype=torch.int32)), r"expert_offsets must be \(E \+ 1,\)"),
     "columns_flag_none": ("fp8_quantize_columns", columns_args, dict(pow2=None), "pow2 must be a bool"),
     "columns_cpu": ("fp8_quantize_columns", columns_args, {}, "x must be a CUDA tensor"),
+    "columns_index_int32": ("fp8_quantize_columns", columns_args, dict(row_index=torch.zeros(4, dtype=torch.int32)),
+                            "row_index must be torch.int64"),
+    "columns_index_2d": ("fp8_quantize_columns", columns_args, dict(row_index=torch.zeros(2, 2, dtype=torch.int64)),
+                         r"row_index must be \(R,\)"),
+    "columns_index_strided": ("fp8_quantize_columns", columns_args, dict(row_index=torch.zeros(8, dtype=torch.int64)[::2]),
+                              "row_index must be contiguous"),
     "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
     "weight_fp16": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(2, 256, 384, dtype=torch.float16)),
                     "weight must be torch.bfloat16 or torch.float32"),
@@ -98,8 +104,10 @@ BAD_ARGS = {
 def test_bad_argument_is_a_value_error_naming_it(case):
     op, build, changes, words = BAD_ARGS[case]
     args = build(**changes)
-    flags = {name: args.pop(name) for name in ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy")
-             if name in args}
+    keywords = ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy")
+    if op == "fp8_quantize_columns":
+        keywords += ("row_index",)  # keyword-only there
+    flags = {name: args.pop(name) for name in keywords if name in args}
     with pytest.raises(ValueError, match=f"{op}: {words}"):
         getattr(ops, op)(*args.values(), **flags)
 
@@ -136,6 +144,18 @@ def test_columns_reference_masks_the_tail_and_pads():
     want_q, want_scales = quantization.quantize_columnwise(padded)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
     assert torch.isfinite(scales).all()
+
+
+def test_gathered_columns_reference_is_the_columns_of_the_gathered_rows():
+    """With row_index, the reference quantizes x[row_index[r]] (-1: a zero row) as the rows."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, C, generator=g).bfloat16()
+    index = torch.tensor([8, -1, 0, 0, 3] * 30)
+    offsets = torch.tensor([0, 128, 140], dtype=torch.int32)
+    q, scales = ops.fp8_quantize_columns_reference(x, offsets, row_index=index)
+    rows = torch.where((index >= 0).unsqueeze(1), x[index.clamp(min=0)], torch.zeros((), dtype=x.dtype))
+    want_q, want_scales = ops.fp8_quantize_columns_reference(rows, offsets)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
 
 
 def test_weight_reference_transposed_copy_is_the_transposed_quantization():

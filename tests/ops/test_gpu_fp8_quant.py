@@ -219,7 +219,7 @@ print("record:", ops.last_failure())
 @pytest.mark.parametrize("index", [[0, 20], [-2, 1]], ids=["past_the_end", "below_minus_one"])
 def test_a_row_index_out_of_range_traps_with_its_name(index):
     record, out, _ = run_until_trap(TRAP_SCRIPT.format(index=index))
-    assert "row_index holds a row outside" in record and "kernel fp8_quantize_rows" in record, out
+    assert "row_index holds a row outside" in record and "kernel fp8_quantize_rows/fp8_quantize_columns" in record, out
 
 
 # ---- columns: 1x128 along the rows (tokens), transposed ---------------------------------------
@@ -280,6 +280,40 @@ def test_columns_of_segments_equal_the_weight_gradient_operand():
     want = quantization.fp8_segment_weight_grad(*quantization.quantize_columnwise(dy[:end]),
                                                *quantization.quantize_columnwise(x[:end]), offsets)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", ["gaussian", "zero_blocks", "nan_inf"])
+@pytest.mark.parametrize("gather", list(GATHERS))
+def test_gathered_columns_equal_quantize_columnwise_of_the_gathered_rows(gather, kind, pow2):
+    """The fc1 weight gradient's operand straight from the token rows: bitwise the gathered rows'
+    column quantization (-1 rows zero), with the schedule's end inside the index: the entries past it
+    hold an index out of range, which must not be read."""
+    src_rows = GATHERS[gather][0]
+    cols = 7168 if gather == "schedule_like" else 256
+    x = row_values(kind, src_rows, cols, seed_of(gather, kind))
+    index = gather_index(gather, src_rows, seed=6)
+    rows = index.shape[0]
+    end = rows - rows // 3
+    index[end:] = src_rows + 5  # past the end: never read
+    offsets = torch.tensor([0, end // 2, end], dtype=torch.int32, device="cuda")
+    poison_allocator()
+    q, scales = ops.fp8_quantize_columns(x, offsets, pow2=pow2, row_index=index)
+    want_q, want_scales = ops.fp8_quantize_columns_reference(x, offsets, pow2=pow2, row_index=index.clamp(max=src_rows - 1)
+                                                             if src_rows else index.clamp(max=-1))
+    padded = -(-rows // 128) * 128
+    assert q.shape == (cols, padded) and scales.shape == (padded // 128, cols)
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales")
+
+
+COLUMNS_TRAP_SCRIPT = TRAP_SCRIPT.replace("ops.fp8_quantize_rows(x, index)", "ops.fp8_quantize_columns(x, row_index=index)")
+
+
+@pytest.mark.parametrize("index", [[0, 20], [-2, 1]], ids=["past_the_end", "below_minus_one"])
+def test_a_columns_row_index_out_of_range_traps_with_its_name(index):
+    record, out, _ = run_until_trap(COLUMNS_TRAP_SCRIPT.format(index=index))
+    assert "row_index holds a row outside" in record and "kernel fp8_quantize_rows/fp8_quantize_columns" in record, out
 
 
 # ---- weights: 128x128 blocks and the transposed copy --------------------------------------------
