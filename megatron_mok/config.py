@@ -89,9 +89,10 @@ class MoKConfig:
         fp8_cache_weights: with fp8_blockwise, each expert weight's forward FP8 copy (half the
             weight's bf16 bytes) is kept from one forward to the next until the weight changes, so
             the microbatches of one optimizer step quantize it once (True, the default); False
-            quantizes it in every forward and frees it after its GEMM: no FP8 copy is held between
-            passes, and the layer's peak memory stays at or below the BF16 layer's (docs/design.md
-            §12.4), for one weight quantization more per microbatch.
+            quantizes it in every forward (once for all of a pass's receive windows) and frees it
+            after the pass: no FP8 copy is held between passes, which brings the layer's peak memory
+            to about the BF16 layer's (docs/performance.md: below it at DeepSeek-V3's shape, 0.25%
+            above at Qwen3-30B's), for one weight quantization more per microbatch.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one

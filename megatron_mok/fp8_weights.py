@@ -26,7 +26,9 @@ the forward one (made from it on first use). The kernel maker does not: its tran
 from the weight by the kernel when a dgrad asks for it and dies with that GEMM, so a layer holds one
 FP8 copy per weight (half the bf16 weight's bytes) between its passes, not two (the kernel pass costs
 a read of the weight per backward). A backward over several receive windows holds each transposed
-copy from its first dgrad to its end (transposed_copies_held), not one per window. Inside a CUDA-graph
+copy from its first dgrad to its end (copies_held), not one per window; likewise a pass over several
+windows without the cache (cache=False) quantizes each weight's forward copy once for all of them.
+Inside a CUDA-graph
 capture nothing is cached or read from the cache: the graph quantizes on every replay.
 """
 
@@ -65,8 +67,9 @@ class _Entry:
 # weight tensor -> {(pow2, kernels): _Entry}. Emulated ranks run their passes in threads: one lock.
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LOCK = threading.Lock()
-# The kernel maker's transposed copies held by transposed_copies_held in this thread (a backward's
-# windows): {(id(weight), pow2): QuantizedWeight}, or None outside such a block.
+# The copies held by copies_held in this thread (a pass's windows): the kernel maker's transposed
+# copies and the uncached forward copies, {(id(weight), pow2, kernels, which): QuantizedWeight}, or
+# None outside such a block.
 _HELD = threading.local()
 _step_hook = None
 
@@ -109,7 +112,7 @@ def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cach
     cache=False (Fp8Recipe.cache_weights): quantized now and neither cached nor read from the cache,
     so the copy lives only as long as the caller holds it."""
     if not cache:
-        return _quantize(weight, pow2, kernels)
+        return _held_or_made((id(weight), pow2, kernels, "forward"), lambda: _quantize(weight, pow2, kernels))
     entry = _entry(weight, pow2, kernels)
     return _quantize(weight, pow2, kernels) if entry is None else entry.weight
 
@@ -120,16 +123,12 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
     held past the caller's use: see the module's docstring). cache=False: as quantized's, nothing
     cached (the reference makes it from a fresh forward copy)."""
     if kernels:
-        held = getattr(_HELD, "copies", None)
-        key = (id(weight), pow2)
-        if held is not None and key in held:
-            return held[key]
-        with torch.no_grad():
-            _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()), pow2=pow2, forward_copy=False)
-        copy = QuantizedWeight(q_t, scales_t)
-        if held is not None:
-            held[key] = copy
-        return copy
+        def make() -> QuantizedWeight:
+            with torch.no_grad():
+                _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()), pow2=pow2, forward_copy=False)
+            return QuantizedWeight(q_t, scales_t)
+
+        return _held_or_made((id(weight), pow2, kernels, "transposed"), make)
     entry = _entry(weight, pow2, kernels) if cache else None
     if entry is None:
         copy = quantized(weight, pow2, cache=False)
@@ -140,13 +139,26 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
         return entry.transposed
 
 
+def _held_or_made(key: tuple, make) -> QuantizedWeight:
+    """The copy copies_held holds under key in this thread, else make() (held from now on inside
+    such a block)."""
+    held = getattr(_HELD, "copies", None)
+    if held is not None and key in held:
+        return held[key]
+    copy = make()
+    if held is not None:
+        held[key] = copy
+    return copy
+
+
 @contextlib.contextmanager
-def transposed_copies_held(hold: bool):
-    """With hold, the kernel maker's transposed copies made inside the block (in this thread) are made
-    once and kept until it ends: a backward over several receive windows, whose every window's dgrads
-    read the same weights, quantizes each weight once instead of once per window (the weights' own
-    autograd versions cannot change inside a backward). Without hold nothing changes: one window keeps
-    a single transposed copy alive at a time."""
+def copies_held(hold: bool):
+    """With hold, the copies made afresh inside the block (in this thread) are made once and kept
+    until it ends: the kernel maker's transposed copies and the uncached (cache=False) forward copies.
+    A pass over several receive windows, whose every window reads the same weights, then quantizes
+    each weight once instead of once per window (a weight cannot change inside one forward or
+    backward: autograd refuses in-place changes of a saved tensor). Without hold nothing changes: one
+    window keeps a single copy of each alive at a time."""
     if not hold or getattr(_HELD, "copies", None) is not None:
         yield
         return

@@ -113,7 +113,7 @@ def build_schedule(
         topk_ids: (num_tokens, topk) int32/int64 global expert ids, -1 = dropped; every rank of
             the group passes the same num_tokens and topk.
     """
-    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange, config.precision)
+    exchange = exchange_for(get_expert_parallel_group(group, topk_ids.device), config.exchange)
     plan = plan_for(exchange, topk_ids.shape[0], topk_ids.shape[1], num_local_experts, config)
     return _schedule_over(exchange, plan, topk_ids, num_local_experts, config)
 
@@ -170,7 +170,7 @@ def forward(
     # The pass's group, exchange and receive plan, resolved once here and passed down: to the
     # schedule's build, the windows and the context backward reads.
     ep_group = get_expert_parallel_group(group, x.device)
-    exchange = exchange_for(ep_group, config.exchange, config.precision)
+    exchange = exchange_for(ep_group, config.exchange)
     if validate:
         validate_moe_inputs(x, topk_ids, topk_weights, fc1, fc2, num_ranks=exchange.num_ranks, config=config)
     backend = resolve_backend(config.backend, x, fc1, config.precision)
@@ -196,12 +196,14 @@ def forward(
     keep_rows = schedule.num_ranks == 1 and plan.num_windows == 1 and fp8 is None
     source = exchange.dispatch_source(_published(x, fp8, stages))
     returned = exchange.open_return(schedule, x.shape[1], x.dtype)
-    for window in windows(schedule, plan):
-        # (One call per window: its buffers are freed before the next window's are allocated.)
-        window_kept = _forward_window(stages, source, window, fc1, fc2, returned, config, keep_rows)
-        if window.index == 0:
-            rows, gate_up, act = window_kept
-        del window_kept  # (a later window's gate/up is not kept)
+    # FP8 without the weight cache, over several windows: each weight quantized once for all of them.
+    with fp8_weights.copies_held(fp8 is not None and plan.num_windows > 1):
+        for window in windows(schedule, plan):
+            # (One call per window: its buffers are freed before the next window's are allocated.)
+            window_kept = _forward_window(stages, source, window, fc1, fc2, returned, config, keep_rows)
+            if window.index == 0:
+                rows, gate_up, act = window_kept
+            del window_kept  # (a later window's gate/up is not kept)
     exchange.release(source)
     route_index = exchange.route_index(schedule, topk_ids)
     route_table = returned.table(keep=True)
@@ -290,8 +292,9 @@ def backward(
         )
         for _ in range(2)
     )
-    # FP8 over several windows: each weight's transposed copy made once for all of them.
-    with fp8_weights.transposed_copies_held(fp8 is not None and len(passes) > 1):
+    # FP8 over several windows: each weight's transposed copy (and uncached forward copy, for the
+    # recomputed gate/up) made once for all of them.
+    with fp8_weights.copies_held(fp8 is not None and len(passes) > 1):
         for window in passes:
             # (One call per window: its buffers are freed before the next window's are allocated.)
             window_d_x = _backward_window(

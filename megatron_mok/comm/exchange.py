@@ -234,14 +234,13 @@ class CollectiveReturn:
         self.slot_rows = None  # the table is this rank's own tensor: freed with the last reference
 
 
-def exchange_for(group: ExpertParallelGroup, kind: str = "auto", precision: str = "bf16") -> Exchange:
-    """The exchange a call runs over `group` (kind: MoKConfig.exchange, precision:
-    MoKConfig.precision): through symmetric memory (comm/symmetric_exchange.py) when asked for, or
-    with "auto" wherever the group offers it (emulated ranks; a process group whose ranks can share
-    symmetric memory, comm/placement.py), else the collective one, whichever the precision (FP8 rows
-    move through regions of their own). The choice
-    depends only on the group (what every rank reported) and the config, so every rank of a group
-    decides alike; a process group of CUDA ranks says once which it took and why (`exchange_notes`)."""
+def exchange_for(group: ExpertParallelGroup, kind: str = "auto") -> Exchange:
+    """The exchange a call runs over `group` (kind: MoKConfig.exchange): through symmetric memory
+    (comm/symmetric_exchange.py) when asked for, or with "auto" wherever the group offers it
+    (emulated ranks; a process group whose ranks can share symmetric memory, comm/placement.py),
+    else the collective one, whatever the precision (FP8 rows move through regions of their own).
+    The choice depends only on the group (what every rank reported) and the config, so every rank
+    of a group decides alike; a process group of CUDA ranks says once which it took and why (`exchange_notes`)."""
     if kind == "collective" or group.num_ranks == 1 and kind == "auto":
         return CollectiveExchange(group)
     pool, reason = group.symmetric_pool()

@@ -134,12 +134,14 @@ def fp8_quantize_columns_reference(
     """fp8_quantize_columns through quantization.quantize_columnwise of x (gathered by row_index)
     zero-padded to R_pad rows, rows at or past expert_offsets[-1] zeroed. Reads the offsets on the
     host: tests and references only."""
-    if row_index is not None:
-        gathered = x.new_zeros((row_index.shape[0], x.shape[1]))
-        taken = row_index >= 0
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    end = rows if expert_offsets is None else min(rows, int(expert_offsets[-1]))
+    if row_index is not None:  # (as the op: the entries at or past the end are not read)
+        gathered = x.new_zeros((rows, x.shape[1]))
+        taken = torch.arange(rows, device=row_index.device) < end
+        taken &= row_index >= 0
         gathered[taken] = x[row_index[taken]]
         x = gathered
-    end = x.shape[0] if expert_offsets is None else min(x.shape[0], int(expert_offsets[-1]))
     padded = x.new_zeros((_padded_rows(x.shape[0]), x.shape[1]))
     padded[:end] = x[:end]
     return quantization.quantize_columnwise(padded, pow2)

@@ -291,17 +291,17 @@ def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(mo
 
 
 def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
-    """transposed_copies_held(True) (functional's backward over several receive windows): the kernel
+    """copies_held(True) (functional's backward over several receive windows): the kernel
     maker makes each weight's transposed copy once inside the block, per weight and pow2, and per call
-    again after it; transposed_copies_held(False) changes nothing."""
+    again after it; copies_held(False) changes nothing."""
     calls = _record_weight_quantizations(monkeypatch)
     fc1, fc2 = (torch.randn(1, 128, 256) / 10).bfloat16(), (torch.randn(1, 256, 128) / 10).bfloat16()
-    with fp8_weights.transposed_copies_held(False):
+    with fp8_weights.copies_held(False):
         fp8_weights.quantized_transposed(fc1, kernels=True)
         fp8_weights.quantized_transposed(fc1, kernels=True)
     assert len(calls) == 2
     calls.clear()
-    with fp8_weights.transposed_copies_held(True):
+    with fp8_weights.copies_held(True):
         first = fp8_weights.quantized_transposed(fc1, kernels=True)
         for _ in range(3):  # three more windows
             assert fp8_weights.quantized_transposed(fc1, kernels=True) is first
@@ -309,6 +309,26 @@ def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
         fp8_weights.quantized_transposed(fc1, pow2=True, kernels=True)
     assert [pow2 for pow2, _, _ in calls] == [False, False, True], calls
     assert fp8_weights.quantized_transposed(fc1, kernels=True) is not first, "nothing is held after the block"
+
+
+def test_a_pass_over_windows_without_the_cache_quantizes_each_forward_copy_once(monkeypatch):
+    """cache=False inside copies_held(True) (a forward, or a backward's recomputed gate/up, over several
+    windows): each weight's forward copy made once per maker and pow2, apart from its transposed copy,
+    and nothing cached; outside the block every call quantizes afresh."""
+    calls = _record_weight_quantizations(monkeypatch)
+    fp8_weights.clear()
+    fc1 = (torch.randn(1, 128, 256) / 10).bfloat16()
+    with fp8_weights.copies_held(True):
+        first = fp8_weights.quantized(fc1, kernels=True, cache=False)
+        for _ in range(3):  # three more windows
+            assert fp8_weights.quantized(fc1, kernels=True, cache=False) is first
+        transposed = fp8_weights.quantized_transposed(fc1, kernels=True)
+        reference = fp8_weights.quantized(fc1, cache=False)
+        assert fp8_weights.quantized(fc1, cache=False) is reference and reference is not first
+    assert calls == [(False, True, False), (False, False, True)], calls
+    assert transposed.values.shape == (1, 256, 128)
+    assert fp8_weights.cached_count() == 0
+    assert fp8_weights.quantized(fc1, kernels=True, cache=False) is not first, "nothing is held after the block"
 
 
 def test_without_the_weight_cache_nothing_is_cached_and_the_layer_is_bitwise_the_same(monkeypatch):

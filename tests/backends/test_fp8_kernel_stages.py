@@ -13,6 +13,7 @@ layout, scale, weight copy or a read past the schedule's end breaks it.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import zlib
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, functional, mok_moe, ops
+from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe, ops
 from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for
 from megatron_mok.ops import fp8_gemm, fp8_quant, fp8_wgrad
 from megatron_mok.emulation import EmulatedGroup
@@ -184,6 +185,20 @@ def test_kernel_fp8_options_equal_the_reference_backend(simulated_kernels, weigh
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=5)
     kernel_config, reference_config = _configs(weight_grad, pow2)
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "options")
+
+
+def test_kernel_fp8_without_the_weight_cache_caches_nothing_and_equals_the_reference(simulated_kernels):
+    """fp8_cache_weights=False on the kernel backend: the layer is bitwise the reference backend's, and
+    no weight copy is left cached while the weights live."""
+    x, ids, weights, fc1, fc2, grad = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=6)
+    kernel_config, reference_config = (dataclasses.replace(c, fp8_cache_weights=False) for c in _configs())
+    fp8_weights.clear()
+    leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
+    y = mok_moe(leaves[0], ids, *leaves[1:], config=kernel_config)
+    y.backward(grad)
+    assert fp8_weights.cached_count() == 0, "the uncached kernel layer cached a weight"
+    got = [y.detach()] + [leaf.grad for leaf in leaves]
+    _assert_equal(got, run_layer(x, ids, weights, fc1, fc2, grad, config=reference_config), "uncached")
 
 
 @pytest.mark.parametrize("routing", ("uniform", "all_to_last_rank", "dropped"))

@@ -87,16 +87,3 @@ def test_fp8_rows_cross_ranks_as_fp8(monkeypatch):
     assert (torch.bfloat16, rows) not in forward, "forward gathered rows in bf16"
     assert backward.count((torch.uint8, rows)) == 1 and backward.count((torch.bfloat16, rows)) == 2, backward
     assert E4M3.itemsize == 1  # (the bytes gathered are the E4M3 values)
-
-
-def test_fp8_chooses_its_exchange_as_bf16_does():
-    """exchange="auto" with FP8 takes what it takes for bf16 over the same group (a CPU group of
-    emulated ranks: the collective exchange, it has no symmetric memory), and "symmetric" there is the
-    same error naming why."""
-    from megatron_mok.comm.exchange import exchange_for
-
-    rank = EmulatedGroup(2, "cpu").ranks[0]
-    for precision in ("bf16", "fp8_blockwise"):
-        assert isinstance(exchange_for(rank, "auto", precision), CollectiveExchange)
-        with pytest.raises(ValueError, match="MoKConfig.exchange='symmetric' cannot run over this group"):
-            exchange_for(rank, "symmetric", precision)
