@@ -28,8 +28,8 @@ FP8 copy per weight (half the bf16 weight's bytes) between its passes, not two (
 a read of the weight per backward). A backward over several receive windows holds each transposed
 copy from its first dgrad to its end (copies_held), not one per window; likewise a pass over several
 windows without the cache (cache=False) quantizes each weight's forward copy once for all of them.
-Inside a CUDA-graph
-capture nothing is cached or read from the cache: the graph quantizes on every replay.
+Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
+replay.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
 def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
     """weight (E, N, K) bf16/fp32, N and K multiples of 128 -> its 128x128 quantization (cached).
     kernels: made by ops.fp8_quantize_weight (a CUDA weight; the kernel backend) instead of PyTorch.
-    cache=False (Fp8Recipe.cache_weights): quantized now and neither cached nor read from the cache,
-    so the copy lives only as long as the caller holds it."""
+    cache=False (Fp8Recipe.cache_weights): never cached nor read from the cache, so the copy lives
+    only as long as the caller (or a copies_held block around the pass) holds it."""
     if not cache:
         return _held_or_made((id(weight), pow2, kernels, "forward"), lambda: _quantize(weight, pow2, kernels))
     entry = _entry(weight, pow2, kernels)

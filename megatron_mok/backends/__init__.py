@@ -5,8 +5,9 @@ table (tuning.py), and here the choice of which one runs a call.
 The kernel backend (either MoKConfig.precision: "bf16", or "fp8_blockwise" through kernel_fp8.py)
 needs CUDA tensors on a Hopper GPU (the extension is built for sm_90a), the extension loaded, bf16
 activations, and hidden and ffn sizes that are multiples of 8 (16-byte rows for the grouped GEMM;
-FP8 needs multiples of 128, a ValueError of the input checks before any backend is chosen). `backend="kernel"` raises where these fail; `backend="auto"` then runs the
-reference, with a one-time warning on CUDA tensors (on CPU the reference is the expected path).
+FP8 needs multiples of 128, a ValueError of the input checks before any backend is chosen).
+`backend="kernel"` raises where these fail; `backend="auto"` then runs the reference, with a
+one-time warning on CUDA tensors (on CPU the reference is the expected path).
 Any expert-parallel size: the stages are per rank, and what crosses ranks is the exchange's
 (comm/exchange.py), the same for both backends.
 """

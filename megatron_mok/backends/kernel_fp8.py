@@ -24,10 +24,10 @@ dtype is bf16 (the kernel backend's). Per stage:
                        (E, H, 2F) -> d rows bf16 (pushed back as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
                        bf16 values (fc1's rows straight from the source x, never gathered into a
-                       (capacity, H) copy: RowsToGather) -> ops.fp8_expert_wgrad, the fp32 sums rounded once into the bf16
-                       result in the kernel; over several receive windows one fp32 (E, m, n) carried
-                       from window to window (bitwise one pass), the last window rounding it; or the
-                       BF16 kernel's weight gradients
+                       (capacity, H) copy: RowsToGather) -> ops.fp8_expert_wgrad, the fp32 sums
+                       rounded once into the bf16 result in the kernel; over several receive windows
+                       one fp32 (E, m, n) carried from window to window (bitwise one pass), the last
+                       window rounding it; or the BF16 kernel's weight gradients
 
 A padding row's scale is 0 here where the reference writes 1: its E4M3 bytes are zero, so every
 product it enters is 0 either way. Rows at or past the schedule's end are left unwritten, as the
@@ -209,8 +209,8 @@ def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor
 def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[Tensor], *, recipe: Fp8Recipe) -> Tensor:
     """grad_out (W, m) bf16, inputs (W, n) bf16 or RowsToGather: a receive window's rows
     (receive.Window) -> both quantized 1x128 along the rows, their FP8 weight gradients added to
-    `carried`. Returns what the next window
-    carries: (E, m, n) fp32 after a window that is not the last, (E, m, n) bf16 after the last.
+    `carried`. Returns what the next window carries: (E, m, n) fp32 after a window that is not the
+    last, (E, m, n) bf16 after the last.
 
     One window (every pass over the collective exchange): one launch writing the bf16 gradient
     directly (ops.fp8_expert_wgrad `rounded`: each fp32 sum rounded once in the kernel), so no fp32
