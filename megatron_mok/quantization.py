@@ -45,7 +45,7 @@ class Fp8Recipe:
     weight_grad: the weight gradients in FP8 (both operands 1x128 along tokens); False: in the
         activation dtype, as without FP8.
     cache_weights: each weight's forward FP8 copy kept until the weight changes
-        (fp8_weights.quantized); False: quantized in every forward and freed after its GEMM."""
+        (fp8_weights.quantized); False: quantized in every forward and freed after the pass."""
 
     pow2_scales: bool = False
     weight_grad: bool = True

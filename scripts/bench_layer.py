@@ -4,9 +4,9 @@ the alltoall dispatcher (if megatron-core is installed) and mok, on the same inp
     python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR] [--fp8]
 
 --fp8 adds the FP8 blockwise rows: mok's kernel backend with MoKConfig(precision="fp8_blockwise")
-(with and without its weight cache, MoKConfig.fp8_cache_weights), and torchao's FP8 rowwise MoE op where torchao is installed (torch's grouped GEMM pipeline
-with each GEMM through torchao's dynamically quantizing FP8 rowwise grouped GEMM), each with its
-forward error beside the bf16 rows'.
+(with and without its weight cache, MoKConfig.fp8_cache_weights), and torchao's FP8 rowwise MoE op
+where torchao is installed (torch's grouped GEMM pipeline with each GEMM through torchao's
+dynamically quantizing FP8 rowwise grouped GEMM), each with its forward error beside the bf16 rows'.
 
 Prints ms, effective TFLOP/s (6*T*K*H*F forward, twice that backward), peak memory, and the
 same-run dense cuBLAS bf16 GEMM rate; a table last, a plot saved to DIR/bench_layer.png. Each

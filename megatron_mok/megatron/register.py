@@ -83,7 +83,7 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--mok-no-fp8-weight-cache",
         action="store_true",
         help="With FP8 experts: quantize each expert weight in every forward and free the FP8 copy after "
-        "its GEMM, instead of keeping it until the optimizer step (MoKConfig.fp8_cache_weights=False): "
+        "the pass, instead of keeping it until the optimizer step (MoKConfig.fp8_cache_weights=False): "
         "no FP8 weight copy held between passes (half the experts' bf16 weight bytes per MoE layer), "
         "for one weight quantization more per microbatch.",
     )
