@@ -324,6 +324,18 @@ struct Fp8QuantizeWeightParams {
   int32_t pow2;
 };
 
+// The transposed copy of a weight's 128x128 quantization, from that quantization
+// (quant/transpose_weight_sm90.cuh).
+struct Fp8TransposeWeightParams {
+  const uint8_t* q;           // (num_experts, n, k) e4m3
+  const float* scales;        // (num_experts, n / 128, k / 128) fp32
+  uint8_t* q_t;               // (num_experts, k, n) e4m3
+  float* scales_t;            // (num_experts, k / 128, n / 128) fp32
+  int64_t num_experts;
+  int64_t n;                  // a multiple of 128
+  int64_t k;                  // a multiple of 128
+};
+
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):
 // out[e] (m, n) = grad[rows of e]^T . inputs[rows of e]; every element of out is written (zeros
 // for an expert with no rows).

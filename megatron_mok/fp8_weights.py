@@ -23,9 +23,11 @@ step calls `clear()`.
 Forward takes `quantized`, backward `quantized_transposed`; between them autograd refuses in-place
 changes of a saved weight, so both read one version. The reference caches the transposed copy beside
 the forward one (made from it on first use). The kernel maker does not: its transposed copy is made
-from the weight by the kernel when a dgrad asks for it and dies with that GEMM, so a layer holds one
-FP8 copy per weight (half the bf16 weight's bytes) between its passes, not two (the kernel pass costs
-a read of the weight per backward). A backward over several receive windows holds each transposed
+when a dgrad asks for it and dies with that GEMM, so a layer holds one FP8 copy per weight (half the
+bf16 weight's bytes) between its passes, not two. It is made from the cached forward copy
+(ops.fp8_transpose_weight: 128x128 blocks transpose exactly, so moving the bytes gives the bits a
+quantization of the weight gives, for a read of one byte per element) and, where none is cached
+(cache=False, a capture, an inference tensor), from the weight (ops.fp8_quantize_weight). A backward over several receive windows holds each transposed
 copy from its first dgrad to its end (copies_held), not one per window; likewise a pass over several
 windows without the cache (cache=False) quantizes each weight's forward copy once for all of them.
 Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
@@ -86,23 +88,36 @@ def _quantize(weight: Tensor, pow2: bool, kernels: bool) -> QuantizedWeight:
         return QuantizedWeight(*quantize_weight(weight.detach(), pow2))
 
 
-def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
-    """The weight's valid entry, quantized now if missing or stale; None where nothing is cached:
-    for an inference tensor (it has no version counter, so nothing can tell whether it changed) and
-    inside a CUDA-graph capture (a replay must quantize the weights it reads then, not a copy of
-    their values at capture time)."""
-    if weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+def _cacheable(weight: Tensor) -> bool:
+    """False for an inference tensor (it has no version counter, so nothing can tell whether it
+    changed) and inside a CUDA-graph capture (a replay must quantize the weights it reads then, not a
+    copy of their values at capture time)."""
+    return not (weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
+    """The weight's cached entry if it is still valid, else None (nothing is quantized)."""
+    if not _cacheable(weight):
         return None
-    stamp, key = _stamp(weight), (pow2, kernels)
+    stamp = _stamp(weight)
     with _LOCK:
         entries = _CACHE.get(weight)
-        entry = entries.get(key) if entries is not None else None
-        if entry is not None and entry.stamp == stamp:
-            return entry
-    entry = _Entry(stamp, _quantize(weight, pow2, kernels))
+        entry = entries.get((pow2, kernels)) if entries is not None else None
+        return entry if entry is not None and entry.stamp == stamp else None
+
+
+def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
+    """The weight's valid entry, quantized now if missing or stale; None where nothing is cached
+    (_cacheable)."""
+    if not _cacheable(weight):
+        return None
+    entry = _valid_entry(weight, pow2, kernels)
+    if entry is not None:
+        return entry
+    entry = _Entry(_stamp(weight), _quantize(weight, pow2, kernels))
     with _LOCK:
         _register_step_hook()
-        _CACHE.setdefault(weight, {})[key] = entry
+        _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry
     return entry
 
 
@@ -119,12 +134,16 @@ def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cach
 
 def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
     """weight (E, N, K) -> the quantization of its transpose, (E, K, N) with (E, K/128, N/128) scales:
-    cached beside quantized's copy (kernels=False), or made afresh by the kernel (kernels=True, never
-    held past the caller's use: see the module's docstring). cache=False: as quantized's, nothing
-    cached (the reference makes it from a fresh forward copy)."""
+    cached beside quantized's copy (kernels=False), or made afresh by a kernel (kernels=True, never
+    held past the caller's use: see the module's docstring), from the cached forward copy where there
+    is one, else from the weight. cache=False: as quantized's, nothing cached or read from the cache
+    (the reference makes it from a fresh forward copy, the kernels from the weight)."""
     if kernels:
         def make() -> QuantizedWeight:
+            forward = _valid_entry(weight, pow2, kernels) if cache else None
             with torch.no_grad():
+                if forward is not None:  # the cached forward copy's bytes, moved: the same bits
+                    return QuantizedWeight(*ops.fp8_transpose_weight(forward.weight.values, forward.weight.scales))
                 _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()), pow2=pow2, forward_copy=False)
             return QuantizedWeight(q_t, scales_t)
 

@@ -47,7 +47,7 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         procs_module) echo 200 "$PYTEST -s tests/comm/test_gpu_process_group.py tests/megatron/test_gpu_process_group_module.py" ;;
         fp8_gemm) echo 150 "$PYTEST tests/ops/test_gpu_fp8_gemm.py" ;;
         fp8_wgrad) echo 150 "$PYTEST tests/ops/test_gpu_fp8_wgrad.py" ;;
-        fp8_quant) echo 100 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
+        fp8_quant) echo 200 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
         fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
@@ -58,6 +58,11 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # Warp stall reasons, tensor-pipe activity and time of the FP8 GEMM's variants beside torch's
         # FP8 rowwise grouped GEMM (fc1, DeepSeek-V3 EP 8 shape); stalls.csv stays in \$OUT.
         fp8_profile) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertGemm|cutlass' --launch-skip 4 --launch-count 4 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection fc1 > \$OUT/stalls.csv && python3 scripts/ncu_stalls.py \$OUT/stalls.csv" ;;
+        # The FP8 weight gradient's mainloops under ncu (fc2's, DeepSeek-V3 EP 8 shape): speed of light,
+        # warp states, pipes and memory, as ncu prints them.
+        fp8_wgrad_profile) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertWgrad' --launch-skip 2 --launch-count 2 --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python3 scripts/profile_expert_gemm.py --fp8 --projection wgrad_fc2" ;;
+        # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
+        quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss
         # criterion of scripts/throughput.py) beside both baselines (FP8_DISPATCHERS overrides the list,
         # e.g. mok,mok_fp8,mok_fp8_reference: the kernels against the recipe on the reference backend);

@@ -5,6 +5,8 @@ variant) and torch's FP8 rowwise grouped GEMM on the same projection.
     ncu --clock-control none --kernel-name regex:'expert_gemm|cutlass|sm90' --launch-skip 2 \
         --section SpeedOfLight --section WarpStateStats python3 scripts/profile_expert_gemm.py --shape deepseek_v3_ep8
     ncu ... python3 scripts/profile_expert_gemm.py --fp8 --projection fc1      # (scripts/device_steps.sh fp8_profile)
+    ncu ... python3 scripts/profile_expert_gemm.py --fp8 --projection wgrad_fc2  # the FP8 weight gradient's
+                                                                     # mainloops (fp8_wgrad_profile)
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_expert_gemm import FP8_PROJECTIONS, SHAPES, make_fp8_inputs, make_inputs, torch_fp8_rowwise  # noqa: E402
+from bench_expert_gemm import (  # noqa: E402
+    FP8_PROJECTIONS,
+    FP8_WGRAD_PROJECTIONS,
+    SHAPES,
+    make_fp8_inputs,
+    make_inputs,
+    torch_fp8_rowwise,
+)
 
 from megatron_mok import ops  # noqa: E402
+from megatron_mok.ops.fp8_wgrad import FP8_WGRAD_VARIANTS  # noqa: E402
 from megatron_mok.backends.kernel import segment_matmul  # noqa: E402
 from megatron_mok.backends.tuning import (  # noqa: E402
     EXPERT_GEMM_CLUSTER_M,
@@ -46,17 +56,35 @@ def profile_fp8(shape: str, projection: str) -> None:
     torch.cuda.synchronize()
 
 
+def profile_fp8_wgrad(shape: str, projection: str) -> None:
+    """Three launches of each FP8 weight-gradient mainloop (ncu --launch-skip 2 per variant keeps the
+    last), writing the bf16 gradient as the layer's one-window pass does (`rounded`)."""
+    s = make_fp8_inputs(SHAPES[shape], seed=0, columnwise=True)
+    grad_name, inputs_name, _ = FP8_WGRAD_PROJECTIONS[projection]
+    operands = (*s[grad_name + "_col"], *s[inputs_name + "_col"], s["offsets"])
+    experts = s["offsets"].shape[0] - 1
+    rounded = torch.empty((experts, s[grad_name].shape[1], s[inputs_name].shape[1]), dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        for variant in FP8_WGRAD_VARIANTS:
+            ops.fp8_expert_wgrad(*operands, rounded=rounded, variant=variant)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="deepseek_v3_ep8", choices=list(SHAPES))
     parser.add_argument("--projection", default=None,
-                        help="down or gate_up (default down); with --fp8 one of " + ", ".join(FP8_PROJECTIONS) + " (default fc1)")
+                        help="down or gate_up (default down); with --fp8 one of "
+                        + ", ".join([*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]) + " (default fc1)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise GEMM's variants and torch's FP8 rowwise")
     args = parser.parse_args()
     if args.fp8:
         projection = args.projection or "fc1"
+        if projection in FP8_WGRAD_PROJECTIONS:
+            profile_fp8_wgrad(args.shape, projection)
+            return
         if projection not in FP8_PROJECTIONS:
-            parser.error(f"--projection {projection}: with --fp8 one of {list(FP8_PROJECTIONS)}")
+            parser.error(f"--projection {projection}: with --fp8 one of {[*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]}")
         profile_fp8(args.shape, projection)
         return
     args.projection = args.projection or "down"

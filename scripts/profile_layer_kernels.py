@@ -31,7 +31,7 @@ STEPS = 5
 # (stage, substrings of a kernel's name, lower case): the first stage whose substring a kernel's name
 # holds; every other kernel (torch's elementwise ops, copies, fills) is "other".
 STAGES = (
-    ("quantize (FP8)", ("quantize_",)),
+    ("quantize (FP8)", ("quantize_", "transpose_weight")),  # (the weights' transposed FP8 copies too)
     ("schedule", ("count_routes", "place_routes", "invert_slots")),
     ("grouped GEMMs", ("gemm", "wgrad", "cutlass", "sm90_xmma", "nvjet")),
     ("dispatch / pull", ("scatter_rows", "fill_unscattered", "gather", "dispatch", "pull")),

@@ -1,5 +1,5 @@
 // Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
-// fp8_quantize_columns and fp8_quantize_weight of the `megatron_mok` library (validated wrappers,
+// fp8_quantize_columns, fp8_quantize_weight and fp8_transpose_weight of the `megatron_mok` library (validated wrappers,
 // fake implementations and references in megatron_mok/ops/fp8_quant.py, which raise ValueError
 // before these run; the checks here are the same, for callers of torch.ops directly). Each fills its
 // params struct (mok_params.h) once and launches one kernel. An output a caller did not ask for is
@@ -24,6 +24,7 @@
 #include "quant/quantize_columns_sm90.cuh"
 #include "quant/quantize_rows_sm90.cuh"
 #include "quant/quantize_weight_sm90.cuh"
+#include "quant/transpose_weight_sm90.cuh"
 
 namespace mok {
 namespace {
@@ -204,6 +205,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(c
   return {q, scales, q_t, scales_t};
 }
 
+// (q_t (E, K, N) e4m3, scales_t (E, K/128, N/128) fp32): the transposed copy of a weight's 128 x 128
+// quantization q (E, N, K) e4m3 with scales (E, N/128, K/128) fp32, from it.
+std::tuple<at::Tensor, at::Tensor> fp8_transpose_weight(const at::Tensor& q, const at::Tensor& scales) {
+  constexpr const char* kOp = "fp8_transpose_weight: ";
+  TORCH_CHECK(q.is_cuda() && q.is_contiguous() && q.scalar_type() == at::kFloat8_e4m3fn, kOp,
+              "q must be a contiguous float8_e4m3fn CUDA tensor");
+  TORCH_CHECK(q.dim() == 3 && q.size(1) > 0 && q.size(1) % kFp8Block == 0 && q.size(2) > 0 && q.size(2) % kFp8Block == 0,
+              kOp, "q must be (E, N, K) with N and K positive multiples of ", std::to_string(kFp8Block), ", got ",
+              sizes_str(q));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, kOp, "q must start 16-byte aligned");
+  const int64_t experts = q.size(0), n = q.size(1), k = q.size(2);
+  TORCH_CHECK(scales.is_cuda() && scales.is_contiguous() && scales.device() == q.device() &&
+                  scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == experts &&
+                  scales.size(1) == n / kFp8Block && scales.size(2) == k / kFp8Block,
+              kOp, "scales must be a contiguous float32 (E, N/128, K/128) tensor on q's device, got ", sizes_str(scales));
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto q_t = at::empty({experts, k, n}, q.options());
+  auto scales_t = at::empty({experts, k / kFp8Block, n / kFp8Block}, scales.options());
+  const int64_t tiles = experts * (n / kFp8Block) * (k / kFp8Block);
+  if (tiles == 0) return {q_t, scales_t};
+  TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 blocks of 128 x 128");
+  Fp8TransposeWeightParams p{};
+  p.q = e4m3_ptr(q);
+  p.scales = scales.data_ptr<float>();
+  p.q_t = e4m3_ptr(q_t);
+  p.scales_t = scales_t.data_ptr<float>();
+  p.num_experts = experts;
+  p.n = n;
+  p.k = k;
+  transpose_weight_kernel<<<int(tiles), kTransposeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q_t, scales_t};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
@@ -214,12 +249,14 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_transpose_weight(Tensor q, Tensor scales) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_columns", &fp8_quantize_columns);
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
+  m.impl("fp8_transpose_weight", &fp8_transpose_weight);
 }
 
 }  // namespace mok

@@ -49,21 +49,35 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2) {
   return scale;
 }
 
-// Quantizes the values of one block with its scale. Three ways to the same bytes, chosen once per
+// The scales that Fp8BlockQuantizer's kReciprocal mode takes: every block of bf16 values whose amax
+// lies in about [3.5e-28, 5.9e38) has its scale here; smaller ones divide.
+constexpr float kReciprocalMinScale = 0x1p-100f;
+constexpr float kReciprocalMaxScale = 0x1p120f;
+
+// Quantizes the values of one block with its scale. Four ways to the same bytes, chosen once per
 // block:
-//   kMultiply  the scale is a power of two in [2^-126, 2^126] (every pow2 scale of a normal block):
-//              v * (1 / scale) is the exact quotient, so its rounding is the division's;
-//   kDivide    any other positive finite scale: IEEE division per value;
-//   kSpecial   a NaN, inf or zero scale (a block holding NaN or inf, or an fp32 block whose amax / 448
-//              underflows): IEEE division, and a NaN quotient becomes 0x7F with the quotient's sign
-//              bit, as torch's float -> float8_e4m3fn conversion makes it (cvt's NaN is not relied on).
+//   kMultiply    the scale is a power of two in [2^-126, 2^126] (every pow2 scale of a normal block):
+//                v * (1 / scale) is the exact quotient, so its rounding is the division's;
+//   kReciprocal  bf16 values (the caller says so) and a scale in [kReciprocalMinScale,
+//                kReciprocalMaxScale]: y = RN(1 / scale) once per block, then per value
+//                q0 = RN(v * y), r = fma(-q0, scale, v) (exact), RN(q0 + r * y) with v's sign (a
+//                zero keeps its sign): Markstein's correction step, three instructions for the
+//                division's ~10 (reciprocal, check, branch). It equals the IEEE quotient for every
+//                bf16 value and every scale a block of bf16 values can have (scale = RN(amax / 448),
+//                amax a bf16 value): tests/ops/test_gpu_fp8_quant.py checks all of them, exhaustively;
+//                fp32 values (an fp32 weight) are not covered and divide;
+//   kDivide      any other positive finite scale: IEEE division per value;
+//   kSpecial     a NaN, inf or zero scale (a block holding NaN or inf, or an fp32 block whose amax / 448
+//                underflows): IEEE division, and a NaN quotient becomes 0x7F with the quotient's sign
+//                bit, as torch's float -> float8_e4m3fn conversion makes it (cvt's NaN is not relied on).
 struct Fp8BlockQuantizer {
-  enum Mode : int { kMultiply = 0, kDivide = 1, kSpecial = 2 };
+  enum Mode : int { kMultiply = 0, kReciprocal = 1, kDivide = 2, kSpecial = 3 };
   float scale;
-  float inverse;  // 1 / scale, exact (kMultiply only)
+  float inverse;  // 1 / scale: exact (kMultiply), rounded to nearest (kReciprocal)
   int mode;
 
-  __device__ __forceinline__ explicit Fp8BlockQuantizer(float s) : scale(s), inverse(1.f), mode(kDivide) {
+  // bf16_values: every value this quantizer is given is a bf16 value (converted to fp32 exactly).
+  __device__ __forceinline__ Fp8BlockQuantizer(float s, bool bf16_values) : scale(s), inverse(1.f), mode(kDivide) {
     const uint32_t bits = __float_as_uint(s);
     const uint32_t exponent = (bits >> 23) & 0xFFu;
     if (!(s > 0.f) || !isfinite(s)) {
@@ -71,15 +85,28 @@ struct Fp8BlockQuantizer {
     } else if ((bits & 0x7FFFFFu) == 0 && exponent >= 1 && exponent <= 253) {
       mode = kMultiply;
       inverse = __uint_as_float((254u - exponent) << 23);  // 2^(127 - exponent) = 1 / scale
+    } else if (bf16_values && s >= kReciprocalMinScale && s <= kReciprocalMaxScale) {
+      mode = kReciprocal;
+      inverse = __frcp_rn(s);
     }
   }
 
+  // kReciprocal's quotient (the mode is the caller's to check).
+  __device__ __forceinline__ float reciprocal_quotient(float v) const {
+    const float q0 = __fmul_rn(v, inverse);
+    const float residual = __fmaf_rn(-q0, scale, v);
+    return copysignf(__fmaf_rn(residual, inverse, q0), v);
+  }
+
   __device__ __forceinline__ float quotient(float v) const {
-    return mode == kMultiply ? __fmul_rn(v, inverse) : __fdiv_rn(v, scale);
+    if (mode == kMultiply) return __fmul_rn(v, inverse);
+    if (mode == kReciprocal) return reciprocal_quotient(v);
+    return __fdiv_rn(v, scale);
   }
 
   // v[0], v[1] -> two E4M3 bytes, v[0] at the lower address.
   __device__ __forceinline__ uint32_t pair(float lo, float hi) const {
+    if (mode == kReciprocal) return e4m3x2(reciprocal_quotient(lo), reciprocal_quotient(hi));  // (one branch a pair)
     const float q_lo = quotient(lo), q_hi = quotient(hi);
     uint32_t out = e4m3x2(q_lo, q_hi);
     if (mode == kSpecial) {
@@ -91,6 +118,10 @@ struct Fp8BlockQuantizer {
 
   // Four values -> four E4M3 bytes in one word, v[0] in the lowest byte.
   __device__ __forceinline__ uint32_t quad(float v0, float v1, float v2, float v3) const {
+    if (mode == kReciprocal) {  // (one branch for the four)
+      return e4m3x2(reciprocal_quotient(v0), reciprocal_quotient(v1)) |
+             (uint32_t(e4m3x2(reciprocal_quotient(v2), reciprocal_quotient(v3))) << 16);
+    }
     return pair(v0, v1) | (pair(v2, v3) << 16);
   }
 };

@@ -254,7 +254,7 @@ struct Fp8SwigluEpilogue {
       amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
       const float scale = fp8_block_scale(amax, false);
       if (!row_in[h]) continue;
-      const Fp8BlockQuantizer quantizer(scale);
+      const Fp8BlockQuantizer quantizer(scale, /*bf16_values=*/true);  // act is rounded to bf16 first
 #pragma unroll
       for (int j = 0; j < kGroups; ++j) {
 #pragma unroll

@@ -57,21 +57,27 @@ __global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(co
   if (p.row_end != nullptr) end = min(end, int64_t(*p.row_end));
   const auto* src = static_cast<const __nv_bfloat16*>(p.src);
 
-  // Load: 128 rows x 16 pieces of 16 bytes, 8 per thread, all issued before the first store.
+  // Load: 128 rows x 16 pieces of 16 bytes, 8 per thread, all issued before the first store (a
+  // gather's 8 row indices first, all of them, then the 8 rows).
   constexpr int kPieces = kColumnsTileRows * (kColumnsTileCols * 2 / 16) / kColumnsThreads;
+  int64_t src_rows[kPieces];
+#pragma unroll
+  for (int s = 0; s < kPieces; ++s) {
+    const int64_t row = row0 + (threadIdx.x + s * kColumnsThreads) / 16;
+    src_rows[s] = row < end ? row : -1;  // -1: a zero row
+    if constexpr (kGather) {
+      if (row < end) src_rows[s] = __ldg(p.row_index + row);
+    }
+  }
   uint4 raw[kPieces];
 #pragma unroll
   for (int s = 0; s < kPieces; ++s) {
-    const int i = threadIdx.x + s * kColumnsThreads, row = i / 16, piece = i % 16;
-    raw[s] = make_uint4(0, 0, 0, 0);
-    if (row0 + row >= end) continue;
-    int64_t src_row = row0 + row;
+    const int piece = (threadIdx.x + s * kColumnsThreads) % 16;
     if constexpr (kGather) {
-      src_row = __ldg(p.row_index + src_row);
-      if (src_row < -1 || src_row >= p.num_src_rows) fail_columns_row_index_check(p);
-      if (src_row < 0) continue;
+      if (src_rows[s] < -1 || src_rows[s] >= p.num_src_rows) fail_columns_row_index_check(p);
     }
-    raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_row * p.cols + col0) + piece);
+    raw[s] = make_uint4(0, 0, 0, 0);
+    if (src_rows[s] >= 0) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_rows[s] * p.cols + col0) + piece);
   }
 #pragma unroll
   for (int s = 0; s < kPieces; ++s) {
@@ -104,7 +110,8 @@ __global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(co
   if (part == 0) {
     *reinterpret_cast<float2*>(p.scales + row_block * p.cols + col0 + 2 * pair) = make_float2(scale[0], scale[1]);
   }
-  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale[0]), Fp8BlockQuantizer(scale[1])};
+  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale[0], /*bf16_values=*/true),
+                                          Fp8BlockQuantizer(scale[1], /*bf16_values=*/true)};
   uint32_t out[2][kColumnsRowsPerPart / 4];  // each column's 32 bytes, row first_row + 4j + i in byte i of word j
 #pragma unroll
   for (int j = 0; j < kColumnsRowsPerPart / 4; ++j) {

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows_kernel(const F
         }
         if (block >= blocks_per_row) continue;
         const float scale = fp8_block_scale(amax, p.pow2 != 0);
-        const Fp8BlockQuantizer quantizer(scale);
+        const Fp8BlockQuantizer quantizer(scale, /*bf16_values=*/true);
         reinterpret_cast<uint2*>(q_row + block * kFp8Block)[piece] =
             make_uint2(quantizer.quad(v[0], v[1], v[2], v[3]), quantizer.quad(v[4], v[5], v[6], v[7]));
         if (piece == 0) {

@@ -7,23 +7,23 @@
 //             reads a row's 128 values in order);
 //   amax      over its 64 values, then the warp (shuffles) and the CTA (shared memory);
 //   quantize  its 8 x 8 bytes to q (a half-warp writes a row's 128 bytes), and, with the transposed
-//             copy, into a 128 x 128 byte tile in shared memory (row n, byte k) from which thread
-//             t gathers column k = t % 128, rows 64 (t / 128) .. + 64, and writes them as 64
-//             contiguous bytes of q_t's row k (a warp's 32 lanes read 32 consecutive bytes of one
-//             tile row per step: one bank wavefront).
+//             copy, into a 128 x 128 byte tile in shared memory (row n, byte k) that
+//             quant/transpose_tile_sm90.cuh stores transposed into q_t.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp8_block_math.cuh"
 #include "common/limits.h"
 #include "mok_params.h"
+#include "quant/transpose_tile_sm90.cuh"
 
 namespace mok {
 
-constexpr int kWeightThreads = 256;
+constexpr int kWeightThreads = kTransposeTileThreads;
 constexpr int kWeightRowsPerThread = kFp8Block * kFp8Block / 8 / kWeightThreads;  // 8 rows of 8 values
 static_assert(kWeightThreads == 16 * (kFp8Block / kWeightRowsPerThread), "16 threads per row, 8 values each");
 
@@ -44,7 +44,7 @@ __device__ __forceinline__ void load8(const float* src, float (&v)[8]) {
 
 template <typename T>
 __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const Fp8QuantizeWeightParams p) {
-  __shared__ uint32_t transposed[kFp8Block * kFp8Block / 4];  // 128 rows (n) x 128 bytes (k)
+  __shared__ __align__(16) uint32_t transposed[kFp8Block * kFp8Block / 4];  // 128 rows (n) x 128 bytes (k), swizzled
   __shared__ float warp_amax[kWeightThreads / 32];
   const int64_t k_blocks = p.k / kFp8Block, n_blocks = p.n / kFp8Block;
   const int64_t kb = blockIdx.x % k_blocks;
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const F
 #pragma unroll
   for (int w = 0; w < kWeightThreads / 32; ++w) amax = max_nan(amax, warp_amax[w]);
   const float scale = fp8_block_scale(amax, p.pow2 != 0);
-  const Fp8BlockQuantizer quantizer(scale);
+  const Fp8BlockQuantizer quantizer(scale, std::is_same_v<T, __nv_bfloat16>);
 
   uint8_t* q = p.q != nullptr ? p.q + block_offset : nullptr;  // null: only the transposed copy
 #pragma unroll
@@ -80,7 +80,10 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const F
     const uint2 bytes = make_uint2(quantizer.quad(v[s][0], v[s][1], v[s][2], v[s][3]),
                                    quantizer.quad(v[s][4], v[s][5], v[s][6], v[s][7]));
     if (q != nullptr) reinterpret_cast<uint2*>(q + row * p.k)[piece] = bytes;
-    if (p.q_t != nullptr) reinterpret_cast<uint2*>(transposed + row * (kFp8Block / 4))[piece] = bytes;
+    if (p.q_t != nullptr) {  // 8-byte piece `piece` of the row: half of 16-byte piece piece / 2, swizzled
+      const int swizzled = 2 * transpose_tile_piece(row, piece / 2) + piece % 2;
+      reinterpret_cast<uint2*>(transposed + row * kTransposeTileRowWords)[swizzled] = bytes;
+    }
   }
   if (threadIdx.x == 0) {
     if (p.q != nullptr) p.scales[blockIdx.x] = scale;  // (expert, nb, kb) row-major is the block's index
@@ -89,20 +92,8 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const F
   if (p.q_t == nullptr) return;
   __syncthreads();  // the whole quantized block is in shared memory before its columns are read
 
-  const int column = threadIdx.x % kFp8Block, rows0 = (threadIdx.x / kFp8Block) * (kFp8Block / 2);
-  const auto* bytes = reinterpret_cast<const uint8_t*>(transposed);
-  uint32_t out[kFp8Block / 2 / 4];
-#pragma unroll
-  for (int j = 0; j < kFp8Block / 2 / 4; ++j) {
-    const int r = rows0 + 4 * j;
-    const uint32_t b0 = bytes[r * kFp8Block + column], b1 = bytes[(r + 1) * kFp8Block + column];
-    const uint32_t b2 = bytes[(r + 2) * kFp8Block + column], b3 = bytes[(r + 3) * kFp8Block + column];
-    out[j] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
-  }
-  // q_t (expert, k, n): row kb * 128 + column, bytes nb * 128 + rows0 ..
-  uint4* dst = reinterpret_cast<uint4*>(p.q_t + (expert * p.k + kb * kFp8Block + column) * p.n + nb * kFp8Block + rows0);
-#pragma unroll
-  for (int j = 0; j < kFp8Block / 2 / 16; ++j) dst[j] = make_uint4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
+  // q_t (expert, k, n): rows kb * 128 .., bytes nb * 128 ..
+  store_transposed_tile(transposed, p.q_t + (expert * p.k + kb * kFp8Block) * p.n + nb * kFp8Block, p.n);
 }
 
 }  // namespace mok

@@ -15,7 +15,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          accumulated across receive windows); its reference beside it
     fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_columns (1x128
                          along tokens, transposed), fp8_quantize_weight (128x128 and its transposed
-                         copy); their references beside them
+                         copy), fp8_transpose_weight (the transposed copy from the 128x128 one); their
+                         references beside them
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 
@@ -65,6 +66,8 @@ from megatron_mok.ops.fp8_quant import (
     fp8_quantize_rows_reference,
     fp8_quantize_weight,
     fp8_quantize_weight_reference,
+    fp8_transpose_weight,
+    fp8_transpose_weight_reference,
 )
 from megatron_mok.ops.schedule import build_schedule
 from megatron_mok.ops.swiglu import swiglu_backward, swiglu_forward
@@ -100,6 +103,8 @@ __all__ = [
     "fp8_quantize_rows_reference",
     "fp8_quantize_weight",
     "fp8_quantize_weight_reference",
+    "fp8_transpose_weight",
+    "fp8_transpose_weight_reference",
     "gather_peer_regions",
     "last_failure",
     "pull_grad_rows",

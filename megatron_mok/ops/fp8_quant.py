@@ -16,6 +16,10 @@ two (quantization.block_scale).
     fp8_quantize_weight   weight (E, N, K) bf16 or fp32 -> q (E, N, K) e4m3, scales (E, N/128, K/128),
                           and its transposed copy q_t (E, K, N), scales_t (E, K/128, N/128)
                           (quantization.quantize_weight, transpose_weight)
+    fp8_transpose_weight  q (E, N, K) e4m3 + scales (E, N/128, K/128), a weight's 128x128 quantization
+                          -> its transposed copy q_t (E, K, N), scales_t (E, K/128, N/128): the same
+                          bytes as fp8_quantize_weight's transposed copy, from one byte per element
+                          instead of the weight's two or four (quantization.transpose_weight)
 The references are the `*_reference` functions beside the ops.
 """
 
@@ -61,6 +65,12 @@ def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy):
         weight.new_empty((e, k, n), dtype=E4M3) if transposed else nothing,
         weight.new_empty((e, k // FP8_BLOCK, n // FP8_BLOCK), dtype=torch.float32) if transposed else nothing.clone(),
     )
+
+
+@register_fake("fp8_transpose_weight")
+def _fp8_transpose_weight_fake(q, scales):
+    e, n, k = q.shape
+    return q.new_empty((e, k, n)), scales.new_empty((e, k // FP8_BLOCK, n // FP8_BLOCK))
 
 
 def _padded_rows(rows: int) -> int:
@@ -171,6 +181,21 @@ def fp8_quantize_weight_reference(
             q_t if transposed else None, scales_t if transposed else None)
 
 
+def fp8_transpose_weight(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """A weight's 128x128 quantization, q (E, N, K) e4m3 with scales (E, N/128, K/128) fp32 (from
+    fp8_quantize_weight or quantization.quantize_weight) -> its transposed copy (q_t (E, K, N) e4m3,
+    scales_t (E, K/128, N/128) fp32): a 128x128 block transposes exactly, so these are the bytes
+    fp8_quantize_weight(weight, transposed=True) makes from the weight itself, moved instead of
+    quantized again. Ref: fp8_transpose_weight_reference."""
+    check_fp8_transpose_weight_args(q, scales)
+    return torch.ops.megatron_mok.fp8_transpose_weight(q, scales)
+
+
+def fp8_transpose_weight_reference(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """quantization.transpose_weight."""
+    return quantization.transpose_weight(q, scales)
+
+
 def _fail(op: str, message: str) -> None:
     raise ValueError(f"{op}: {message}")
 
@@ -268,3 +293,17 @@ def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True) 
     if not (transposed or forward_copy):
         _fail(op, "forward_copy or transposed must be True (at least one copy)")
     _check_placement(op, {"weight": weight})
+
+
+def check_fp8_transpose_weight_args(q, scales) -> None:
+    """As check_fp8_quantize_rows_args, for fp8_transpose_weight."""
+    op = "fp8_transpose_weight"
+    _check_tensor(op, "q", q, E4M3, 3, "(E, N, K)")
+    for name, size in (("N (q's rows per expert)", q.shape[1]), ("K (q's columns)", q.shape[2])):
+        if size <= 0 or size % FP8_BLOCK:
+            _fail(op, f"{name} must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {size}")
+    _check_tensor(op, "scales", scales, torch.float32, 3, "(E, N/128, K/128)")
+    wanted = (q.shape[0], q.shape[1] // FP8_BLOCK, q.shape[2] // FP8_BLOCK)
+    if tuple(scales.shape) != wanted:
+        _fail(op, f"scales must be (E, N/128, K/128) = {wanted} for q {tuple(q.shape)}, got {tuple(scales.shape)}")
+    _check_placement(op, {"q": q, "scales": scales})

@@ -257,24 +257,35 @@ def test_weights_are_quantized_once_per_version():
 
 
 def _record_weight_quantizations(monkeypatch) -> list:
-    """ops.fp8_quantize_weight replaced by its reference (the kernel maker on CPU); returns the list of
-    (pow2, forward_copy, transposed) of each call."""
+    """ops.fp8_quantize_weight and ops.fp8_transpose_weight replaced by their references (the kernel
+    maker on CPU); returns the list of (pow2, forward_copy, transposed) of each quantization and
+    "moved" for each transposed copy made from a forward copy."""
     calls = []
 
     def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
         calls.append((pow2, forward_copy, transposed))
         return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
 
+    def transpose_weight(q, scales):
+        calls.append("moved")
+        return ops.fp8_transpose_weight_reference(q, scales)
+
     monkeypatch.setattr(ops, "fp8_quantize_weight", quantize_weight)
+    monkeypatch.setattr(ops, "fp8_transpose_weight", transpose_weight)
     return calls
 
 
 def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(monkeypatch):
     """kernels=True (the kernel backend): ops.fp8_quantize_weight makes the copies (here its reference,
     on CPU), the same bits as the PyTorch maker's; the forward copy is cached apart from the reference's,
-    the transposed one is made per call and never cached (one FP8 copy per weight between passes)."""
+    the transposed one is made per call from the weight (nothing cached) or, once the forward copy is
+    cached, by moving its bytes (ops.fp8_transpose_weight), and is never cached itself (one FP8 copy
+    per weight between passes); either way the PyTorch maker's bits."""
     calls = _record_weight_quantizations(monkeypatch)
     fc1 = (torch.randn(2, 256, 384) / 10).to(torch.bfloat16)
+    from_weight = fp8_weights.quantized_transposed(fc1, kernels=True)
+    assert calls == [(False, False, True)], "no forward copy cached: quantized from the weight, alone"
+    calls.clear()
     made = fp8_weights.quantized(fc1, kernels=True)
     assert fp8_weights.quantized(fc1, kernels=True) is made and calls == [(False, True, False)]
     reference = fp8_weights.quantized(fc1)
@@ -282,12 +293,18 @@ def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(mo
     assert torch.equal(made.values.view(torch.uint8), reference.values.view(torch.uint8))
     assert torch.equal(made.scales, reference.scales)
     first, second = fp8_weights.quantized_transposed(fc1, kernels=True), fp8_weights.quantized_transposed(fc1, kernels=True)
-    assert first is not second and calls == [(False, True, False), (False, False, True), (False, False, True)], \
-        "made per call, alone"
+    assert first is not second and calls == [(False, True, False), "moved", "moved"], \
+        "made per call, from the cached forward copy"
     want = fp8_weights.quantized_transposed(fc1)
     assert first.values.shape == (2, 384, 256)
-    assert torch.equal(first.values.view(torch.uint8), want.values.view(torch.uint8))
-    assert torch.equal(first.scales, want.scales)
+    for copy in (first, from_weight):
+        assert torch.equal(copy.values.view(torch.uint8), want.values.view(torch.uint8))
+        assert torch.equal(copy.scales, want.scales)
+    calls.clear()
+    with torch.no_grad():
+        fc1.mul_(2)  # a new version: the cached copy is stale, and the transposed one comes from the weight
+    fp8_weights.quantized_transposed(fc1, kernels=True)
+    assert calls == [(False, False, True)], calls
 
 
 def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
@@ -309,6 +326,12 @@ def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
         fp8_weights.quantized_transposed(fc1, pow2=True, kernels=True)
     assert [pow2 for pow2, _, _ in calls] == [False, False, True], calls
     assert fp8_weights.quantized_transposed(fc1, kernels=True) is not first, "nothing is held after the block"
+    calls.clear()
+    fp8_weights.quantized(fc1, kernels=True)  # cached: the copies held below are moved from it
+    with fp8_weights.copies_held(True):
+        first = fp8_weights.quantized_transposed(fc1, kernels=True)
+        assert fp8_weights.quantized_transposed(fc1, kernels=True) is first
+    assert calls == [(False, True, False), "moved"], calls
 
 
 def test_a_pass_over_windows_without_the_cache_quantizes_each_forward_copy_once(monkeypatch):

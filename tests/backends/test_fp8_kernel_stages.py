@@ -132,9 +132,15 @@ def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_cop
     return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
 
 
+def _sim_fp8_transpose_weight(q, scales):
+    _meets_the_op_contract(fp8_quant.check_fp8_transpose_weight_args, q, scales)
+    return ops.fp8_transpose_weight_reference(q, scales)
+
+
 SIMULATED = {
     "fp8_quantize_rows": _sim_fp8_quantize_rows,
     "fp8_quantize_weight": _sim_fp8_quantize_weight,
+    "fp8_transpose_weight": _sim_fp8_transpose_weight,
     "fp8_quantize_columns": _sim_fp8_quantize_columns,
     "dispatch_rows": _sim_dispatch_rows,
     "pull_grad_rows": _sim_pull_grad_rows,

@@ -76,6 +76,9 @@ def test_dispatcher_flags():
     assert throughput.dispatcher_flags("mok_fp8_reference") == [
         "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise", "--mok-backend", "reference"]
     assert throughput.is_mok("mok_fp8_reference")
+    assert throughput.dispatcher_flags("mok_fp8_uncached") == [
+        "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise", "--mok-no-fp8-weight-cache"]
+    assert throughput.is_mok("mok_fp8_uncached")
 
 
 def _run(dispatcher: str, losses: dict[int, float]) -> dict:

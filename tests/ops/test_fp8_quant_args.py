@@ -1,5 +1,5 @@
 """The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_columns,
-fp8_quantize_weight: types, dtypes, shapes, the multiple of 128, contiguity and alignment before
+fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of 128, contiguity and alignment before
 devices, so every error but the device's shows without a GPU and before any kernel runs), and their
 references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
 
@@ -30,6 +30,12 @@ def columns_args(**changes):
 
 def weight_args(**changes):
     args = dict(weight=torch.zeros(2, 256, 384, dtype=torch.bfloat16), transposed=True, pow2=False)
+    args.update(changes)
+    return args
+
+
+def transpose_args(**changes):
+    args = dict(q=torch.zeros(2, 256, 384, dtype=E4M3), scales=torch.ones(2, 2, 3))
     args.update(changes)
     return args
 
@@ -97,6 +103,19 @@ BAD_ARGS = {
                               dict(weight=torch.zeros(2, 384, 256, dtype=torch.bfloat16).transpose(1, 2)),
                               "weight must be contiguous"),
     "weight_cpu": ("fp8_quantize_weight", weight_args, {}, "weight must be a CUDA tensor"),
+    "transpose_q_bf16": ("fp8_transpose_weight", transpose_args, dict(q=torch.zeros(2, 256, 384, dtype=torch.bfloat16)),
+                         "q must be torch.float8_e4m3fn"),
+    "transpose_q_2d": ("fp8_transpose_weight", transpose_args, dict(q=torch.zeros(256, 384, dtype=E4M3)),
+                       r"q must be \(E, N, K\)"),
+    "transpose_n_not_multiple": ("fp8_transpose_weight", transpose_args, dict(q=torch.zeros(2, 200, 384, dtype=E4M3)),
+                                 r"N \(q's rows per expert\) must be a positive multiple of 128 .* got 200"),
+    "transpose_scales_fp16": ("fp8_transpose_weight", transpose_args, dict(scales=torch.ones(2, 2, 3, dtype=torch.float16)),
+                              "scales must be torch.float32"),
+    "transpose_scales_shape": ("fp8_transpose_weight", transpose_args, dict(scales=torch.ones(2, 3, 2)),
+                               r"scales must be \(E, N/128, K/128\) = \(2, 2, 3\)"),
+    "transpose_q_not_contiguous": ("fp8_transpose_weight", transpose_args,
+                                   dict(q=torch.zeros(2, 384, 256, dtype=E4M3).transpose(1, 2)), "q must be contiguous"),
+    "transpose_cpu": ("fp8_transpose_weight", transpose_args, {}, "q must be a CUDA tensor"),
 }
 
 
@@ -165,3 +184,11 @@ def test_weight_reference_transposed_copy_is_the_transposed_quantization():
     want_q_t, want_scales_t = quantization.quantize_weight(w.transpose(1, 2).contiguous())
     assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8)) and torch.equal(scales_t, want_scales_t)
     assert q.shape == (2, 256, 384) and scales.shape == (2, 2, 3)
+
+
+def test_transpose_reference_is_the_transposed_quantization():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 256, 384, generator=g).bfloat16()
+    q, scales, want_q_t, want_scales_t = ops.fp8_quantize_weight_reference(w)
+    q_t, scales_t = ops.fp8_transpose_weight_reference(q, scales)
+    assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8)) and torch.equal(scales_t, want_scales_t)

@@ -1,5 +1,5 @@
-"""The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_columns, fp8_quantize_weight;
-csrc/quant/) against megatron_mok/quantization.py run on the same GPU tensors (skipped without a
+"""The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_columns, fp8_quantize_weight,
+fp8_transpose_weight; csrc/quant/) against megatron_mok/quantization.py run on the same GPU tensors (skipped without a
 Hopper GPU and the built extension; run on the device).
 
 Tolerance: none. The kernels compute docs/design.md §12.1 exactly as the reference does (the same
@@ -376,6 +376,69 @@ def test_weight_transposed_copy_alone(pow2):
     assert_scales_equal(scales_t, want[3], "scales_t")
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(WEIGHT_SHAPES))
+def test_transposed_copy_from_the_quantized_weight(shape, kind, dtype, pow2):
+    """fp8_transpose_weight of the 128x128 quantization: quantization.transpose_weight's bytes, and
+    so the transposed copy fp8_quantize_weight makes from the weight itself (NaN blocks included)."""
+    w = weight_values(kind, WEIGHT_SHAPES[shape], dtype, seed_of("transpose", shape, kind, str(dtype)))
+    q, scales, from_weight, from_weight_scales = ops.fp8_quantize_weight(w, pow2=pow2)
+    poison_allocator()
+    q_t, scales_t = ops.fp8_transpose_weight(q, scales)
+    want_q_t, want_scales_t = ops.fp8_transpose_weight_reference(q, scales)
+    assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8)), "q_t: not the bytes of q transposed"
+    assert torch.equal(scales_t.view(torch.int32), want_scales_t.view(torch.int32)), "scales_t"
+    assert_q_equal(q_t, from_weight, "q_t against the copy quantized from the weight")
+    assert_scales_equal(scales_t, from_weight_scales, "scales_t against the copy quantized from the weight")
+
+
+# ---- the quotient v / scale, exhaustively over bf16 ---------------------------------------------
+
+def every_bf16_quotient_block(first_amax_bits: int, end_amax_bits: int) -> torch.Tensor:
+    """(blocks, 128) bf16 on the GPU: for every amax A with bits in [first, end) (positive, finite),
+    blocks holding A in column 0 and, in the other 127, every bf16 value v with |v| <= A, both signs
+    (+-0 included; the last block of an A repeats A where its values run out). So each block's scale
+    is RN(A / 448) and every pair (scale, v) a block of bf16 values can quantize appears once."""
+    amax_bits = torch.arange(first_amax_bits, end_amax_bits, device="cuda", dtype=torch.int64)
+    values_per_amax = 2 * (amax_bits + 1)  # magnitudes 0 .. A, two signs each
+    blocks_per_amax = (values_per_amax + 126) // 127
+    block_amax = torch.repeat_interleave(amax_bits, blocks_per_amax)
+    first_block = torch.cumsum(blocks_per_amax, 0) - blocks_per_amax
+    block_in_amax = torch.arange(block_amax.numel(), device="cuda") - torch.repeat_interleave(first_block, blocks_per_amax)
+    index = block_in_amax[:, None] * 127 + torch.arange(127, device="cuda")[None, :]  # (blocks, 127)
+    magnitude, negative = index // 2, index % 2
+    bits = torch.where(magnitude <= block_amax[:, None], magnitude | (negative << 15), block_amax[:, None])
+    bits = torch.cat([block_amax[:, None], bits], dim=1)
+    bits = torch.where(bits >= 1 << 15, bits - (1 << 16), bits)  # the int16 holding those 16 bits
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def test_every_bf16_quotient_is_the_ieee_quotient():
+    """The quantizer's reciprocal path (Fp8BlockQuantizer kReciprocal, every scale of a bf16 block but
+    the tiny and the huge) against torch's IEEE division, for every bf16 value and every scale a block
+    of bf16 values can have (about 1.07e9 pairs, all of them): the rows kernel against the reference,
+    and the columns kernel (the blocks laid along its tokens) against the rows kernel. The weight
+    kernel and the SwiGLU epilogue call the same device function."""
+    top = 0x7F80  # +inf's bits: every finite positive amax below it
+    edges = [1] + [int(top * (i / 8) ** 0.5) for i in range(1, 8)] + [top]  # about equal work per chunk
+    for first, end in zip(edges, edges[1:]):
+        blocks = every_bf16_quotient_block(first, end)
+        pad = -blocks.shape[0] % 1024  # whole 128 x 1024 tiles for the columns kernel
+        if pad:
+            blocks = torch.cat([blocks, blocks.new_zeros((pad, 128))])
+        x = blocks.view(-1, 1024)
+        q, scales, _ = ops.fp8_quantize_rows(x, gemm_a_scales=False)
+        want_q, want_scales = quantization.quantize_rowwise(x)
+        assert_q_equal(q, want_q, f"rows, amax bits [{first:#x}, {end:#x})")
+        assert_scales_equal(scales, want_scales, f"rows' scales, amax bits [{first:#x}, {end:#x})")
+        del want_q, want_scales
+        q_c, scales_c = ops.fp8_quantize_columns(x.t().contiguous())
+        assert torch.equal(q_c.view(torch.uint8), q.view(torch.uint8)), f"columns, amax bits [{first:#x}, {end:#x})"
+        assert torch.equal(scales_c.t().view(torch.int32), scales.view(torch.int32))
+
+
 # ---- every op: the reference's scale on this device, determinism, graphs, registration ------------
 
 def test_reference_scale_is_the_same_on_the_gpu_and_the_cpu():
@@ -400,6 +463,7 @@ def op_cases():
         ("columns", torch.ops.megatron_mok.fp8_quantize_columns.default, (x, offsets, False)),
         ("weight", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, True)),
         ("weight_transposed_only", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, False)),
+        ("transpose_weight", torch.ops.megatron_mok.fp8_transpose_weight.default, ops.fp8_quantize_weight(w, transposed=False)[:2]),
     ]
 
 
@@ -408,7 +472,7 @@ def same_outputs(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", range(4), ids=["rows", "gathered_rows", "columns", "weight"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight"])
 def test_deterministic_and_graph_replay_equals_eager(case):
     _, op, args = op_cases()[case]
     first = [t.clone() for t in op(*args)]
@@ -429,7 +493,7 @@ def test_deterministic_and_graph_replay_equals_eager(case):
         assert same_outputs(captured, first)
 
 
-@pytest.mark.parametrize("case", range(4), ids=["rows", "gathered_rows", "columns", "weight"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight"])
 def test_registration_fake_no_mutation_and_compile(case):
     """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
     torch.compile(fullgraph=True) of the op gives the eager bytes."""

@@ -1,0 +1,116 @@
+"""The FP8 quantization kernels alone (csrc/quant/), each launch of the FP8 layer's step at a benchmark
+shape, in GB/s of the bytes it must move (its input read once, its E4M3 output and scales written
+once), beside the same run's device copy of as many bytes (torch's `copy_` of a bf16 tensor into
+another: what HBM gives a streaming kernel here).
+
+    python scripts/bench_quantize.py [--shapes deepseek_v3,qwen3_30b]
+
+Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments padded to 128):
+    x rows            ops.fp8_quantize_rows of x (T, H): what a rank publishes
+    dY rows           the same for dY
+    d gate_up rows    (C, 2F)
+    dY columns        ops.fp8_quantize_columns of (C, H) bf16 rows: the fc2 weight gradient's operand
+    act columns       (C, F)
+    d gate_up columns (C, 2F)
+    x columns, gathered  (C, H) rows gathered from x by the schedule (row_index): fc1's weight gradient
+    fc1 / fc2         ops.fp8_quantize_weight, forward copy (the cache's, once per weight version)
+    fc1 / fc2 transposed  the dgrads' copy, from the bf16 weight (forward_copy=False)
+    fc1 / fc2 moved   the same copy by ops.fp8_transpose_weight from the forward copy
+Fresh random data (two sets, alternated), L2 flushed before each rep, medians of 10 after 3 warm-ups
+(scripts/timing.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import SHAPES  # noqa: E402
+from timing import median_ms_interleaved  # noqa: E402
+
+from megatron_mok import ops  # noqa: E402
+from megatron_mok.schedule import build_schedule_from_gathered  # noqa: E402
+
+NUM_SETS = 2
+
+
+def make_set(shape, seed):
+    t, h, f, e, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+    schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=e, segment_alignment=128)
+    rows = schedule.slot_to_route.shape[0]
+    token_of_slot = torch.where(schedule.slot_to_route >= 0, schedule.slot_to_route // k, -1)
+
+    def randn(*size):
+        return torch.randn(*size, device="cuda", generator=gen).bfloat16()
+
+    s = dict(x=randn(t, h), dy=randn(t, h), dgate_up=randn(rows, 2 * f), dy_rows=randn(rows, h), act=randn(rows, f),
+             index=token_of_slot, offsets=schedule.expert_offsets,
+             fc1=(randn(e, 2 * f, h) / h**0.5).bfloat16(), fc2=(randn(e, h, f) / f**0.5).bfloat16())
+    for name in ("fc1", "fc2"):
+        s[name + "_fp8"] = ops.fp8_quantize_weight(s[name], transposed=False)[:2]
+    return s
+
+
+def rows_bytes(r, c):  # bf16 in, e4m3 out, both scale layouts
+    return r * c * 3 + 2 * r * (c // 128) * 4
+
+
+def cases(s):
+    """name -> (function of a set, bytes moved)."""
+    t, h = s["x"].shape
+    rows, f2 = s["dgate_up"].shape
+    e, _, _ = s["fc1"].shape
+    cols = lambda r, c: r * c * 3 + (r // 128 + 1) * c * 4  # noqa: E731
+    weight = lambda w: w.numel() * 3 + w.numel() // 128**2 * 4  # noqa: E731
+    moved = lambda w: w.numel() * 2 + w.numel() // 128**2 * 8  # noqa: E731
+    return {
+        "x rows": (lambda s: ops.fp8_quantize_rows(s["x"]), rows_bytes(t, h)),
+        "dY rows": (lambda s: ops.fp8_quantize_rows(s["dy"]), rows_bytes(t, h)),
+        "d gate_up rows": (lambda s: ops.fp8_quantize_rows(s["dgate_up"]), rows_bytes(rows, f2)),
+        "dY columns": (lambda s: ops.fp8_quantize_columns(s["dy_rows"], s["offsets"]), cols(rows, h)),
+        "act columns": (lambda s: ops.fp8_quantize_columns(s["act"], s["offsets"]), cols(rows, f2 // 2)),
+        "d gate_up columns": (lambda s: ops.fp8_quantize_columns(s["dgate_up"], s["offsets"]), cols(rows, f2)),
+        "x columns, gathered": (lambda s: ops.fp8_quantize_columns(s["x"], s["offsets"], row_index=s["index"]),
+                                cols(rows, h)),
+        "fc1": (lambda s: ops.fp8_quantize_weight(s["fc1"], transposed=False), weight(s["fc1"])),
+        "fc2": (lambda s: ops.fp8_quantize_weight(s["fc2"], transposed=False), weight(s["fc2"])),
+        "fc1 transposed": (lambda s: ops.fp8_quantize_weight(s["fc1"], forward_copy=False), weight(s["fc1"])),
+        "fc2 transposed": (lambda s: ops.fp8_quantize_weight(s["fc2"], forward_copy=False), weight(s["fc2"])),
+        "fc1 moved": (lambda s: ops.fp8_transpose_weight(*s["fc1_fp8"]), moved(s["fc1"])),
+        "fc2 moved": (lambda s: ops.fp8_transpose_weight(*s["fc2_fp8"]), moved(s["fc2"])),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="deepseek_v3,qwen3_30b")
+    args = parser.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        sets = [make_set(shape, seed) for seed in range(NUM_SETS)]
+        table = cases(sets[0])
+        # The baseline: a bf16 device copy of about the bytes of the largest case (read + write).
+        largest = max(nbytes for _, nbytes in table.values())
+        for s in sets:
+            s["copy_src"] = torch.randn(largest // 4, device="cuda").bfloat16()
+            s["copy_dst"] = torch.empty_like(s["copy_src"])
+        fns = {case: fn for case, (fn, _) in table.items()}
+        fns["copy (baseline)"] = lambda s: s["copy_dst"].copy_(s["copy_src"])
+        ms = median_ms_interleaved(fns, sets)
+        copy_gbs = largest / ms["copy (baseline)"] / 1e6
+        print(f"\n{name} (T, H, F, E, K = {shape}); baseline: bf16 copy of {largest / 1e9:.2f} GB, {copy_gbs:.0f} GB/s")
+        print(f"| launch | us | GB moved | GB/s | of the copy's |\n| --- | ---: | ---: | ---: | ---: |")
+        for case, (_, nbytes) in table.items():
+            gbs = nbytes / ms[case] / 1e6
+            print(f"| {case} | {ms[case] * 1e3:.1f} | {nbytes / 1e9:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
