@@ -50,7 +50,8 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2) {
 }
 
 // The scales that Fp8BlockQuantizer's kReciprocal mode takes: every block of bf16 values whose amax
-// lies in about [3.5e-28, 5.9e38) has its scale here; smaller ones divide.
+// is at least about 3.5e-28 has its scale here (bf16's largest amax / 448 is below 2^120); smaller
+// ones divide.
 constexpr float kReciprocalMinScale = 0x1p-100f;
 constexpr float kReciprocalMaxScale = 0x1p120f;
 
@@ -60,12 +61,15 @@ constexpr float kReciprocalMaxScale = 0x1p120f;
 //                v * (1 / scale) is the exact quotient, so its rounding is the division's;
 //   kReciprocal  bf16 values (the caller says so) and a scale in [kReciprocalMinScale,
 //                kReciprocalMaxScale]: y = RN(1 / scale) once per block, then per value
-//                q0 = RN(v * y), r = fma(-q0, scale, v) (exact), RN(q0 + r * y) with v's sign (a
-//                zero keeps its sign): Markstein's correction step, three instructions for the
-//                division's ~10 (reciprocal, check, branch). It equals the IEEE quotient for every
-//                bf16 value and every scale a block of bf16 values can have (scale = RN(amax / 448),
-//                amax a bf16 value): tests/ops/test_gpu_fp8_quant.py checks all of them, exhaustively;
-//                fp32 values (an fp32 weight) are not covered and divide;
+//                q0 = RN(v * y), r = fma(-q0, scale, v), RN(q0 + r * y) with v's sign (a zero keeps
+//                its sign): Markstein's correction step, four instructions for the division's ~10
+//                (reciprocal, check, branch). It gives the IEEE quotient's E4M3 byte for every bf16
+//                value and every scale a block of bf16 values can have (scale = RN(amax / 448), amax
+//                a bf16 value): tests/ops/test_gpu_fp8_quant.py checks all of them, exhaustively. The
+//                fp32 quotient itself can be one ulp off where v is so small that r falls below fp32's
+//                subnormal step, but only for quotients below 2^-13 (the scale's floor keeps them
+//                there), which E4M3 rounds to a zero of v's sign either way. fp32 values (an fp32
+//                weight) are not covered and divide;
 //   kDivide      any other positive finite scale: IEEE division per value;
 //   kSpecial     a NaN, inf or zero scale (a block holding NaN or inf, or an fp32 block whose amax / 448
 //                underflows): IEEE division, and a NaN quotient becomes 0x7F with the quotient's sign

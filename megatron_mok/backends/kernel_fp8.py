@@ -166,7 +166,7 @@ def pull_route_grads(source: GradSource, schedule: Schedule):
 def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F) bf16: d act = FP8 GEMM with fc2 transposed
     (E, F, H), rounded to bf16, then the SwiGLU backward kernel (fp32, rounded once), as the reference."""
-    weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True)
+    weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
     return ops.swiglu_backward(gate_up, grad_act, offsets)
 
@@ -174,7 +174,8 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
 def dgrad_rows(grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """d gate_up (capacity, 2F) bf16, quantized 1x128 along 2F -> d rows (capacity, H) bf16."""
     values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
-    return _gemm(values, scales, fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, kernels=True), offsets)
+    weight = fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+    return _gemm(values, scales, weight, offsets)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -301,6 +301,9 @@ def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(mo
         assert torch.equal(copy.values.view(torch.uint8), want.values.view(torch.uint8))
         assert torch.equal(copy.scales, want.scales)
     calls.clear()
+    fp8_weights.quantized_transposed(fc1, kernels=True, cache=False)
+    assert calls == [(False, False, True)], "cache=False reads no cached copy: quantized from the weight"
+    calls.clear()
     with torch.no_grad():
         fc1.mul_(2)  # a new version: the cached copy is stale, and the transposed one comes from the weight
     fp8_weights.quantized_transposed(fc1, kernels=True)

@@ -415,12 +415,13 @@ def every_bf16_quotient_block(first_amax_bits: int, end_amax_bits: int) -> torch
     return bits.to(torch.int16).view(torch.bfloat16)
 
 
-def test_every_bf16_quotient_is_the_ieee_quotient():
+def test_every_bf16_quotient_gives_the_ieee_quotients_byte():
     """The quantizer's reciprocal path (Fp8BlockQuantizer kReciprocal, every scale of a bf16 block but
-    the tiny and the huge) against torch's IEEE division, for every bf16 value and every scale a block
-    of bf16 values can have (about 1.07e9 pairs, all of them): the rows kernel against the reference,
-    and the columns kernel (the blocks laid along its tokens) against the rows kernel. The weight
-    kernel and the SwiGLU epilogue call the same device function."""
+    the tiny ones) against torch's IEEE division, for every bf16 value and every scale a block of bf16
+    values can have (about 1.07e9 pairs, all of them): the E4M3 bytes and scales of the rows kernel
+    against the reference, and of the columns kernel (the blocks laid along its tokens) against the
+    rows kernel. The weight kernel and the SwiGLU epilogue call the same device function. (Which path
+    the kernel takes for a block is not observable here: this holds whichever it takes.)"""
     top = 0x7F80  # +inf's bits: every finite positive amax below it
     edges = [1] + [int(top * (i / 8) ** 0.5) for i in range(1, 8)] + [top]  # about equal work per chunk
     for first, end in zip(edges, edges[1:]):
