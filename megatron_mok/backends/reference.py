@@ -93,6 +93,8 @@ def dispatch_rows(source, schedule: Schedule) -> torch.Tensor:
     """
     x_all = source.materialize()
     route = schedule.slot_to_route
+    if x_all.shape[0] == 0:  # no tokens in the group: every row is padding
+        return x_all.new_zeros((route.shape[0], x_all.shape[1]))
     token_row = torch.where(route >= 0, route // schedule.topk, 0)
     rows = x_all.index_select(0, token_row)
     return torch.where((route >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
@@ -177,6 +179,8 @@ def pull_route_grads(source, schedule: Schedule) -> torch.Tensor:
     """
     grad_y_all, weights_all = source.materialize()
     route = schedule.slot_to_route
+    if grad_y_all.shape[0] == 0:  # no tokens in the group: every row is padding
+        return grad_y_all.new_zeros((route.shape[0], grad_y_all.shape[1]))
     valid = route >= 0
     safe_route = torch.where(valid, route, 0)
     rows = grad_y_all.index_select(0, safe_route // schedule.topk).float()

@@ -96,6 +96,8 @@ def pull_route_grads(source, schedule: Schedule):
     if not isinstance(grad_y_all, QuantizedRows):
         return reference.pull_route_grads(source, schedule)
     route, valid = _route_rows(schedule)
+    if weights_all.shape[0] == 0:  # no routes to take: every row is padding
+        return grad_y_all.gather(route // schedule.topk, valid)
     weight = weights_all.index_select(0, route)
     return grad_y_all.gather(route // schedule.topk, valid, scale_factor=weight)
 

@@ -78,6 +78,18 @@ def run_layer(x, ids, weights, fc1, fc2, grad, config=FP8):
     return [y.detach()] + [leaf.grad for leaf in leaves]
 
 
+@pytest.mark.parametrize("alignment", [1, FP8_BLOCK])
+def test_a_rank_without_tokens(alignment):
+    """T = 0 (a rank whose batch holds no tokens): empty outputs and zero weight gradients, whatever
+    the padding the schedule gives the experts' segments (FP8 raises the alignment to 128 rows, so
+    the segments are all padding rows and no source row exists to gather)."""
+    x, ids, weights, fc1, fc2, grad = make_problem(Shape(0, 128, 256, 3, 2), "uniform", torch.bfloat16, seed=2)
+    config = MoKConfig(precision="fp8_blockwise", segment_alignment=alignment)
+    y, dx, dweights, dfc1, dfc2 = run_layer(x, ids, weights, fc1, fc2, grad, config=config)
+    assert y.shape == (0, 128) and dx.shape == (0, 128) and dweights.shape == (0, 2)
+    assert dfc1.shape == fc1.shape and not dfc1.any() and dfc2.shape == fc2.shape and not dfc2.any()
+
+
 def row_sqnr_min(got: torch.Tensor, want: torch.Tensor) -> float:
     """The smallest SQNR over the rows of want that are not zero (a zero row must be zero in got)."""
     got, want = got.double(), want.double()
