@@ -2,7 +2,10 @@
 # One device call made of named steps, each bounded by `timeout`, all inside one budget, so that a
 # step that hangs costs its bound and not the call: installs the wheels carried in .whl/ into
 # /tmp/site, builds the extension when megatron_mok/_C*.so is absent (or REBUILD=1), runs the steps
-# in order, logs each to $OUT/STEP.log, and prints each step's failures and a table last.
+# in order, and prints each step's failures and a table last. $OUT gets few files (the device tool
+# brings back only the first 8): table.md, steps.log (every step's output, in order, appended as each
+# step ends), build.log only when the build failed, and what the steps themselves write there (the
+# layer benchmark's JSON and plot, ncu's CSV, the throughput runs' files).
 #
 #     STEPS="tol digests emul" bash scripts/device_steps.sh     # repository root; carry .whl
 #
@@ -27,13 +30,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # On a Hopper GPU a kernel test fails (not skips) when the extension cannot load.
 export MEGATRON_MOK_REQUIRE_EXTENSION=1
 table="$OUT/table.md"
+steps_log="$OUT/steps.log"
+LOGS=$(mktemp -d /tmp/mok_steps.XXXXXX)  # each step's own log, before it joins steps.log
+: > "$steps_log"
 printf '| step | rc | s | summary |\n| --- | --- | --- | --- |\n' > "$table"
 if [ "${REBUILD:-0}" = 1 ] || ! ls megatron_mok/_C*.so >/dev/null 2>&1; then
     built=$(date +%s)
-    MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+    MAX_JOBS=16 python3 setup.py build_ext --inplace > "$LOGS/build.log" 2>&1
     rc=$?
     echo "| build | $rc | $(( $(date +%s) - built )) | |" >> "$table"
-    [ $rc = 0 ] || { tail -40 "$OUT/build.log"; cat "$table"; exit 1; }
+    [ $rc = 0 ] || { cp "$LOGS/build.log" "$OUT/build.log"; tail -40 "$OUT/build.log"; cat "$table"; exit 1; }
+    { echo "== build (its last 20 lines)"; tail -20 "$LOGS/build.log"; echo; } >> "$steps_log"
 fi
 PYTEST="python3 -m pytest -q -p no:cacheprovider --no-header -rfE ${PYTEST_ARGS:-}"
 
@@ -61,6 +68,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The FP8 weight gradient's mainloops under ncu (fc2's, DeepSeek-V3 EP 8 shape): speed of light,
         # warp states, pipes and memory, as ncu prints them.
         fp8_wgrad_profile) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertWgrad' --launch-skip 2 --launch-count 2 --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python3 scripts/profile_expert_gemm.py --fp8 --projection wgrad_fc2" ;;
+        # The same kernel's warp stall reasons per issued instruction and tensor-pipe activity, both
+        # mainloops (wgrad_stalls.csv stays in \$OUT).
+        fp8_wgrad_stalls) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertWgrad' --launch-skip 2 --launch-count 2 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection wgrad_fc2 > \$OUT/wgrad_stalls.csv && python3 scripts/ncu_stalls.py \$OUT/wgrad_stalls.csv" ;;
         # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
         quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss
@@ -84,15 +94,15 @@ for step in $STEPS; do
         continue
     fi
     [ "$bound" -lt "$left" ] || bound=$left
-    log="$OUT/$(echo "$step" | tr -c 'A-Za-z0-9_\n' '_').log"
+    log="$LOGS/$(echo "$step" | tr -c 'A-Za-z0-9_\n' '_').log"
     began=$(date +%s)
     eval timeout -k 5 "$bound" "$command" > "$log" 2>&1
     rc=$?
     summary=$(grep -E "passed|failed|skipped|error|bitwise equal" "$log" | tail -1 | cut -c1-100)
     [ $rc = 124 ] && summary="killed at its $bound s bound; $summary"
     echo "| $step | $rc | $(( $(date +%s) - began )) | $summary |" >> "$table"
+    { echo "== $step (rc $rc, bound $bound s)"; cat "$log"; echo; } >> "$steps_log"
     echo "== $step"
     grep -E "^(FAILED|ERROR)" "$log" | head -15
 done
-tar czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz . 2>/dev/null
 cat "$table"

@@ -133,6 +133,16 @@ def test_kernel_fp8_layer_against_the_reference_fp8_and_float64(shape_name, rout
     _check_against_reference(inputs, KERNEL_FP8, REFERENCE_FP8, f"{shape_name}/{routing}")
 
 
+def test_kernel_fp8_layer_without_tokens():
+    """A rank with no tokens (T = 0): every 128-row segment is padding and no source row exists; empty
+    outputs and zero weight gradients, as the reference backend gives."""
+    inputs = make_inputs(Shape(0, 256, 128, 3, 2), "uniform", seed=30)
+    (y_k, g_k), (y_r, g_r) = run(KERNEL_FP8, *inputs), run(REFERENCE_FP8, *inputs)
+    for name, got, want in zip(NAMES, (y_k, *g_k), (y_r, *g_r)):
+        assert got.shape == want.shape and torch.equal(got, want), f"{name}: {tuple(got.shape)} against {tuple(want.shape)}"
+    assert not g_k[2].any() and not g_k[3].any(), "a weight gradient without tokens must be zero"
+
+
 def test_kernel_fp8_layer_with_bf16_weight_gradients():
     inputs = make_inputs(SHAPES["odd_tokens"], "skewed", seed=31)
     _check_against_reference(inputs, KERNEL_FP8_BF16_WGRAD, REFERENCE_FP8_BF16_WGRAD, "fp8_weight_grad=False")
