@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mok.limits import FP8_BLOCK, FP8_E4M3_MAX, fp8_scale_rows
+from megatron_mok.schedule import take_rows
 
 E4M3 = torch.float8_e4m3fn
 Tensor = torch.Tensor
@@ -79,13 +80,9 @@ class QuantizedRows:
         """Rows index (N,) int64 of these rows; where valid (N,) bool is False the row is an all-zero
         block (values 0, scales 1). scale_factor (N,) fp32 multiplies a row's scales (its E4M3 values
         unchanged): the pulled route row w * dY of §12.4."""
-        if self.num_rows == 0:  # no rows to take (a rank without tokens): every row is padding
-            blocks = self.scales.shape[1]
-            return QuantizedRows(self.values.new_zeros((index.shape[0], self.values.shape[1])),
-                                 self.scales.new_ones((index.shape[0], blocks)))
-        values = self.values.view(torch.uint8).index_select(0, index)  # (E4M3's +0 is the byte 0)
+        values = take_rows(self.values.view(torch.uint8), index)  # (E4M3's +0 is the byte 0)
         values = torch.where(valid.unsqueeze(1), values, torch.zeros((), dtype=torch.uint8, device=values.device))
-        scales = self.scales.index_select(0, index)
+        scales = take_rows(self.scales, index)
         if scale_factor is not None:
             scales = scales * scale_factor.unsqueeze(1)
         scales = torch.where(valid.unsqueeze(1), scales, torch.ones((), dtype=scales.dtype, device=scales.device))

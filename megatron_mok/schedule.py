@@ -51,6 +51,15 @@ class Schedule:
         return self.route_to_slot.shape[0]
 
 
+def take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """source (N, ...) -> source[index] (M, ...) along rows; M zero rows where the source has none (a
+    group without tokens: its schedule's rows are all padding, whose index, 0 by convention, points
+    at no row). The references' gathers take their rows so."""
+    if source.shape[0] == 0:
+        return source.new_zeros((index.shape[0], *source.shape[1:]))
+    return source.index_select(0, index)
+
+
 def check_expert_id_range(topk_ids: torch.Tensor, num_experts: int) -> None:
     """Checks -1 <= topk_ids < num_experts without synchronizing a CUDA device.
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mok.backends.stages import Stages
-from megatron_mok.schedule import Schedule
+from megatron_mok.schedule import Schedule, take_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -93,10 +93,8 @@ def dispatch_rows(source, schedule: Schedule) -> torch.Tensor:
     """
     x_all = source.materialize()
     route = schedule.slot_to_route
-    if x_all.shape[0] == 0:  # no tokens in the group: every row is padding
-        return x_all.new_zeros((route.shape[0], x_all.shape[1]))
     token_row = torch.where(route >= 0, route // schedule.topk, 0)
-    rows = x_all.index_select(0, token_row)
+    rows = take_rows(x_all, token_row)
     return torch.where((route >= 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
@@ -179,12 +177,10 @@ def pull_route_grads(source, schedule: Schedule) -> torch.Tensor:
     """
     grad_y_all, weights_all = source.materialize()
     route = schedule.slot_to_route
-    if grad_y_all.shape[0] == 0:  # no tokens in the group: every row is padding
-        return grad_y_all.new_zeros((route.shape[0], grad_y_all.shape[1]))
     valid = route >= 0
     safe_route = torch.where(valid, route, 0)
-    rows = grad_y_all.index_select(0, safe_route // schedule.topk).float()
-    weight = torch.where(valid, weights_all.index_select(0, safe_route), 0.0)
+    rows = take_rows(grad_y_all, safe_route // schedule.topk).float()
+    weight = torch.where(valid, take_rows(weights_all, safe_route), 0.0)
     return (rows * weight.unsqueeze(1)).to(grad_y_all.dtype)
 
 

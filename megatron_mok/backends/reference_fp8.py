@@ -46,7 +46,7 @@ from megatron_mok.quantization import (
     fp8_grouped_weight_grad,
     quantize_columnwise,
 )
-from megatron_mok.schedule import Schedule
+from megatron_mok.schedule import Schedule, take_rows
 
 Tensor = torch.Tensor
 
@@ -96,9 +96,7 @@ def pull_route_grads(source, schedule: Schedule):
     if not isinstance(grad_y_all, QuantizedRows):
         return reference.pull_route_grads(source, schedule)
     route, valid = _route_rows(schedule)
-    if weights_all.shape[0] == 0:  # no routes to take: every row is padding
-        return grad_y_all.gather(route // schedule.topk, valid)
-    weight = weights_all.index_select(0, route)
+    weight = take_rows(weights_all, route)
     return grad_y_all.gather(route // schedule.topk, valid, scale_factor=weight)
 
 
