@@ -27,9 +27,10 @@ when a dgrad asks for it and dies with that GEMM, so a layer holds one FP8 copy 
 bf16 weight's bytes) between its passes, not two. It is made from the cached forward copy
 (ops.fp8_transpose_weight: 128x128 blocks transpose exactly, so moving the bytes gives the bits a
 quantization of the weight gives, for a read of one byte per element) and, where none is cached
-(cache=False, a capture, an inference tensor), from the weight (ops.fp8_quantize_weight). A backward over several receive windows holds each transposed
-copy from its first dgrad to its end (copies_held), not one per window; likewise a pass over several
-windows without the cache (cache=False) quantizes each weight's forward copy once for all of them.
+(cache=False, a capture, an inference tensor), from the weight (ops.fp8_quantize_weight). A backward
+over several receive windows holds each transposed copy from its first dgrad to its end
+(copies_held), not one per window; likewise a pass over several windows without the cache
+(cache=False) quantizes each weight's forward copy once for all of them.
 Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
 replay.
 """
@@ -109,10 +110,8 @@ def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
 def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
     """The weight's valid entry, quantized now if missing or stale; None where nothing is cached
     (_cacheable)."""
-    if not _cacheable(weight):
-        return None
     entry = _valid_entry(weight, pow2, kernels)
-    if entry is not None:
+    if entry is not None or not _cacheable(weight):
         return entry
     entry = _Entry(_stamp(weight), _quantize(weight, pow2, kernels))
     with _LOCK:
