@@ -291,6 +291,21 @@ struct Fp8QuantizeRowsParams {
   FailureRecord* failure_record;  // host-mapped; null: trap without a record (an index out of range)
 };
 
+// SwiGLU of gate/up rows quantized 1x128 along F (quant/quantize_swiglu_sm90.cuh): q (num_rows, ffn)
+// and its GEMM-A scales from gate_up (num_rows, 2 ffn), gate columns then up columns; rows at or past
+// expert_offsets[num_experts] are not read and quantize as zeros.
+struct Fp8QuantizeSwigluParams {
+  const void* gate_up;            // (num_rows, 2 ffn) bf16
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device: the schedule's end row
+  int32_t num_experts;
+  uint8_t* q;                     // (num_rows, ffn) e4m3
+  float* gemm_a_scales;           // (ffn / 128, gemm_a_rows) fp32: the GEMM-A layout
+  int64_t num_rows;
+  int64_t ffn;                    // a multiple of 128
+  int64_t gemm_a_rows;            // num_rows rounded up to kFp8ScaleRowPad
+  int32_t pow2;
+};
+
 // 1x128 along the rows (tokens) for the weight gradients (quantization.quantize_columnwise): q is
 // the matrix transposed, q[c][r] of source row r, over padded_rows = num_rows rounded up to 128; rows
 // at or past min(num_rows, *row_end) quantize as zeros (their memory is never read), so a schedule's

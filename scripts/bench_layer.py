@@ -4,7 +4,8 @@ the alltoall dispatcher (if megatron-core is installed) and mok, on the same inp
     python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR] [--fp8]
 
 --fp8 adds the FP8 blockwise rows: mok's kernel backend with MoKConfig(precision="fp8_blockwise")
-(with and without its weight cache, MoKConfig.fp8_cache_weights), and torchao's FP8 rowwise MoE op
+(with and without its weight cache, MoKConfig.fp8_cache_weights; and with act quantized where
+backends.tuning.FP8_ACT_QUANTIZE does not choose, mok_kernel_fp8_act_*), and torchao's FP8 rowwise MoE op
 where torchao is installed (torch's grouped GEMM pipeline with each GEMM through torchao's
 dynamically quantizing FP8 rowwise grouped GEMM), each with its forward error beside the bf16 rows'.
 
@@ -17,6 +18,8 @@ to back (the host runs ahead, as in a training loop, unless the method synchroni
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -112,6 +115,35 @@ def mok_layer(config):
         return mok_moe(x, ids, weights, fc1, fc2, config=config)
 
     return run
+
+
+@contextlib.contextmanager
+def tuning_set(name: str, choice: str):
+    """backends.tuning's `name` set to choice inside the block (forward and backward both read it at
+    call time), so a choice and the one tuning makes run side by side in one process."""
+    from megatron_mok.backends import tuning
+
+    chosen = getattr(tuning, name)
+    setattr(tuning, name, choice)
+    try:
+        yield
+    finally:
+        setattr(tuning, name, chosen)
+
+
+def with_tuning(name: str, choice: str, run):
+    """run, marked to be timed (forward, and forward with backward) under tuning_set(name, choice)."""
+    run.tuning = (name, choice)
+    return run
+
+
+def fp8_alternatives() -> dict:
+    """The FP8 kernel layer with the act quantization tuning does not choose (tuning.FP8_ACT_QUANTIZE):
+    label -> run."""
+    from megatron_mok.backends import tuning
+
+    return {"mok_kernel_fp8_act_" + choice: with_tuning("FP8_ACT_QUANTIZE", choice, mok_layer(FP8_KERNEL))
+            for choice in tuning.FP8_ACT_QUANTIZE_CHOICES if choice != tuning.FP8_ACT_QUANTIZE}
 
 
 def megatron_alltoall_layer(shape, expert_parallel: int = 1):
@@ -231,22 +263,27 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
     if fp8:
         methods["mok_kernel_fp8"] = mok_layer(FP8_KERNEL)
         methods["mok_kernel_fp8_uncached"] = mok_layer(FP8_KERNEL_UNCACHED)
+        methods.update(fp8_alternatives())  # the tuning choices not made, beside the ones made
         torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
         if torchao_run is not None:
             methods["torchao_fp8_rowwise"] = torchao_run
     for label, fn in methods.items():
         progress(f"{name}: {label}")
 
-        def fwd(s, fn=fn):
-            with torch.no_grad():
+        chosen = functools.partial(tuning_set, *fn.tuning) if hasattr(fn, "tuning") else contextlib.nullcontext
+
+        def fwd(s, fn=fn, chosen=chosen):
+            with torch.no_grad(), chosen():
                 return fn(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"])
 
-        def fwd_with_grad(s, fn=fn):
+        def fwd_with_grad(s, fn=fn, chosen=chosen):
             leaves = [s[n].detach().requires_grad_() for n in ("x", "weights", "fc1", "fc2")]
-            return fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
+            with chosen():
+                return fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
 
-        def fwd_bwd(s):
-            fwd_with_grad(s).backward(s["grad"])
+        def fwd_bwd(s, chosen=chosen):
+            with chosen():
+                fwd_with_grad(s).backward(s["grad"])
 
         ms_f, ms_fb = median_ms(fwd, sets), median_ms(fwd_bwd, sets)
         row[label] = dict(
@@ -324,6 +361,8 @@ def main() -> None:
         base = row["pytorch"]
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
+            if r is None and label.startswith("mok_kernel_fp8_act_"):
+                continue  # (the act quantization tuning chooses: the mok_kernel_fp8 row)
             if r is None:
                 why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
                 print(f"{row['shape']:<12} {label:<23} {'n/a: ' + str(why):>40}")
@@ -343,7 +382,8 @@ METHOD_LABELS = (
     "mok_kernel_sm90", "mok_kernel",
 )
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
-FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached")
+FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_act_gemm_epilogue",
+              "mok_kernel_fp8_act_swiglu_kernel")
 
 
 def _print_queued(results):

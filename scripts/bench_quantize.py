@@ -9,6 +9,7 @@ Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments p
     x rows            ops.fp8_quantize_rows of x (T, H): what a rank publishes
     dY rows           the same for dY
     d gate_up rows    (C, 2F)
+    act rows, SwiGLU of gate_up  ops.fp8_quantize_swiglu of (C, 2F): the forward's act (C, F)
     dY columns        ops.fp8_quantize_columns of (C, H) bf16 rows: the fc2 weight gradient's operand
     act columns       (C, F)
     d gate_up columns (C, 2F)
@@ -73,6 +74,9 @@ def cases(s):
         "x rows": (lambda s: ops.fp8_quantize_rows(s["x"]), rows_bytes(t, h)),
         "dY rows": (lambda s: ops.fp8_quantize_rows(s["dy"]), rows_bytes(t, h)),
         "d gate_up rows": (lambda s: ops.fp8_quantize_rows(s["dgate_up"]), rows_bytes(rows, f2)),
+        # (gate_up's bf16 in, act's E4M3 out and its GEMM-A scales)
+        "act rows, SwiGLU of gate_up": (lambda s: ops.fp8_quantize_swiglu(s["dgate_up"], s["offsets"]),
+                                        rows * f2 * 2 + rows * f2 // 2 + rows * (f2 // 256) * 4),
         "dY columns": (lambda s: ops.fp8_quantize_columns(s["dy_rows"], s["offsets"]), cols(rows, h)),
         "act columns": (lambda s: ops.fp8_quantize_columns(s["act"], s["offsets"]), cols(rows, f2 // 2)),
         "d gate_up columns": (lambda s: ops.fp8_quantize_columns(s["dgate_up"], s["offsets"]), cols(rows, f2)),

@@ -15,7 +15,7 @@
 # PYTEST_ARGS: extra pytest arguments for every pytest step (e.g. "-x").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-/tmp/mok_out}
+export OUT=${OUT:-/tmp/mok_out}
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
 STEPS=${STEPS:-"tol digests emul"}
@@ -56,8 +56,12 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_wgrad) echo 150 "$PYTEST tests/ops/test_gpu_fp8_wgrad.py" ;;
         fp8_quant) echo 200 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
         fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
+        fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
+        # The FP8 weight gradients in every mainloop, and the gate/up GEMM with and without its SwiGLU
+        # epilogue (the layer's overlap mainloop), beside torch's.
+        fp8_wgrad_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-projections fc1,fc1+swiglu,wgrad_fc1,wgrad_fc2" ;;
         # The layer: mok FP8 beside mok BF16, torchao's FP8 rowwise op and the PyTorch pipeline (bench_layer.json in \$OUT).
         fp8_layer_bench) echo 400 "python3 scripts/bench_layer.py --fp8 --shapes deepseek_v3,qwen3_30b --out \$OUT" ;;
         # The FP8 layer's kernels by stage (the quantization steps' share), forward and backward.
@@ -71,6 +75,12 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The same kernel's warp stall reasons per issued instruction and tensor-pipe activity, both
         # mainloops (wgrad_stalls.csv stays in \$OUT).
         fp8_wgrad_stalls) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertWgrad' --launch-skip 2 --launch-count 2 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection wgrad_fc2 > \$OUT/wgrad_stalls.csv && python3 scripts/ncu_stalls.py \$OUT/wgrad_stalls.csv" ;;
+        # The SwiGLU-epilogue gate/up GEMM (both mainloops) and the plain fc1 GEMM beside it (DeepSeek-V3
+        # EP 8 shape): stall reasons, tensor pipe, shared-memory, L2 and DRAM throughput, time.
+        fp8_swiglu_stalls) echo 240 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertGemm' --launch-skip 6 --launch-count 3 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed' python3 scripts/profile_expert_gemm.py --fp8 --projection fc1+swiglu > \$OUT/swiglu_stalls.csv && python3 scripts/ncu_stalls.py \$OUT/swiglu_stalls.csv" ;;
+        # Where the warps of the layer's SwiGLU-epilogue GEMM and weight gradient stall, per SASS
+        # instruction (PC sampling; DeepSeek-V3 EP 8 shape): scripts/ncu_hot_sass.py.
+        fp8_hot_sass) echo 300 "ncu --section SourceCounters --section WarpStateStats --kernel-name-base demangled --kernel-name regex:'Fp8SwigluEpilogue.*Mainloop.2' --launch-skip 2 --launch-count 1 -o \$OUT/swiglu python3 scripts/profile_expert_gemm.py --fp8 --projection fc1+swiglu > /dev/null && ncu -i \$OUT/swiglu.ncu-rep --page source --csv --print-source sass > /tmp/swiglu_sass.csv && python3 scripts/ncu_hot_sass.py /tmp/swiglu_sass.csv 45 && ncu --section SourceCounters --section WarpStateStats --kernel-name-base demangled --kernel-name regex:'Fp8WgradMainloop.1' --launch-skip 2 --launch-count 1 -o \$OUT/wgrad python3 scripts/profile_expert_gemm.py --fp8 --projection wgrad_fc2 > /dev/null && ncu -i \$OUT/wgrad.ncu-rep --page source --csv --print-source sass > /tmp/wgrad_sass.csv && python3 scripts/ncu_hot_sass.py /tmp/wgrad_sass.csv 45; rm -f \$OUT/*.ncu-rep" ;;
         # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
         quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss
@@ -96,7 +106,9 @@ for step in $STEPS; do
     [ "$bound" -lt "$left" ] || bound=$left
     log="$LOGS/$(echo "$step" | tr -c 'A-Za-z0-9_\n' '_').log"
     began=$(date +%s)
-    eval timeout -k 5 "$bound" "$command" > "$log" 2>&1
+    # In a shell of its own, so that a step made of several commands is bounded and logged whole.
+    export bound
+    timeout -k 5 "$bound" bash -c "$command" > "$log" 2>&1
     rc=$?
     summary=$(grep -E "passed|failed|skipped|error|bitwise equal" "$log" | tail -1 | cut -c1-100)
     [ $rc = 124 ] && summary="killed at its $bound s bound; $summary"

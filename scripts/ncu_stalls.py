@@ -22,17 +22,23 @@ def main(path: str, top: int = 8) -> None:
     header, units, data = rows[0], rows[1], rows[2:]
     name_col = header.index("Kernel Name")
     for row in data:
-        stalls = {}
+        stalls, others = {}, {}
         for column, value in zip(header, row):
             match = PATTERN.fullmatch(column)
+            try:
+                number = float(value.replace(",", ""))
+            except ValueError:
+                continue
             if match:
-                try:
-                    stalls[match.group(1)] = float(value.replace(",", ""))
-                except ValueError:
-                    pass
+                stalls[match.group(1)] = number
+            elif column.endswith((".avg.pct_of_peak_sustained_active", ".avg.pct_of_peak_sustained_elapsed",
+                                  "__time_duration.sum")):  # the pipe activity, throughputs and time asked for
+                others[column] = number
         total = sum(stalls.values())
         best = sorted(stalls.items(), key=lambda kv: -kv[1])[:top]
         print(f"{row[name_col][:90]}\n  total {total:.2f} warps stalled per issue: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
+        if others:
+            print("  " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(others.items())))
 
 
 if __name__ == "__main__":

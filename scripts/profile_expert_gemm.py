@@ -28,6 +28,7 @@ from bench_expert_gemm import (  # noqa: E402
 )
 
 from megatron_mok import ops  # noqa: E402
+from megatron_mok.ops.fp8_gemm import FP8_SWIGLU_GEMM_VARIANTS  # noqa: E402
 from megatron_mok.ops.fp8_wgrad import FP8_WGRAD_VARIANTS  # noqa: E402
 from megatron_mok.backends.kernel import segment_matmul  # noqa: E402
 from megatron_mok.backends.tuning import (  # noqa: E402
@@ -35,6 +36,7 @@ from megatron_mok.backends.tuning import (  # noqa: E402
     EXPERT_GEMM_GROUP_M,
     FP8_EXPERT_GEMM_CLUSTER_M,
     FP8_EXPERT_GEMM_GROUP_M,
+    FP8_EXPERT_GEMM_VARIANT,
 )
 
 FP8_VARIANTS = ("default", "pingpong", "overlap")
@@ -42,14 +44,19 @@ FP8_VARIANTS = ("default", "pingpong", "overlap")
 
 def profile_fp8(shape: str, projection: str) -> None:
     """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM and
-    ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, default mainloop)."""
+    ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, in each variant it has,
+    then our plain fc1 in the layer's variant beside it: what the epilogue costs)."""
     s = make_fp8_inputs(SHAPES[shape], seed=0)
     a_name, w_name, _ = FP8_PROJECTIONS[projection]
     launch = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
     for _ in range(3):
         torch_fp8_rowwise(s, a_name, w_name)
         if projection == "fc1+swiglu":
-            ops.fp8_expert_gemm_swiglu(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch)
+            for variant in FP8_SWIGLU_GEMM_VARIANTS:
+                ops.fp8_expert_gemm_swiglu(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch,
+                                           variant=variant)
+            ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch,
+                                variant=FP8_EXPERT_GEMM_VARIANT)
             continue
         for variant in FP8_VARIANTS:
             ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch, variant=variant)

@@ -1,9 +1,10 @@
 // Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
-// fp8_quantize_columns, fp8_quantize_weight and fp8_transpose_weight of the `megatron_mok` library (validated wrappers,
-// fake implementations and references in megatron_mok/ops/fp8_quant.py, which raise ValueError
-// before these run; the checks here are the same, for callers of torch.ops directly). Each fills its
-// params struct (mok_params.h) once and launches one kernel. An output a caller did not ask for is
-// returned as an empty (0,) tensor (a schema cannot return None).
+// fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_weight and fp8_transpose_weight of the
+// `megatron_mok` library (validated wrappers, fake implementations and references in
+// megatron_mok/ops/fp8_quant.py, which raise ValueError before these run; the checks here are the
+// same, for callers of torch.ops directly). Each fills its params struct (mok_params.h) once and
+// launches one kernel. An output a caller did not ask for is returned as an empty (0,) tensor (a
+// schema cannot return None).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -23,6 +24,7 @@
 #include "mok_params.h"
 #include "quant/quantize_columns_sm90.cuh"
 #include "quant/quantize_rows_sm90.cuh"
+#include "quant/quantize_swiglu_sm90.cuh"
 #include "quant/quantize_weight_sm90.cuh"
 #include "quant/transpose_weight_sm90.cuh"
 
@@ -106,6 +108,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_rows(const at::Tenso
     launch(quantize_rows_kernel<false>);
   }
   return {q, scales, a_scales};
+}
+
+// (act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R)) fp32, the GEMM-A layout, padding columns 1):
+// silu(gate) * up of gate_up (R, 2F) bf16 rounded to bf16, quantized 1x128 along F; rows at or past
+// expert_offsets[-1] are not read and quantize as zeros.
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up, const at::Tensor& expert_offsets,
+                                                       bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_swiglu: ";
+  check_bf16_rows(kOp, gate_up);
+  TORCH_CHECK(gate_up.size(1) % (2 * kFp8Block) == 0, kOp, "gate_up must be (rows, 2F) with F a multiple of ",
+              std::to_string(kFp8Block), ", got ", sizes_str(gate_up));
+  TORCH_CHECK(expert_offsets.is_cuda() && expert_offsets.is_contiguous() && expert_offsets.device() == gate_up.device() &&
+                  expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 && expert_offsets.numel() >= 1,
+              kOp, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on gate_up's device");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
+  const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
+  auto q = at::empty({rows, ffn}, gate_up.options().dtype(at::kFloat8_e4m3fn));
+  auto a_scales = at::empty({ffn / kFp8Block, gemm_a_rows}, gate_up.options().dtype(at::kFloat));
+  if (rows == 0) {
+    a_scales.fill_(1.f);
+    return {q, a_scales};
+  }
+  Fp8QuantizeSwigluParams p{};
+  p.gate_up = gate_up.data_ptr();
+  p.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  p.num_experts = int32_t(expert_offsets.numel() - 1);
+  p.q = e4m3_ptr(q);
+  p.gemm_a_scales = a_scales.data_ptr<float>();
+  p.num_rows = rows;
+  p.ffn = ffn;
+  p.gemm_a_rows = gemm_a_rows;
+  p.pow2 = pow2 ? 1 : 0;
+  // A warp per 2 * kRowsUnroll blocks of 128 act columns.
+  const int64_t warps = (rows * (ffn / kFp8Block) + 2 * kRowsUnroll - 1) / (2 * kRowsUnroll);
+  const int64_t wanted = (warps + kQuantizeThreads / 32 - 1) / (kQuantizeThreads / 32);
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(quantize_swiglu_kernel))));
+  quantize_swiglu_kernel<<<grid, kQuantizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, a_scales};
 }
 
 // (q (C, R_pad) e4m3, scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: x (R, C) bf16
@@ -250,6 +292,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_transpose_weight(Tensor q, Tensor scales) -> (Tensor, Tensor)");
+  m.def("fp8_quantize_swiglu(Tensor gate_up, Tensor expert_offsets, bool pow2) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
@@ -257,6 +300,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_quantize_columns", &fp8_quantize_columns);
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_transpose_weight", &fp8_transpose_weight);
+  m.impl("fp8_quantize_swiglu", &fp8_quantize_swiglu);
 }
 
 }  // namespace mok

@@ -43,26 +43,61 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[8]) {
   }
 }
 
+// The GEMM-A layout's padding columns, (gemm_a_rows - num_rows) per block of columns: 1, as
+// quantization.gemm_a_scales writes them (grid-stride over the blocks of columns).
+__device__ __forceinline__ void fill_gemm_a_padding(float* gemm_a_scales, int64_t blocks_per_row, int64_t num_rows,
+                                                    int64_t gemm_a_rows) {
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t block = thread; block < blocks_per_row; block += int64_t(gridDim.x) * blockDim.x) {
+    for (int64_t row = num_rows; row < gemm_a_rows; ++row) gemm_a_scales[block * gemm_a_rows + row] = 1.f;
+  }
+}
+
+// A thread's place in the half-warp block layout: its warp in the grid and the grid's warps (for
+// grid-stride loops), its 8 columns of a block (piece) and its half of the warp.
+struct HalfWarpLane {
+  int64_t warp, num_warps;
+  int piece, half;
+  __device__ HalfWarpLane()
+      : warp((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32),
+        num_warps(int64_t(gridDim.x) * blockDim.x / 32),
+        piece(threadIdx.x % kRowsUnitThreads),
+        half((threadIdx.x / kRowsUnitThreads) % 2) {}
+};
+
+// The amax of a 1x128 block whose 128 values the 16 threads of a half-warp hold, 8 each: four
+// shuffles inside the half-warp (every lane of the warp calls it: both halves reduce their own block).
+__device__ __forceinline__ float half_warp_block_amax(const float (&v)[8]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = max_nan(amax, fabsf(v[i]));
+#pragma unroll
+  for (int offset = kRowsUnitThreads / 2; offset > 0; offset /= 2) {
+    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+  return amax;
+}
+
+// This thread's 8 bf16 values (exact in fp32) of a block with `scale` as 8 E4M3 bytes, one 8-byte
+// store at piece 8 of the block's q.
+__device__ __forceinline__ void store_quantized_piece(uint8_t* block_q, int piece, float scale, const float (&v)[8]) {
+  const Fp8BlockQuantizer quantizer(scale, /*bf16_values=*/true);
+  reinterpret_cast<uint2*>(block_q)[piece] =
+      make_uint2(quantizer.quad(v[0], v[1], v[2], v[3]), quantizer.quad(v[4], v[5], v[6], v[7]));
+}
+
 template <bool kGather>
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows_kernel(const Fp8QuantizeRowsParams p) {
   const int64_t blocks_per_row = p.cols / kFp8Block;
-  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t num_warps = int64_t(gridDim.x) * blockDim.x / 32;
-  const int piece = threadIdx.x % kRowsUnitThreads;  // this thread's 8 columns of the block
-  const int half = (threadIdx.x / kRowsUnitThreads) % 2;
+  const HalfWarpLane lane;
+  const int piece = lane.piece, half = lane.half;
 
-  // The GEMM-A layout's padding columns, (gemm_a_rows - num_rows) per block of columns: 1, as
-  // quantization.gemm_a_scales writes them.
-  if (p.gemm_a_scales != nullptr) {
-    for (int64_t block = thread; block < blocks_per_row; block += int64_t(gridDim.x) * blockDim.x) {
-      for (int64_t row = p.num_rows; row < p.gemm_a_rows; ++row) p.gemm_a_scales[block * p.gemm_a_rows + row] = 1.f;
-    }
-  }
+  if (p.gemm_a_scales != nullptr) fill_gemm_a_padding(p.gemm_a_scales, blocks_per_row, p.num_rows, p.gemm_a_rows);
 
   const auto* src = static_cast<const __nv_bfloat16*>(p.src);
   // A warp per row; its halves take alternate blocks. Both loops are warp-uniform, so every lane
   // takes part in the shuffles; a block past the row's end computes on zeros and stores nothing.
-  for (int64_t row = thread / 32; row < p.num_rows; row += num_warps) {
+  for (int64_t row = lane.warp; row < p.num_rows; row += lane.num_warps) {
     int64_t src_row = row;
     if constexpr (kGather) {
       src_row = __ldg(p.row_index + row);
@@ -83,18 +118,10 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows_kernel(const F
         const int64_t block = first + 2 * u + half;
         float v[8];
         unpack_bf16x8(raw[u], v);
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = max_nan(amax, fabsf(v[i]));
-#pragma unroll
-        for (int offset = kRowsUnitThreads / 2; offset > 0; offset /= 2) {
-          amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        }
+        const float amax = half_warp_block_amax(v);
         if (block >= blocks_per_row) continue;
         const float scale = fp8_block_scale(amax, p.pow2 != 0);
-        const Fp8BlockQuantizer quantizer(scale, /*bf16_values=*/true);
-        reinterpret_cast<uint2*>(q_row + block * kFp8Block)[piece] =
-            make_uint2(quantizer.quad(v[0], v[1], v[2], v[3]), quantizer.quad(v[4], v[5], v[6], v[7]));
+        store_quantized_piece(q_row + block * kFp8Block, piece, scale, v);
         if (piece == 0) {
           if (p.scales != nullptr) p.scales[row * blocks_per_row + block] = scale;
           if (p.gemm_a_scales != nullptr) p.gemm_a_scales[block * p.gemm_a_rows + row] = scale;

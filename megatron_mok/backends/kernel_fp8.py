@@ -11,9 +11,10 @@ dtype is bf16 (the kernel backend's). Per stage:
     dispatch_gate_up   the source's FP8 rows (x quantized 1x128 along H where its rank published it)
                        and their scales gathered into the segments by the dispatch kernel (the E4M3
                        bytes moved as bf16 pairs, bit for bit; padding rows zero bytes, scale 0) ->
-                       ops.fp8_expert_gemm_swiglu: gate_up bf16 and act quantized 1x128 along F in
-                       its epilogue (pow2 scales: ops.fp8_expert_gemm, the SwiGLU kernel and
-                       fp8_quantize, the fused epilogue writes IEEE scales only)
+                       ops.fp8_expert_gemm: gate_up bf16 -> ops.fp8_quantize_swiglu: act quantized
+                       1x128 along F; or (tuning.FP8_ACT_QUANTIZE "gemm_epilogue", IEEE scales)
+                       ops.fp8_expert_gemm_swiglu, act quantized in the GEMM's epilogue; the same
+                       bytes either way
     expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's)
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
@@ -43,7 +44,7 @@ from typing import Optional
 import torch
 
 from megatron_mok import fp8_weights, ops
-from megatron_mok.backends import kernel
+from megatron_mok.backends import kernel, tuning
 from megatron_mok.backends.fp8_quantize import gemm_a_layout, quantize_columns, quantize_rows_gemm_a, quantize_source_rows
 from megatron_mok.backends.stages import Stages
 from megatron_mok.backends.tuning import (
@@ -129,7 +130,7 @@ def dispatch_gate_up(
     offsets = schedule.expert_offsets
     weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     rows_scales = gemm_a_layout(rows.scales)
-    if not recipe.pow2_scales:
+    if tuning.FP8_ACT_QUANTIZE == "gemm_epilogue" and not recipe.pow2_scales:
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
             rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH,
             variant=FP8_EXPERT_GEMM_SWIGLU_VARIANT,
@@ -137,7 +138,7 @@ def dispatch_gate_up(
         return None, gate_up, GemmOperand(act, act_scales)
     gate_up = _gemm(rows.values, rows_scales, weight, offsets)
     del rows, rows_scales
-    return None, gate_up, GemmOperand(*quantize_rows_gemm_a(ops.swiglu_forward(gate_up, offsets), pow2=True))
+    return None, gate_up, GemmOperand(*ops.fp8_quantize_swiglu(gate_up, offsets, pow2=recipe.pow2_scales))
 
 
 def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:

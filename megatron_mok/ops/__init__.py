@@ -13,9 +13,10 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          with SwiGLU, act quantized 1x128); their references beside them
     fp8_wgrad.py         fp8_expert_wgrad (FP8 blockwise weight gradients, column-wise operands, fp32 out
                          accumulated across receive windows); its reference beside it
-    fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_columns (1x128
-                         along tokens, transposed), fp8_quantize_weight (128x128 and its transposed
-                         copy), fp8_transpose_weight (the transposed copy from the 128x128 one); their
+    fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_swiglu (SwiGLU
+                         of gate/up quantized 1x128 along F), fp8_quantize_columns (1x128 along tokens,
+                         transposed), fp8_quantize_weight (128x128 and its transposed copy),
+                         fp8_transpose_weight (the transposed copy from the 128x128 one); their
                          references beside them
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
@@ -64,6 +65,8 @@ from megatron_mok.ops.fp8_quant import (
     fp8_quantize_columns_reference,
     fp8_quantize_rows,
     fp8_quantize_rows_reference,
+    fp8_quantize_swiglu,
+    fp8_quantize_swiglu_reference,
     fp8_quantize_weight,
     fp8_quantize_weight_reference,
     fp8_transpose_weight,
@@ -101,6 +104,8 @@ __all__ = [
     "fp8_quantize_columns_reference",
     "fp8_quantize_rows",
     "fp8_quantize_rows_reference",
+    "fp8_quantize_swiglu",
+    "fp8_quantize_swiglu_reference",
     "fp8_quantize_weight",
     "fp8_quantize_weight_reference",
     "fp8_transpose_weight",

@@ -9,6 +9,9 @@ two (quantization.block_scale).
                           source layout (R, C/128) and/or the GEMM-A layout (C/128, fp8_scale_rows(R));
                           optionally gathered: row r is x[row_index[r]], a zero row for -1
                           (quantization.quantize_rowwise, gemm_a_scales)
+    fp8_quantize_swiglu   gate_up (R, 2F) bf16 -> act (R, F) e4m3, silu(gate) * up rounded to bf16 and
+                          quantized 1x128 along F, scales in the GEMM-A layout; rows at or past
+                          expert_offsets[-1] are not read (ops.swiglu_forward then quantize_rowwise)
     fp8_quantize_columns  x (R, C) bf16 -> q (C, R_pad) e4m3, 1x128 along R (tokens), scales
                           (R_pad/128, C), R_pad = R rounded up to 128; rows at or past
                           expert_offsets[-1] and the padding quantize as zeros; optionally
@@ -47,6 +50,13 @@ def _fp8_quantize_rows_fake(x, row_index, source_scales, gemm_a_scales, pow2):
         x.new_empty((rows, blocks), dtype=torch.float32) if source_scales else nothing,
         x.new_empty((blocks, fp8_scale_rows(rows)), dtype=torch.float32) if gemm_a_scales else nothing.clone(),
     )
+
+
+@register_fake("fp8_quantize_swiglu")
+def _fp8_quantize_swiglu_fake(gate_up, expert_offsets, pow2):
+    ffn = gate_up.shape[1] // 2
+    return (gate_up.new_empty((gate_up.shape[0], ffn), dtype=E4M3),
+            gate_up.new_empty((ffn // FP8_BLOCK, fp8_scale_rows(gate_up.shape[0])), dtype=torch.float32))
 
 
 @register_fake("fp8_quantize_columns")
@@ -118,6 +128,30 @@ def fp8_quantize_rows_reference(
         rows[taken] = x[row_index[taken]]
     q, scales = quantization.quantize_rowwise(rows, pow2)
     return q, scales, quantization.gemm_a_scales(scales)
+
+
+def fp8_quantize_swiglu(gate_up: Tensor, expert_offsets: Tensor, *, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """gate_up (R, 2F) bf16, gate columns then up columns (F a multiple of 128) -> (act (R, F) e4m3,
+    act_scales (F/128, fp8_scale_rows(R)) fp32 in the GEMM-A layout, padding columns 1): act =
+    silu(gate) * up in fp32 rounded to bf16 (ops.swiglu_forward's arithmetic), quantized 1x128 along F
+    (quantization.quantize_rowwise), in one pass with no bf16 act in memory: the bytes of
+    fp8_expert_gemm_swiglu's act for the same gate_up. Rows at or past expert_offsets[-1] ((E + 1,)
+    int32, read on the device) are not read and quantize as zero rows (scale 1), as swiglu_forward's
+    zero rows there would. Ref: fp8_quantize_swiglu_reference."""
+    check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2)
+    return torch.ops.megatron_mok.fp8_quantize_swiglu(gate_up, expert_offsets, pow2)
+
+
+def fp8_quantize_swiglu_reference(gate_up: Tensor, expert_offsets: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """fp8_quantize_swiglu through PyTorch: SwiGLU in fp32 rounded to bf16 (rows at or past
+    expert_offsets[-1] zero), quantization.quantize_rowwise, quantization.gemm_a_scales. Reads the
+    offsets on the host: tests and references only."""
+    end = min(gate_up.shape[0], int(expert_offsets[-1]))
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).bfloat16()
+    act[end:] = 0
+    q, scales = quantization.quantize_rowwise(act, pow2)
+    return q, quantization.gemm_a_scales(scales)
 
 
 def fp8_quantize_columns(
@@ -273,6 +307,20 @@ def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None) -> 
         tensors["expert_offsets"] = expert_offsets
     _check_flag(op, "pow2", pow2)
     _check_placement(op, tensors)
+
+
+def check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2) -> None:
+    """As check_fp8_quantize_rows_args, for fp8_quantize_swiglu."""
+    op = "fp8_quantize_swiglu"
+    _check_tensor(op, "gate_up", gate_up, torch.bfloat16, 2, "(R, 2F)")
+    if gate_up.shape[1] <= 0 or gate_up.shape[1] % (2 * FP8_BLOCK):
+        _fail(op, f"gate_up's columns (2F) must be twice a positive multiple of {FP8_BLOCK} (F, the act columns, "
+                  f"a multiple of {FP8_BLOCK} for FP8 blockwise), got {gate_up.shape[1]}")
+    _check_tensor(op, "expert_offsets", expert_offsets, torch.int32, 1, "(E + 1,)")
+    if expert_offsets.shape[0] < 1:
+        _fail(op, f"expert_offsets must be (E + 1,), got {tuple(expert_offsets.shape)}")
+    _check_flag(op, "pow2", pow2)
+    _check_placement(op, {"gate_up": gate_up, "expert_offsets": expert_offsets})
 
 
 def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe, ops
-from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for
+from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for, tuning
 from megatron_mok.ops import fp8_gemm, fp8_quant, fp8_wgrad
 from megatron_mok.emulation import EmulatedGroup
 from megatron_mok.quantization import E4M3, Fp8Recipe
@@ -130,6 +130,12 @@ def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False, row_index=N
     return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2, row_index)
 
 
+def _sim_fp8_quantize_swiglu(gate_up, expert_offsets, *, pow2=False):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_swiglu_args, gate_up, expert_offsets, pow2)
+    # (the rows at or past the end, NaN here, are never read: the reference zeroes their act)
+    return ops.fp8_quantize_swiglu_reference(gate_up, expert_offsets, pow2)
+
+
 def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
     _meets_the_op_contract(fp8_quant.check_fp8_quantize_weight_args, weight, transposed, pow2, forward_copy)
     return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
@@ -142,6 +148,7 @@ def _sim_fp8_transpose_weight(q, scales):
 
 SIMULATED = {
     "fp8_quantize_rows": _sim_fp8_quantize_rows,
+    "fp8_quantize_swiglu": _sim_fp8_quantize_swiglu,
     "fp8_quantize_weight": _sim_fp8_quantize_weight,
     "fp8_transpose_weight": _sim_fp8_transpose_weight,
     "fp8_quantize_columns": _sim_fp8_quantize_columns,
@@ -201,6 +208,16 @@ def test_kernel_fp8_options_equal_the_reference_backend(simulated_kernels, weigh
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=5)
     kernel_config, reference_config = _configs(weight_grad, pow2)
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "options")
+
+
+@pytest.mark.parametrize("choice", tuning.FP8_ACT_QUANTIZE_CHOICES)
+def test_kernel_fp8_act_quantized_either_way_equals_the_reference_backend(simulated_kernels, monkeypatch, choice):
+    """tuning.FP8_ACT_QUANTIZE: act quantized by the gate/up GEMM's epilogue or by the SwiGLU
+    quantization kernel after it, the layer bitwise the reference backend's either way."""
+    monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", choice)
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=7)
+    kernel_config, reference_config = _configs()
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), choice)
 
 
 def test_kernel_fp8_without_the_weight_cache_caches_nothing_and_equals_the_reference(simulated_kernels):

@@ -1,7 +1,7 @@
-"""The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_columns,
-fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of 128, contiguity and alignment before
-devices, so every error but the device's shows without a GPU and before any kernel runs), and their
-references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
+"""The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_swiglu,
+fp8_quantize_columns, fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of
+128, contiguity and alignment before devices, so every error but the device's shows without a GPU and
+before any kernel runs), and their references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def rows_args(**changes):
 
 def columns_args(**changes):
     args = dict(x=torch.zeros(R, C, dtype=torch.bfloat16), expert_offsets=None, pow2=False)
+    args.update(changes)
+    return args
+
+
+def swiglu_args(**changes):
+    args = dict(gate_up=torch.zeros(R, C, dtype=torch.bfloat16), expert_offsets=torch.tensor([0, R], dtype=torch.int32),
+                pow2=False)
     args.update(changes)
     return args
 
@@ -85,6 +92,18 @@ BAD_ARGS = {
                          r"row_index must be \(R,\)"),
     "columns_index_strided": ("fp8_quantize_columns", columns_args, dict(row_index=torch.zeros(8, dtype=torch.int64)[::2]),
                               "row_index must be contiguous"),
+    "swiglu_gate_up_fp32": ("fp8_quantize_swiglu", swiglu_args, dict(gate_up=torch.zeros(R, C)),
+                            "gate_up must be torch.bfloat16"),
+    "swiglu_f_not_multiple": ("fp8_quantize_swiglu", swiglu_args, dict(gate_up=torch.zeros(R, 384, dtype=torch.bfloat16)),
+                              r"gate_up's columns \(2F\) must be twice a positive multiple of 128 .* got 384"),
+    "swiglu_offsets_missing": ("fp8_quantize_swiglu", swiglu_args, dict(expert_offsets=None),
+                               "expert_offsets must be a tensor"),
+    "swiglu_offsets_int64": ("fp8_quantize_swiglu", swiglu_args, dict(expert_offsets=torch.zeros(3, dtype=torch.int64)),
+                             "expert_offsets must be torch.int32"),
+    "swiglu_flag_int": ("fp8_quantize_swiglu", swiglu_args, dict(pow2=0), "pow2 must be a bool"),
+    "swiglu_not_contiguous": ("fp8_quantize_swiglu", swiglu_args,
+                              dict(gate_up=torch.zeros(C, R, dtype=torch.bfloat16).t()), "gate_up must be contiguous"),
+    "swiglu_cpu": ("fp8_quantize_swiglu", swiglu_args, {}, "gate_up must be a CUDA tensor"),
     "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
     "weight_fp16": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(2, 256, 384, dtype=torch.float16)),
                     "weight must be torch.bfloat16 or torch.float32"),
@@ -129,6 +148,20 @@ def test_bad_argument_is_a_value_error_naming_it(case):
     flags = {name: args.pop(name) for name in keywords if name in args}
     with pytest.raises(ValueError, match=f"{op}: {words}"):
         getattr(ops, op)(*args.values(), **flags)
+
+
+def test_swiglu_reference_is_swiglu_then_quantize_rowwise_with_rows_past_the_end_zero():
+    g = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(9, 2 * C, generator=g).bfloat16()
+    gate_up[6:] = float("nan")  # past the schedule's end: not part of the result
+    offsets = torch.tensor([0, 4, 6], dtype=torch.int32)
+    act, act_scales = ops.fp8_quantize_swiglu_reference(gate_up, offsets)
+    gate, up = gate_up[:6].float().chunk(2, dim=-1)
+    want_q, want_scales = quantization.quantize_rowwise((torch.nn.functional.silu(gate) * up).bfloat16())
+    assert torch.equal(act[:6].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(act_scales[:, :6], want_scales.t())
+    assert not bool(act[6:].view(torch.uint8).any()) and bool((act_scales[:, 6:] == 1).all())
+    assert act_scales.shape == (C // 128, fp8_scale_rows(9))
 
 
 def test_rows_reference_gathers_and_zero_fills():

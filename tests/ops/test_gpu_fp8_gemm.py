@@ -213,6 +213,11 @@ def test_fp8_expert_gemm_swiglu_quantizes_act_exactly(case, cluster_m):
     wrong_bytes = int((act[:end].view(torch.uint8) != want_q.view(torch.uint8)).sum())
     assert wrong_bytes == 0, f"{wrong_bytes} of {want_q.numel()} act bytes differ from quantize_rowwise's"
     assert torch.equal(act_scales[:, rows:], torch.ones_like(act_scales[:, rows:]))  # the layout's padding
+    # The other place act can be quantized (tuning.FP8_ACT_QUANTIZE): the SwiGLU quantization kernel
+    # on this gate_up writes the epilogue's bytes and scales.
+    act_k, act_scales_k = ops.fp8_quantize_swiglu(gate_up, offsets)
+    assert torch.equal(act_k[:end].view(torch.uint8), act[:end].view(torch.uint8))
+    assert torch.equal(act_scales_k[:, :end], act_scales[:, :end])
     gate, up = fp32.chunk(2, dim=-1)
     act_fp32 = torch.nn.functional.silu(gate) * up
     assert sqnr_db(act_fp32, quantization.dequantize_rowwise(act[:end], act_scales[:, :end].t())) >= MIN_SQNR_ACT_VS_FP32_DB

@@ -1,6 +1,6 @@
-"""The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_columns, fp8_quantize_weight,
-fp8_transpose_weight; csrc/quant/) against megatron_mok/quantization.py run on the same GPU tensors (skipped without a
-Hopper GPU and the built extension; run on the device).
+"""The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_swiglu, fp8_quantize_columns,
+fp8_quantize_weight, fp8_transpose_weight; csrc/quant/) against megatron_mok/quantization.py run on
+the same GPU tensors (skipped without a Hopper GPU and the built extension; run on the device).
 
 Tolerance: none. The kernels compute docs/design.md §12.1 exactly as the reference does (the same
 amax, the IEEE quotient amax / 448, the IEEE quotient v / scale, round-to-nearest-even E4M3 with
@@ -161,6 +161,43 @@ def test_rows_one_layout_only(layouts):
         assert_scales_equal(scales, want_scales, "scales")
     else:
         assert_scales_equal(a_scales, want_gemm_a, "gemm_a scales")
+
+
+# ---- SwiGLU of gate/up, quantized 1x128 along F ---------------------------------------------------
+
+# name: (rows, F, the schedule's end): the end inside the rows, at them, at zero; no rows; DeepSeek-V3's
+# and Qwen3-30B's F.
+SWIGLU_SHAPES = {
+    "one_block": (3, 128, 3),
+    "end_inside_odd_rows": (77, 384, 50),
+    "nothing_written": (40, 128, 0),
+    "no_rows": (0, 256, 0),
+    "deepseek_v3_f": (1001, 2048, 900),
+    "qwen3_30b_f": (515, 768, 515),
+}
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(SWIGLU_SHAPES))
+def test_swiglu_equals_swiglu_then_quantize_rowwise(shape, kind, pow2):
+    """act = quantize_rowwise of silu(gate) * up rounded to bf16; rows at or past the end hold NaN here
+    (the GEMM never wrote them) and must quantize as zero rows, never read."""
+    rows, ffn, end = SWIGLU_SHAPES[shape]
+    gate_up = row_values(kind, rows, 2 * ffn, seed_of("swiglu", shape, kind))
+    gate_up[end:] = float("nan")
+    offsets = torch.tensor([0, end // 2, end], dtype=torch.int32, device="cuda")
+    poison_allocator()
+    act, act_scales = ops.fp8_quantize_swiglu(gate_up, offsets, pow2=pow2)
+    want_act, want_scales = ops.fp8_quantize_swiglu_reference(gate_up, offsets, pow2)
+    assert_q_equal(act, want_act, "act")
+    assert_scales_equal(act_scales, want_scales, "act scales (GEMM-A layout, padding columns 1)")
+    assert not bool(nan_bytes(act[end:]).any()) and bool((act_scales[:, end:] == 1).all())
+    if kind == "gaussian":  # what it replaces: the SwiGLU kernel, then the row quantization
+        act_bf16 = ops.swiglu_forward(gate_up, offsets)
+        q, _, gemm_a = ops.fp8_quantize_rows(act_bf16, source_scales=False, pow2=pow2)
+        assert_q_equal(act, q, "act against swiglu_forward + fp8_quantize_rows")
+        assert_scales_equal(act_scales, gemm_a, "act scales against swiglu_forward + fp8_quantize_rows")
 
 
 # name: (source rows, the index): repeats, reversed order, -1 rows, all -1, an empty source.
@@ -465,6 +502,7 @@ def op_cases():
         ("weight", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, True)),
         ("weight_transposed_only", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, False)),
         ("transpose_weight", torch.ops.megatron_mok.fp8_transpose_weight.default, ops.fp8_quantize_weight(w, transposed=False)[:2]),
+        ("swiglu", torch.ops.megatron_mok.fp8_quantize_swiglu.default, (x[:, :256].contiguous(), offsets, False)),
     ]
 
 
@@ -473,7 +511,8 @@ def same_outputs(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6],
+                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu"])
 def test_deterministic_and_graph_replay_equals_eager(case):
     _, op, args = op_cases()[case]
     first = [t.clone() for t in op(*args)]
@@ -494,7 +533,8 @@ def test_deterministic_and_graph_replay_equals_eager(case):
         assert same_outputs(captured, first)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6],
+                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu"])
 def test_registration_fake_no_mutation_and_compile(case):
     """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
     torch.compile(fullgraph=True) of the op gives the eager bytes."""
