@@ -79,7 +79,7 @@ __device__ __forceinline__ float half_warp_block_amax(const float (&v)[8]) {
 }
 
 // This thread's 8 bf16 values (exact in fp32) of a block with `scale` as 8 E4M3 bytes, one 8-byte
-// store at piece 8 of the block's q.
+// store at byte 8 * piece of the block's q.
 __device__ __forceinline__ void store_quantized_piece(uint8_t* block_q, int piece, float scale, const float (&v)[8]) {
   const Fp8BlockQuantizer quantizer(scale, /*bf16_values=*/true);
   reinterpret_cast<uint2*>(block_q)[piece] =

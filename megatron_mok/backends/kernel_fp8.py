@@ -130,6 +130,9 @@ def dispatch_gate_up(
     offsets = schedule.expert_offsets
     weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     rows_scales = gemm_a_layout(rows.scales)
+    if tuning.FP8_ACT_QUANTIZE not in tuning.FP8_ACT_QUANTIZE_CHOICES:
+        raise ValueError(f"backends.tuning.FP8_ACT_QUANTIZE must be one of {tuning.FP8_ACT_QUANTIZE_CHOICES}, "
+                         f"got {tuning.FP8_ACT_QUANTIZE!r}")
     if tuning.FP8_ACT_QUANTIZE == "gemm_epilogue" and not recipe.pow2_scales:
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
             rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH,

@@ -67,12 +67,13 @@ FP8_EXPERT_GEMM_GROUP_M = 16
 FP8_EXPERT_GEMM_VARIANT = "overlap"
 FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 
-# Where the forward's act is quantized (the same bytes either way: tests/ops/test_gpu_fp8_quant.py,
-# tests/ops/test_gpu_fp8_gemm.py): "gemm_epilogue", by the gate/up GEMM's SwiGLU epilogue
-# (ops.fp8_expert_gemm_swiglu: two passes over K per 128 act columns, the epilogue not overlapped with
-# any MMA); "swiglu_kernel", by ops.fp8_quantize_swiglu after the plain FP8 gate/up GEMM (one more read
-# of gate_up, memory-bound). Chosen by the layer's time on the H200 (docs/performance.md, "The FP8
-# blockwise layer"). pow2 scales always take the kernel (the epilogue writes IEEE scales only).
+# Where the forward's act is quantized (the same bytes either way in the rows before the schedule's
+# end, the only ones read: tests/ops/test_gpu_fp8_quant.py, tests/ops/test_gpu_fp8_gemm.py):
+# "gemm_epilogue", by the gate/up GEMM's SwiGLU epilogue (ops.fp8_expert_gemm_swiglu: two passes
+# over K per 128 act columns, the epilogue not overlapped with any MMA); "swiglu_kernel", by
+# ops.fp8_quantize_swiglu after the plain FP8 gate/up GEMM (one more read of gate_up, memory-bound).
+# Chosen by the layer's time on the H200 (docs/performance.md, "The FP8 blockwise layer"). pow2
+# scales always take the kernel (the epilogue writes IEEE scales only).
 FP8_ACT_QUANTIZE_CHOICES = ("gemm_epilogue", "swiglu_kernel")
 FP8_ACT_QUANTIZE = "swiglu_kernel"
 

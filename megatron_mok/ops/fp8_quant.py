@@ -146,7 +146,7 @@ def fp8_quantize_swiglu_reference(gate_up: Tensor, expert_offsets: Tensor, pow2:
     """fp8_quantize_swiglu through PyTorch: SwiGLU in fp32 rounded to bf16 (rows at or past
     expert_offsets[-1] zero), quantization.quantize_rowwise, quantization.gemm_a_scales. Reads the
     offsets on the host: tests and references only."""
-    end = min(gate_up.shape[0], int(expert_offsets[-1]))
+    end = max(0, min(gate_up.shape[0], int(expert_offsets[-1])))
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = (torch.nn.functional.silu(gate) * up).bfloat16()
     act[end:] = 0

@@ -215,9 +215,21 @@ def test_kernel_fp8_act_quantized_either_way_equals_the_reference_backend(simula
     """tuning.FP8_ACT_QUANTIZE: act quantized by the gate/up GEMM's epilogue or by the SwiGLU
     quantization kernel after it, the layer bitwise the reference backend's either way."""
     monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", choice)
+    called = []
+    for name in ("fp8_expert_gemm_swiglu", "fp8_quantize_swiglu"):  # which op made act
+        monkeypatch.setattr(ops, name, lambda *a, sim=SIMULATED[name], name=name, **k: called.append(name) or sim(*a, **k))
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=7)
     kernel_config, reference_config = _configs()
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), choice)
+    wanted = "fp8_expert_gemm_swiglu" if choice == "gemm_epilogue" else "fp8_quantize_swiglu"
+    assert called and set(called) == {wanted}, f"{choice}: act made by {called}"
+
+
+def test_kernel_fp8_refuses_an_unknown_act_quantize_choice(simulated_kernels, monkeypatch):
+    monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", "epilogue")
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=8)
+    with pytest.raises(ValueError, match="FP8_ACT_QUANTIZE must be one of"):
+        run_layer(*problem, config=_configs()[0])
 
 
 def test_kernel_fp8_without_the_weight_cache_caches_nothing_and_equals_the_reference(simulated_kernels):

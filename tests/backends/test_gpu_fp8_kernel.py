@@ -143,6 +143,22 @@ def test_kernel_fp8_layer_without_tokens():
     assert not g_k[2].any() and not g_k[3].any(), "a weight gradient without tokens must be zero"
 
 
+def test_kernel_fp8_layer_gives_the_same_bits_wherever_act_is_quantized(monkeypatch):
+    """tuning.FP8_ACT_QUANTIZE: act quantized in the gate/up GEMM's SwiGLU epilogue or by the SwiGLU
+    quantization kernel after the plain GEMM; the same act bytes and scales (the ops' tests), so the
+    layer's outputs and gradients are bitwise the same either way."""
+    from megatron_mok.backends import tuning
+
+    inputs = make_inputs(SHAPES["odd_tokens"], "skewed", seed=34)
+    results = {}
+    for choice in tuning.FP8_ACT_QUANTIZE_CHOICES:
+        monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", choice)
+        results[choice] = run(KERNEL_FP8, *inputs)
+    (y_a, g_a), (y_b, g_b) = results.values()
+    for name, a, b in zip(NAMES, (y_a, *g_a), (y_b, *g_b)):
+        assert torch.equal(a, b), f"{name} differs between {tuning.FP8_ACT_QUANTIZE_CHOICES}"
+
+
 def test_kernel_fp8_layer_with_bf16_weight_gradients():
     inputs = make_inputs(SHAPES["odd_tokens"], "skewed", seed=31)
     _check_against_reference(inputs, KERNEL_FP8_BF16_WGRAD, REFERENCE_FP8_BF16_WGRAD, "fp8_weight_grad=False")

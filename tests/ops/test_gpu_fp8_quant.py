@@ -166,7 +166,7 @@ def test_rows_one_layout_only(layouts):
 # ---- SwiGLU of gate/up, quantized 1x128 along F ---------------------------------------------------
 
 # name: (rows, F, the schedule's end): the end inside the rows, at them, at zero; no rows; DeepSeek-V3's
-# and Qwen3-30B's F.
+# and Qwen3-30B's F; more units than one pass of the grid.
 SWIGLU_SHAPES = {
     "one_block": (3, 128, 3),
     "end_inside_odd_rows": (77, 384, 50),
@@ -174,6 +174,8 @@ SWIGLU_SHAPES = {
     "no_rows": (0, 256, 0),
     "deepseek_v3_f": (1001, 2048, 900),
     "qwen3_30b_f": (515, 768, 515),
+    # More (row, block) units than the resident warps take in one pass: the grid-stride step runs.
+    "many_units": (9001, 1024, 8990),
 }
 
 
@@ -502,7 +504,9 @@ def op_cases():
         ("weight", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, True)),
         ("weight_transposed_only", torch.ops.megatron_mok.fp8_quantize_weight.default, (w, True, False, False)),
         ("transpose_weight", torch.ops.megatron_mok.fp8_transpose_weight.default, ops.fp8_quantize_weight(w, transposed=False)[:2]),
-        ("swiglu", torch.ops.megatron_mok.fp8_quantize_swiglu.default, (x[:, :256].contiguous(), offsets, False)),
+        # (F = 384: three blocks a row; rows 20.. past the schedule's end)
+        ("swiglu", torch.ops.megatron_mok.fp8_quantize_swiglu.default,
+         (row_values("gaussian", 37, 768, seed=3), torch.tensor([0, 9, 20], dtype=torch.int32, device="cuda"), False)),
     ]
 
 
