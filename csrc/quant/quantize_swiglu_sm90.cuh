@@ -9,10 +9,10 @@
 // (one 16-byte load of gate, one of up), its amax four shuffles inside a half-warp; the two halves of
 // a warp take neighbouring blocks, kRowsUnroll blocks per thread per pass with every load issued
 // before the first is used. The blocks of all rows form one sequence (grid-stride), not a warp per
-// row: F / 128 need not be a multiple of the 2 * kRowsUnroll blocks a warp takes at once (Qwen3's 6). Rows at or past the schedule's
-// end (expert_offsets[E], read on the device) are never read: the GEMM did not write them; they
-// quantize as zero rows (E4M3 zeros, scale 1), what fp8_quantize_rows makes of swiglu_forward's
-// zero rows there.
+// row: F / 128 need not be a multiple of the 2 * kRowsUnroll blocks a warp takes at once (Qwen3's
+// 6). Rows at or past the schedule's end (expert_offsets[E], read on the device) are never read: the
+// GEMM did not write them; they quantize as zero rows (E4M3 zeros, scale 1), what fp8_quantize_rows
+// makes of swiglu_forward's zero rows there.
 #pragma once
 
 #include <cuda_bf16.h>

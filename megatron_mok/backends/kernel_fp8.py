@@ -14,7 +14,7 @@ dtype is bf16 (the kernel backend's). Per stage:
                        ops.fp8_expert_gemm: gate_up bf16 -> ops.fp8_quantize_swiglu: act quantized
                        1x128 along F; or (tuning.FP8_ACT_QUANTIZE "gemm_epilogue", IEEE scales)
                        ops.fp8_expert_gemm_swiglu, act quantized in the GEMM's epilogue; the same
-                       bytes either way
+                       bytes either way in the rows before the schedule's end (the only ones read)
     expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's)
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
