@@ -258,6 +258,9 @@ struct Fp8ExpertWgradProblem {
 struct Fp8ExpertWgradMaps {
   const CUtensorMap* grad;    // grad (m, num_rows) e4m3 column-wise, boxes of 128 rows x 128 tokens
   const CUtensorMap* inputs;  // inputs (n, num_rows) e4m3 column-wise, the same boxes
+  // rounded_out seen as (num_experts * m, n) bf16, TMA store boxes of 64 rows x 64 columns; without
+  // rounded_out a map of grad, never used
+  const CUtensorMap* rounded_out;
 };
 
 struct Fp8ExpertWgradParams {

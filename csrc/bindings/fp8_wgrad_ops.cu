@@ -51,7 +51,8 @@ void check_register_budget(Kernel kernel) {
 }
 
 template <Fp8WgradMainloop kMainloop>
-void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad, const at::Tensor& inputs) {
+void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad, const at::Tensor& inputs,
+                             void* rounded_out) {
   using Kernel = Fp8ExpertWgradKernel<kMainloop>;
   using Tile = typename Kernel::Tile;
   constexpr size_t kSmemBytes = Kernel::SharedStorage::kSmemBytes;
@@ -60,15 +61,23 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
   const Fp8ExpertWgradProblem& g = params.problem;
   const CUtensorMap grad_map = e4m3_tensor_map_sw128(grad.data_ptr(), g.m, g.num_rows, Tile::kM, "grad");
   const CUtensorMap inputs_map = e4m3_tensor_map_sw128(inputs.data_ptr(), g.n, g.num_rows, Tile::kN, "inputs");
+  // The kernel's maps are one per operand whatever the launch: without rounded_out it never reads
+  // the third, so grad's stands in.
+  const CUtensorMap rounded_out_map =
+      rounded_out != nullptr
+          ? bf16_tensor_map_sw128(rounded_out, int64_t(g.num_experts) * g.m, g.n, g.n, ExpertGemmTile::kStoreBox,
+                                  "rounded_out")
+          : grad_map;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   params.failure_record = failure_record(stream);
-  auto kernel = gemm_kernel_sm90<Kernel, typename Kernel::Maps, typename Kernel::Params, CUtensorMap, CUtensorMap>;
+  auto kernel =
+      gemm_kernel_sm90<Kernel, typename Kernel::Maps, typename Kernel::Params, CUtensorMap, CUtensorMap, CUtensorMap>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   check_register_budget<Tile>(kernel);
   // Persistent: at most one CTA per SM (the shared memory allows no second), at most one per tile.
   const int64_t tiles = int64_t(g.num_experts) * (g.m / Tile::kM) * (g.n / Tile::kN);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(tiles, multiprocessor_count())));
-  kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(grad_map, inputs_map, params);
+  kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(grad_map, inputs_map, rounded_out_map, params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -88,6 +97,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
               std::to_string(kFp8WgradMainloopCount), "), got ", std::to_string(variant));
   TORCH_CHECK(out_opt.has_value() || rounded_out.has_value(), kOp, "out or rounded_out must be given");
   TORCH_CHECK(out_opt.has_value() || !accumulate, kOp, "accumulate=True reads out: out must be given");
+  // (megatron_mok/ops/fp8_wgrad.py FP8_WGRAD_VARIANTS says why)
+  TORCH_CHECK(variant != int64_t(Fp8WgradMainloop::kOverlap) || !accumulate || !rounded_out.has_value(), kOp,
+              "the overlap mainloop with accumulate and rounded_out gives wrong sums now and then; use the default");
   std::vector<std::pair<const at::Tensor*, const char*>> tensors = {
       {&grad, "grad"}, {&grad_scales, "grad_scales"}, {&inputs, "inputs"}, {&inputs_scales, "inputs_scales"},
       {&expert_offsets, "expert_offsets"}};
@@ -134,8 +146,8 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
               "window_begin must be a non-negative multiple of ", std::to_string(kFp8Block), ", got ",
               std::to_string(window_begin));
   TORCH_CHECK(window_begin + rows < (int64_t(1) << 31) && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) &&
-                  experts < (int64_t(1) << 31),
-              kOp, "sizes past 2^31 (window_begin + R, m, n, E)");
+                  experts * m < (int64_t(1) << 31),
+              kOp, "sizes past 2^31 (window_begin + R, m, n, E * m)");
   if (rows == 0) {  // no block: nothing to add
     if (rounded_out.has_value()) {
       if (accumulate) rounded_out->copy_(*out_opt); else rounded_out->zero_();
@@ -152,9 +164,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   p.out = out_opt.has_value() ? out_opt->data_ptr<float>() : nullptr;
   p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
   if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs);
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs, p.rounded_out);
   } else {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs);
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs, p.rounded_out);
   }
 }
 

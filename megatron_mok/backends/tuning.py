@@ -77,8 +77,9 @@ FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 FP8_ACT_QUANTIZE_CHOICES = ("gemm_epilogue", "swiglu_kernel")
 FP8_ACT_QUANTIZE = "swiglu_kernel"
 
-# The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS): "overlap" issues block k + 1's
-# wgmmas before promoting block k (two partial sums per warpgroup); every mainloop gives the default's
-# bits (tests/ops/test_gpu_fp8_wgrad.py), so this choice is speed only (docs/performance.md, "The FP8
-# blockwise grouped GEMM alone").
-FP8_WGRAD_VARIANT = "overlap"
+# The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS): "default". "overlap" (block
+# k + 1's wgmmas issued before block k is promoted, two partial sums per warpgroup) is faster but gives
+# wrong sums, now and then, in a window that accumulates and rounds after windows of experts without
+# rows (a race not yet found; the op refuses that case), so it is not launched (docs/performance.md,
+# "The FP8 blockwise grouped GEMM alone").
+FP8_WGRAD_VARIANT = "default"

@@ -32,9 +32,11 @@ from megatron_mok.ops.extension import register_fake
 E4M3 = torch.float8_e4m3fn
 
 
-# The kernel's mainloops (csrc/gemm/fp8_wgrad_sm90.cuh Fp8WgradMainloop, in its order), every one
-# bitwise the default's: "overlap" keeps two partial sums per warpgroup, so one block is promoted while
-# the next runs (tests/ops/test_gpu_fp8_wgrad.py holds them to the default bit for bit).
+# The kernel's mainloops (csrc/gemm/fp8_wgrad_sm90.cuh Fp8WgradMainloop, in its order): "overlap" keeps
+# two partial sums per warpgroup, so one block is promoted while the next runs, bitwise the default's
+# where it is allowed (tests/ops/test_gpu_fp8_wgrad.py holds them to the default bit for bit). It is
+# refused with accumulate and rounded together: there a race not yet found makes a few of a warp's
+# sums wrong now and then (the tiles right after tiles of experts without rows in the window).
 FP8_WGRAD_VARIANTS = ("default", "overlap")
 
 
@@ -172,6 +174,9 @@ def check_fp8_expert_wgrad_args(
         fail("accumulate=True adds to out: out must be given")
     if variant not in FP8_WGRAD_VARIANTS:
         fail(f"variant must be one of {FP8_WGRAD_VARIANTS}, got {variant!r}")
+    if variant == "overlap" and accumulate and rounded is not None:
+        fail("variant='overlap' with accumulate=True and rounded gives wrong sums now and then (a race not yet "
+             "found); use variant='default'")
     if out is not None and rounded is not None and _overlap(out, rounded):
         fail("out and rounded must not overlap in memory (out is read while rounded is written)")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
@@ -179,8 +184,9 @@ def check_fp8_expert_wgrad_args(
     if window_begin < 0 or window_begin % FP8_BLOCK:
         fail(f"window_begin must be a non-negative multiple of {FP8_BLOCK} (a window starts on a block of "
              f"every segment it splits), got {window_begin}")
-    if window_begin + rows >= 1 << 31 or experts >= 1 << 31:
-        fail(f"window_begin + R and E must be below 2^31, got {window_begin + rows} and {experts}")
+    if window_begin + rows >= 1 << 31 or experts * m >= 1 << 31:
+        # (the rounded result is stored by TMA at row expert * m + m0 of an (E * m, n) view)
+        fail(f"window_begin + R and E * m must be below 2^31, got {window_begin + rows} and {experts * m}")
     for name, t in tensors.items():
         if not t.is_contiguous():
             fail(f"{name} must be contiguous")

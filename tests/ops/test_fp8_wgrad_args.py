@@ -68,7 +68,7 @@ BAD_ARGS = {
     "window_begin_bool": (dict(window_begin=True), "window_begin must be an int"),
     "window_begin_negative": (dict(window_begin=-128), "window_begin must be a non-negative multiple of 128"),
     "window_begin_inside_a_block": (dict(window_begin=64), "window_begin must be a non-negative multiple of 128"),
-    "window_past_2_31": (dict(window_begin=(1 << 31) - 128), "window_begin \\+ R and E must be below 2\\^31"),
+    "window_past_2_31": (dict(window_begin=(1 << 31) - 128), "window_begin \\+ R and E \\* m must be below 2\\^31"),
     "grad_not_contiguous": (dict(grad=torch.zeros(R, M, dtype=E4M3).t()), "grad must be contiguous"),
     "out_not_contiguous": (dict(out=torch.zeros(E, N, M).transpose(1, 2)), "out must be contiguous"),
     "grad_scales_misaligned": (dict(grad_scales=torch.ones(R // 128 * M + 1)[1:].view(R // 128, M)),
@@ -77,6 +77,9 @@ BAD_ARGS = {
     "rounded_wrong_shape": (dict(rounded=torch.zeros(E, N, M, dtype=torch.bfloat16)),
                             r"rounded must be \(E, m, n\) = \(3, 256, 384\)"),
     "variant_unknown": (dict(variant="pingpong"), r"variant must be one of \('default', 'overlap'\)"),
+    "overlap_accumulating_and_rounding": (
+        dict(variant="overlap", accumulate=True, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16)),
+        "variant='overlap' with accumulate=True and rounded gives wrong sums"),
     "cpu_tensors": ({}, r"grad must be a CUDA tensor on grad's device"),
 }
 
