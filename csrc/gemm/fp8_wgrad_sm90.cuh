@@ -177,10 +177,11 @@ enum class Fp8WgradMainloop : int {
   kDefault = 0,
   // Two partial sums per warpgroup used in turn: block k + 1's wgmmas are issued before block k's
   // are waited for (wgmma.wait_group 1), so each warpgroup promotes block k while its next block
-  // runs. Known defect: with accumulate and rounded_out, a few of one warp's sums in the first
-  // tiles after tiles without blocks come out wrong now and then (a race not yet found; the op
-  // refuses that case, and the backend launches kDefault). The scales are read from the stage during the promotion, so a stage is released after its
-  // block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for
+  // runs. Its releases were racy (with accumulate and rounded_out, a few of one warp's sums in the
+  // first tiles after tiles without blocks came out wrong now and then: ptxas issued a stage's
+  // arrival before its last scale loads had returned); retire() now fences them, which no GPU has
+  // run yet, so the op still refuses that case and the backend launches kDefault. The scales are
+  // read from the stage during the promotion, so a stage is released after its block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for
   // the sums: the consumers' setmaxnreg budget, not the 168 of the whole launch.
   kOverlap = 1,
 };
@@ -427,6 +428,11 @@ struct Fp8ExpertWgradKernel {
       sm90::fence_accumulators(partial);
       const int oldest = stage >= back ? stage - back : stage - back + Tile::kStages;
       promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
+      // The stage's next scales arrive by bulk copy (the async proxy) once it is released, and
+      // nothing in the arrival depends on the scale loads: ptxas may issue it while the last of them
+      // are in flight, ahead of the multiplies that consume them. A proxy fence orders this
+      // thread's loads of the stage before its later async-proxy-visible steps.
+      sm90::fence_async_shared();
       __syncwarp();
       if (lane == 0) sm90::mbarrier_arrive(&shared.empty[oldest]);
     };

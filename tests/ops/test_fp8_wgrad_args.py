@@ -79,7 +79,7 @@ BAD_ARGS = {
     "variant_unknown": (dict(variant="pingpong"), r"variant must be one of \('default', 'overlap'\)"),
     "overlap_accumulating_and_rounding": (
         dict(variant="overlap", accumulate=True, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16)),
-        "variant='overlap' with accumulate=True and rounded gives wrong sums"),
+        "variant='overlap' with accumulate=True and rounded gave wrong sums"),
     "cpu_tensors": ({}, r"grad must be a CUDA tensor on grad's device"),
 }
 
