@@ -51,8 +51,7 @@ void check_register_budget(Kernel kernel) {
 }
 
 template <Fp8WgradMainloop kMainloop>
-void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad, const at::Tensor& inputs,
-                             void* rounded_out) {
+void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad, const at::Tensor& inputs) {
   using Kernel = Fp8ExpertWgradKernel<kMainloop>;
   using Tile = typename Kernel::Tile;
   constexpr size_t kSmemBytes = Kernel::SharedStorage::kSmemBytes;
@@ -64,9 +63,9 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
   // The kernel's maps are one per operand whatever the launch: without rounded_out it never reads
   // the third, so grad's stands in.
   const CUtensorMap rounded_out_map =
-      rounded_out != nullptr
-          ? bf16_tensor_map_sw128(rounded_out, int64_t(g.num_experts) * g.m, g.n, g.n, ExpertGemmTile::kStoreBox,
-                                  "rounded_out")
+      params.rounded_out != nullptr
+          ? bf16_tensor_map_sw128(params.rounded_out, int64_t(g.num_experts) * g.m, g.n, g.n,
+                                  ExpertGemmTile::kStoreBox, "rounded_out")
           : grad_map;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   params.failure_record = failure_record(stream);
@@ -164,9 +163,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   p.out = out_opt.has_value() ? out_opt->data_ptr<float>() : nullptr;
   p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
   if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs, p.rounded_out);
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs);
   } else {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs, p.rounded_out);
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs);
   }
 }
 

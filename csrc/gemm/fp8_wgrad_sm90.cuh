@@ -181,8 +181,9 @@ enum class Fp8WgradMainloop : int {
   // first tiles after tiles without blocks came out wrong now and then: ptxas issued a stage's
   // arrival before its last scale loads had returned); retire() now fences them, which no GPU has
   // run yet, so the op still refuses that case and the backend launches kDefault. The scales are
-  // read from the stage during the promotion, so a stage is released after its block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for
-  // the sums: the consumers' setmaxnreg budget, not the 168 of the whole launch.
+  // read from the stage during the promotion, so a stage is released after its block is promoted
+  // (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for the sums: the
+  // consumers' setmaxnreg budget, not the 168 of the whole launch.
   kOverlap = 1,
 };
 constexpr int kFp8WgradMainloopCount = 2;  // the op checks 0 <= variant < this
