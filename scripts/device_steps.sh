@@ -54,6 +54,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         procs_module) echo 200 "$PYTEST -s tests/comm/test_gpu_process_group.py tests/megatron/test_gpu_process_group_module.py" ;;
         fp8_gemm) echo 150 "$PYTEST tests/ops/test_gpu_fp8_gemm.py" ;;
         fp8_wgrad) echo 150 "$PYTEST tests/ops/test_gpu_fp8_wgrad.py" ;;
+        # The weight gradient over receive windows, run after run, in every mainloop (races show as some runs in many).
+        fp8_wgrad_stress) echo 150 "python3 scripts/stress_fp8_wgrad_windows.py" ;;
         fp8_quant) echo 200 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
         fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
         fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;

@@ -96,9 +96,6 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
               std::to_string(kFp8WgradMainloopCount), "), got ", std::to_string(variant));
   TORCH_CHECK(out_opt.has_value() || rounded_out.has_value(), kOp, "out or rounded_out must be given");
   TORCH_CHECK(out_opt.has_value() || !accumulate, kOp, "accumulate=True reads out: out must be given");
-  // (megatron_mok/ops/fp8_wgrad.py FP8_WGRAD_VARIANTS says why)
-  TORCH_CHECK(variant != int64_t(Fp8WgradMainloop::kOverlap) || !accumulate || !rounded_out.has_value(), kOp,
-              "the overlap mainloop with accumulate and rounded_out gives wrong sums now and then; use the default");
   std::vector<std::pair<const at::Tensor*, const char*>> tensors = {
       {&grad, "grad"}, {&grad_scales, "grad_scales"}, {&inputs, "inputs"}, {&inputs_scales, "inputs_scales"},
       {&expert_offsets, "expert_offsets"}};

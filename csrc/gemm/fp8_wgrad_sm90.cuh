@@ -177,12 +177,8 @@ enum class Fp8WgradMainloop : int {
   kDefault = 0,
   // Two partial sums per warpgroup used in turn: block k + 1's wgmmas are issued before block k's
   // are waited for (wgmma.wait_group 1), so each warpgroup promotes block k while its next block
-  // runs. Its releases were racy (with accumulate and rounded_out, a few of one warp's sums in the
-  // first tiles after tiles without blocks came out wrong now and then: ptxas issued a stage's
-  // arrival before its last scale loads had returned); retire() now fences them, which no GPU has
-  // run yet, so the op still refuses that case and the backend launches kDefault. The scales are
-  // read from the stage during the promotion, so a stage is released after its block is promoted
-  // (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for the sums: the
+  // runs. The scales are read from the stage during the promotion, so a stage is released after its
+  // block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for the sums: the
   // consumers' setmaxnreg budget, not the 168 of the whole launch.
   kOverlap = 1,
 };
@@ -378,7 +374,11 @@ struct Fp8ExpertWgradKernel {
         promote(acc, partial, sm90::smem_u32(shared.a_scales + stage * Tile::kM + f.row),
                 sm90::smem_u32(shared.b_scales + stage * Tile::kN + f.col));
         // The warp's shared-memory reads of the stage (the MMAs' and the scales') are done: hand it
-        // back, lane 0 for the warp (__syncwarp orders the other lanes' loads before its arrival).
+        // back, lane 0 for the warp. The stage's next scales arrive by bulk copy (the async proxy), and
+        // nothing in the arrival depends on the scale loads, so ptxas may issue it while the last of
+        // them are in flight: the proxy fence orders this thread's loads of the stage first, and
+        // __syncwarp the other lanes' before lane 0's arrival.
+        sm90::fence_async_shared();
         __syncwarp();
         if (lane == 0) sm90::mbarrier_arrive(&shared.empty[stage]);
         sm90::advance_stage<Tile::kStages>(stage, phase);
@@ -429,10 +429,9 @@ struct Fp8ExpertWgradKernel {
       sm90::fence_accumulators(partial);
       const int oldest = stage >= back ? stage - back : stage - back + Tile::kStages;
       promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
-      // The stage's next scales arrive by bulk copy (the async proxy) once it is released, and
-      // nothing in the arrival depends on the scale loads: ptxas may issue it while the last of them
-      // are in flight, ahead of the multiplies that consume them. A proxy fence orders this
-      // thread's loads of the stage before its later async-proxy-visible steps.
+      // The proxy fence orders this thread's scale loads before the arrival (consume() says why:
+      // without it, ptxas issued the arrival ahead of the multiplies that consumed the last loads,
+      // and a few of a warp's sums came out wrong now and then).
       sm90::fence_async_shared();
       __syncwarp();
       if (lane == 0) sm90::mbarrier_arrive(&shared.empty[oldest]);

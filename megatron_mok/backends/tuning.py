@@ -77,10 +77,7 @@ FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 FP8_ACT_QUANTIZE_CHOICES = ("gemm_epilogue", "swiglu_kernel")
 FP8_ACT_QUANTIZE = "swiglu_kernel"
 
-# The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS): "default". "overlap" (block
-# k + 1's wgmmas issued before block k is promoted, two partial sums per warpgroup) is faster but gives
-# wrong sums, now and then, in a window that accumulates and rounds after windows of experts without
-# rows (a race: a stage released before its last scale loads had read it; fenced in the source, not yet
-# run on a GPU; the op refuses that case), so it is not launched (docs/performance.md, "The FP8 weight
-# gradient with its tile through shared memory and TMA stores").
-FP8_WGRAD_VARIANT = "default"
+# The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS), chosen by its time on the
+# H200 (docs/performance.md, "The FP8 weight gradient"): "overlap" issues block k + 1's wgmmas before
+# block k is promoted (two partial sums per warpgroup); both give the same bits.
+FP8_WGRAD_VARIANT = "overlap"

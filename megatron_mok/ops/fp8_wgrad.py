@@ -34,10 +34,8 @@ E4M3 = torch.float8_e4m3fn
 
 # The kernel's mainloops (csrc/gemm/fp8_wgrad_sm90.cuh Fp8WgradMainloop, in its order): "overlap" keeps
 # two partial sums per warpgroup, so one block is promoted while the next runs, bitwise the default's
-# where it is allowed (tests/ops/test_gpu_fp8_wgrad.py holds them to the default bit for bit). It is
-# refused with accumulate and rounded together: there it made a few of a warp's sums wrong now and
-# then (it released a stage before its last scale loads had read it; the kernel's source now fences
-# them, not yet run on a GPU, so the refusal stays until it has).
+# (tests/ops/test_gpu_fp8_wgrad.py holds them to the default bit for bit, receive windows and reruns
+# included).
 FP8_WGRAD_VARIANTS = ("default", "overlap")
 
 
@@ -175,9 +173,6 @@ def check_fp8_expert_wgrad_args(
         fail("accumulate=True adds to out: out must be given")
     if variant not in FP8_WGRAD_VARIANTS:
         fail(f"variant must be one of {FP8_WGRAD_VARIANTS}, got {variant!r}")
-    if variant == "overlap" and accumulate and rounded is not None:
-        fail("variant='overlap' with accumulate=True and rounded gave wrong sums now and then (a race, its fix "
-             "not yet verified on a GPU); use variant='default'")
     if out is not None and rounded is not None and _overlap(out, rounded):
         fail("out and rounded must not overlap in memory (out is read while rounded is written)")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
