@@ -252,7 +252,14 @@ struct Fp8ExpertWgradProblem {
   int32_t m;             // grad's columns (out's rows), a multiple of 128
   int32_t n;             // inputs' columns (out's columns), a multiple of 128
   int32_t window_begin;  // schedule row of the window's first row, a multiple of 128
-  int32_t accumulate;    // 1: add to out (a later window), 0: overwrite it
+  int32_t accumulate;    // 1: every expert's chain starts from chain_in (a later window), 0: from zero
+  int32_t rounded;       // 1: every tile's sums rounded into rounded_out (rounded_out given)
+  // 1: the windowed form (accumulate 0, rounded 1, chain_in / chain_out the carries): expert e's chain
+  // starts from chain_in when its segment [o_e, o_e+1) begins before the window, is rounded into
+  // rounded_out when it ends inside the window (o_e+1 <= window_begin + num_rows), else stored into
+  // chain_out; an expert without rows in the window is skipped, but for an empty one (o_e = o_e+1),
+  // rounded (as zeros) by the window that begins at row 0. Windows run in order and tile the rows.
+  int32_t windowed;
 };
 
 struct Fp8ExpertWgradMaps {
@@ -267,9 +274,15 @@ struct Fp8ExpertWgradParams {
   Fp8ExpertWgradProblem problem;
   const float* grad_scales;    // (num_rows / 128, m) fp32: block b's scales contiguous over columns
   const float* inputs_scales;  // (num_rows / 128, n) fp32
-  float* out;                  // (num_experts, m, n) fp32: read with accumulate; written unless rounded_out
+  // The fp32 chains: read from chain_in where a chain continues, written to chain_out where a tile
+  // is not rounded, expert e's tile at e * chain_expert_stride: out (num_experts, m, n) for both
+  // (stride m * n), or the windowed form's two carries of (m, n) (stride 0: a window continues at
+  // most the one expert that crosses its first row and carries on the one that crosses its end).
+  const float* chain_in;
+  float* chain_out;
+  int64_t chain_expert_stride;
   uint16_t* rounded_out;       // (num_experts, m, n) bf16 bits or null: the sums rounded (to nearest even)
-                               // here instead of written to out
+                               // here instead of written to chain_out
   FailureRecord* failure_record;  // host-mapped; null: trap without a record
 };
 

@@ -36,8 +36,11 @@ tokens): wgrad_fc1 (d fc1 (2F, H) = d gate_up^T . rows) and wgrad_fc2 (d fc2 (H,
 beside torch's bf16 grouped_mm (offsets on K), our bf16 sm90 wgrad kernel (bf16 out) and, where torch
 has it, torch._scaled_grouped_mm k-grouped with rowwise scales; ours per mainloop
 (ops.fp8_wgrad.FP8_WGRAD_VARIANTS) writing the bf16 gradient (`rounded`: one window, as the layer runs
-it), and the fastest accumulating into an fp32 out (a later receive window: out read and written).
-TFLOP/s count the routed rows only (2 * t * topk * N * K), as for the GEMMs.
+it), the launched one accumulating into an fp32 out (`fp8 acc`: a later receive window's accumulate
+form, out read and written), and the whole pass over 8 receive windows of whole blocks: `windowed 8`,
+the windowed form the layer runs (each expert rounded by the window that ends it, one (m, n) carry
+between windows), and `acc form 8`, the accumulate form (the first window writing an fp32 total of
+every expert, the others adding to it, the last rounding all of it). TFLOP/s count the routed rows only (2 * t * topk * N * K), as for the GEMMs.
 
     python3 scripts/bench_expert_gemm.py --fp8-quant [--shapes ...]
 
@@ -188,7 +191,23 @@ def torch_fp8_rowwise_wgrad(s, grad_name, inputs_name):
 
 
 WGRAD_ACCUMULATE_VARIANT = tuning.FP8_WGRAD_VARIANT
-WGRAD_COLUMNS = ("torch bf16", "ours bf16", "torch fp8 rw", *(f"fp8 {v}" for v in FP8_WGRAD_VARIANTS), "fp8 acc")
+WGRAD_WINDOWS = 8
+WGRAD_COLUMNS = ("torch bf16", "ours bf16", "torch fp8 rw", *(f"fp8 {v}" for v in FP8_WGRAD_VARIANTS), "fp8 acc",
+                 f"windowed {WGRAD_WINDOWS}", f"acc form {WGRAD_WINDOWS}")
+
+
+def wgrad_windows(s, grad_name, inputs_name):
+    """The column-wise operands cut into WGRAD_WINDOWS receive windows of whole 128-row blocks, each
+    (window_begin, qg, sg, qx, sx) contiguous as a window's caller holds them; made once, outside the
+    timed calls."""
+    key = (grad_name, inputs_name, "windows")
+    if key not in s:
+        (qg, sg), (qx, sx) = s[grad_name + "_col"], s[inputs_name + "_col"]
+        rows = qg.shape[1]
+        size = -(-rows // (WGRAD_WINDOWS * 128)) * 128
+        s[key] = [(b, qg[:, b:b + size].contiguous(), sg[b // 128:(b + size) // 128], qx[:, b:b + size].contiguous(),
+                   sx[b // 128:(b + size) // 128]) for b in range(0, rows, size)]
+    return s[key]
 
 
 def wgrad_table(name, shape, sets, labels) -> None:
@@ -201,6 +220,7 @@ def wgrad_table(name, shape, sets, labels) -> None:
             size = (e, s[grad_name].shape[1], s[inputs_name].shape[1])
             s["wgrad_out"] = torch.zeros(size, device="cuda")
             s["wgrad_rounded"] = torch.empty(size, dtype=torch.bfloat16, device="cuda")
+            s["wgrad_carries"] = [torch.empty(size[1:], device="cuda") for _ in range(2)]
 
         def fp8(s, variant, accumulate=False):
             operands = (*s[grad_name + "_col"], *s[inputs_name + "_col"], s["offsets"])
@@ -208,12 +228,27 @@ def wgrad_table(name, shape, sets, labels) -> None:
                 return ops.fp8_expert_wgrad(*operands, s["wgrad_out"], accumulate=True, variant=variant)
             return ops.fp8_expert_wgrad(*operands, rounded=s["wgrad_rounded"], variant=variant)
 
+        def fp8_windows(s, windowed):
+            windows = wgrad_windows(s, grad_name, inputs_name)
+            carries = s["wgrad_carries"]
+            for w, (begin, *operands) in enumerate(windows):
+                last = w == len(windows) - 1
+                if windowed:
+                    ops.fp8_expert_wgrad(*operands, s["offsets"], window_begin=begin, rounded=s["wgrad_rounded"],
+                                         carry=(carries[w % 2], carries[(w + 1) % 2]), variant=WGRAD_ACCUMULATE_VARIANT)
+                else:
+                    ops.fp8_expert_wgrad(*operands, s["offsets"], s["wgrad_out"], accumulate=w > 0, window_begin=begin,
+                                         rounded=s["wgrad_rounded"] if last else None, variant=WGRAD_ACCUMULATE_VARIANT)
+            return s["wgrad_rounded"]
+
         fns = {
             "torch bf16": lambda s: segment_weight_grad(s[grad_name], s[inputs_name], s["offsets"]),
             "ours bf16": lambda s: ops.expert_gemm_wgrad(s[grad_name], s[inputs_name], s["offsets"]),
             "torch fp8 rw": lambda s: torch_fp8_rowwise_wgrad(s, grad_name, inputs_name),
             **{f"fp8 {v}": (lambda s, v=v: fp8(s, v)) for v in FP8_WGRAD_VARIANTS},
             "fp8 acc": lambda s: fp8(s, WGRAD_ACCUMULATE_VARIANT, accumulate=True),
+            f"windowed {WGRAD_WINDOWS}": lambda s: fp8_windows(s, windowed=True),
+            f"acc form {WGRAD_WINDOWS}": lambda s: fp8_windows(s, windowed=False),
         }
         try:
             torch_fp8_rowwise_wgrad(sets[0], grad_name, inputs_name)
@@ -229,6 +264,8 @@ def wgrad_table(name, shape, sets, labels) -> None:
         for s in sets:
             s.pop("wgrad_out", None)
             s.pop("wgrad_rounded", None)
+            s.pop("wgrad_carries", None)
+            s.pop((grad_name, inputs_name, "windows"), None)
 
 
 def main_fp8(args) -> None:
@@ -298,7 +335,9 @@ def main_fp8(args) -> None:
             print(f"{name:<16} {label:<10} {cols} {fp8_cols} {ratio}", flush=True)
         if wgrad_labels:
             print("weight gradients, bf16 out; TFLOP/s (ms); x: ours bf16 over our fastest FP8 mainloop; "
-                  f"fp8 acc: {WGRAD_ACCUMULATE_VARIANT}, accumulating into an fp32 out (a later receive window)")
+                  f"fp8 acc: {WGRAD_ACCUMULATE_VARIANT}, accumulating into an fp32 out (a later receive window); "
+                  f"windowed / acc form {WGRAD_WINDOWS}: the whole pass in {WGRAD_WINDOWS} windows, windowed form / "
+                  "accumulate form")
             print(f"{'shape':<16} {'projection':<10} {wgrad_header} {'x':>5}")
             wgrad_table(name, shape, sets, wgrad_labels)
         del sets

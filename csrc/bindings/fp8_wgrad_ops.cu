@@ -82,25 +82,35 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
 
 // Expert e's weight gradient from the window's rows (mok_params.h Fp8ExpertWgradProblem) into out
 // (E, m, n) fp32, in place (read first with accumulate), or, with rounded_out (E, m, n) bf16, rounded
-// into it (out then read with accumulate only, and may be absent without it); variant: the mainloop
+// into it (out then read with accumulate only, and may be absent without it). The windowed form
+// (carry_in and carry_out, (m, n) fp32 each, with rounded_out, without out and accumulate): each
+// expert's chain continues from carry_in, ends in rounded_out or goes on in carry_out, by where its
+// segment lies against the window (Fp8ExpertWgradProblem::windowed). variant: the mainloop
 // (Fp8WgradMainloop), the same bits for every one. grad (m, R) and inputs (n, R) E4M3 column-wise,
 // grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the window's rows (a multiple of 128);
 // m and n multiples of 128.
 void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, const at::Tensor& inputs,
                       const at::Tensor& inputs_scales, const at::Tensor& expert_offsets, int64_t window_begin,
                       bool accumulate, const std::optional<at::Tensor>& out_opt,
-                      const std::optional<at::Tensor>& rounded_out, int64_t variant) {
+                      const std::optional<at::Tensor>& rounded_out, const std::optional<at::Tensor>& carry_in,
+                      const std::optional<at::Tensor>& carry_out, int64_t variant) {
   TORCH_CHECK(grad.is_cuda(), kOp, "grad must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(grad.device());
   TORCH_CHECK(variant >= 0 && variant < kFp8WgradMainloopCount, kOp, "variant must be in [0, ",
               std::to_string(kFp8WgradMainloopCount), "), got ", std::to_string(variant));
   TORCH_CHECK(out_opt.has_value() || rounded_out.has_value(), kOp, "out or rounded_out must be given");
   TORCH_CHECK(out_opt.has_value() || !accumulate, kOp, "accumulate=True reads out: out must be given");
+  const bool windowed = carry_in.has_value() || carry_out.has_value();
+  TORCH_CHECK(!windowed || (carry_in.has_value() && carry_out.has_value() && rounded_out.has_value() &&
+                            !out_opt.has_value() && !accumulate),
+              kOp, "the windowed form takes carry_in, carry_out and rounded_out, without out and accumulate");
   std::vector<std::pair<const at::Tensor*, const char*>> tensors = {
       {&grad, "grad"}, {&grad_scales, "grad_scales"}, {&inputs, "inputs"}, {&inputs_scales, "inputs_scales"},
       {&expert_offsets, "expert_offsets"}};
   if (out_opt.has_value()) tensors.emplace_back(&*out_opt, "out");
   if (rounded_out.has_value()) tensors.emplace_back(&*rounded_out, "rounded_out");
+  if (carry_in.has_value()) tensors.emplace_back(&*carry_in, "carry_in");
+  if (carry_out.has_value()) tensors.emplace_back(&*carry_out, "carry_out");
   for (auto [t, name] : tensors) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == grad.device(), kOp, name,
                 " must be a contiguous CUDA tensor on grad's device");
@@ -138,12 +148,29 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   };
   if (out_opt.has_value()) check_result_shape(*out_opt, "out");
   if (rounded_out.has_value()) check_result_shape(*rounded_out, "rounded_out");
+  for (const auto& [t, name] : {std::make_pair(&carry_in, "carry_in"), std::make_pair(&carry_out, "carry_out")}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& carry = **t;
+    TORCH_CHECK(carry.scalar_type() == at::kFloat && carry.dim() == 2 && carry.size(0) == m && carry.size(1) == n, kOp,
+                name, " must be float32 (m, n) = (", std::to_string(m), ", ", std::to_string(n), "), got ",
+                c10::toString(carry.scalar_type()), " ", sizes_str(carry));
+  }
+  TORCH_CHECK(!windowed || carry_in->data_ptr() != carry_out->data_ptr(), kOp,
+              "carry_in and carry_out must be different buffers (a window may continue one expert while it "
+              "carries another on)");
   TORCH_CHECK(window_begin >= 0 && window_begin % kFp8Block == 0, kOp,
               "window_begin must be a non-negative multiple of ", std::to_string(kFp8Block), ", got ",
               std::to_string(window_begin));
   TORCH_CHECK(window_begin + rows < (int64_t(1) << 31) && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) &&
                   experts * m < (int64_t(1) << 31),
               kOp, "sizes past 2^31 (window_begin + R, m, n, E * m)");
+  if (rows == 0 && windowed) {
+    // No row: the first window rounds the empty experts, here every expert of an empty schedule (a
+    // window at row 0 with no rows; a later window beginning at 0 overwrites the rest); an expert
+    // crossing a later empty window's position goes on unchanged into carry_out.
+    if (window_begin == 0) rounded_out->zero_(); else carry_out->copy_(*carry_in);
+    return;
+  }
   if (rows == 0) {  // no block: nothing to add
     if (rounded_out.has_value()) {
       if (accumulate) rounded_out->copy_(*out_opt); else rounded_out->zero_();
@@ -154,10 +181,19 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   }
   Fp8ExpertWgradParams p{};
   p.problem = Fp8ExpertWgradProblem{expert_offsets.data_ptr<int32_t>(), int32_t(experts), int32_t(rows), int32_t(m),
-                                    int32_t(n), int32_t(window_begin), int32_t(accumulate ? 1 : 0)};
+                                    int32_t(n), int32_t(window_begin), int32_t(accumulate ? 1 : 0),
+                                    int32_t(rounded_out.has_value() ? 1 : 0), int32_t(windowed ? 1 : 0)};
   p.grad_scales = grad_scales.data_ptr<float>();
   p.inputs_scales = inputs_scales.data_ptr<float>();
-  p.out = out_opt.has_value() ? out_opt->data_ptr<float>() : nullptr;
+  if (windowed) {
+    p.chain_in = carry_in->data_ptr<float>();
+    p.chain_out = carry_out->data_ptr<float>();
+    p.chain_expert_stride = 0;
+  } else {
+    p.chain_out = out_opt.has_value() ? out_opt->data_ptr<float>() : nullptr;
+    p.chain_in = p.chain_out;
+    p.chain_expert_stride = m * n;
+  }
   p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
   if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
     launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs);
@@ -171,7 +207,8 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_expert_wgrad(Tensor grad, Tensor grad_scales, Tensor inputs, Tensor inputs_scales, Tensor expert_offsets, "
-      "int window_begin, bool accumulate, Tensor(a!)? out, Tensor(b!)? rounded_out, int variant) -> ()");
+      "int window_begin, bool accumulate, Tensor(a!)? out, Tensor(b!)? rounded_out, Tensor? carry_in, "
+      "Tensor(c!)? carry_out, int variant) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) { m.impl("fp8_expert_wgrad", &fp8_expert_wgrad); }

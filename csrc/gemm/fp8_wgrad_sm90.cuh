@@ -30,7 +30,15 @@
 //   8-byte stores (a quad's four lanes cover one 32-byte sector of a row). With rounded_out, the sums
 //   are rounded to bf16 there instead (out is then only read, with accumulate; a tile without blocks
 //   stores its start rounded): one window, or a sequence's last, writes the bf16 gradient with no
-//   fp32 copy of it, bitwise the fp32 result converted. The rounded tile goes through the consumer
+//   fp32 copy of it, bitwise the fp32 result converted.
+//   The windowed form decides per expert instead (mok_params.h Fp8ExpertWgradProblem::windowed): a
+//   chain starts from the carry only for the expert whose segment began before the window, ends
+//   rounded in the window that holds its segment's end, and is carried on only for the expert whose
+//   segment goes on past the window; experts without rows in the window are not touched. So each
+//   expert's sums are rounded once, by the window that ends its chain, no tile is read or written
+//   by windows it has no rows in, and the fp32 state between windows is one (m, n) carry, not a total
+//   of every expert; the rounded result is bitwise one pass's.
+//   The rounded tile goes through the consumer
 //   warpgroup's staging buffer (stmatrix, 128-byte swizzle) and two TMA stores, which run in the
 //   background while the warpgroup starts its next tile; from registers, a quad's bf16 pairs would
 //   cover half a sector each and the tensor cores would wait for the stores' issue.
@@ -127,14 +135,17 @@ struct Fp8WgradSharedStorage {
 // expert's rows inside the window (relative to its first row).
 struct Fp8WgradTileCoord {
   int expert, m0, n0;
-  int row_begin;  // the expert's first row in the window
-  int k_blocks;   // its 128-row blocks in the window (the last may end in padding rows)
-  bool aligned;   // row_begin is a multiple of 128, or the expert has no row here
+  int row_begin;    // the expert's first row in the window
+  int k_blocks;     // its 128-row blocks in the window (the last may end in padding rows)
+  bool aligned;     // row_begin is a multiple of 128, or the expert has no row here
+  bool skip;        // nothing to do: its chain neither starts, continues nor ends here
+  bool from_chain;  // the chain continues from chain_in (else it starts from zero)
+  bool rounded;     // the sums end rounded in rounded_out (else stored into chain_out)
 };
 
 // The tiles, expert-major, then n-tiles, m fastest (the CTAs working at once share the expert's
 // operands in L2); CTA c takes tiles c, c + grid, ... The tile count does not depend on the routing:
-// a tile of an expert with no rows in the window stores zeros or is skipped.
+// a tile of an expert with no rows in the window stores zeros or its start, or is skipped.
 class Fp8WgradTileScheduler {
  public:
   using Tile = Fp8WgradTile;
@@ -159,6 +170,18 @@ class Fp8WgradTileScheduler {
     c.row_begin = first - begin;
     c.k_blocks = (last - first + Tile::kK - 1) / Tile::kK;
     c.aligned = last == first || c.row_begin % Tile::kK == 0;
+    if (p_.windowed != 0) {
+      // (mok_params.h Fp8ExpertWgradProblem: at most one expert crosses each window edge)
+      const bool empty = o == o_next;
+      c.skip = c.k_blocks == 0 && !(empty && begin == 0);
+      c.from_chain = o < begin;
+      c.rounded = empty || o_next <= end;
+    } else {
+      // A tile nobody adds to: accumulate leaves out[e] as it is when out is the result.
+      c.skip = p_.accumulate != 0 && c.k_blocks == 0 && p_.rounded == 0;
+      c.from_chain = p_.accumulate != 0;
+      c.rounded = p_.rounded != 0;
+    }
     return true;
   }
 
@@ -241,11 +264,11 @@ struct Fp8ExpertWgradKernel {
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
       // A block that straddled two segments would mix two experts' tokens: stop, name it, trap.
       if (!c.aligned) sm90::fail_check(kCheckFp8WgradSegmentAlignment, watch);
-      if (p.problem.accumulate != 0 && c.k_blocks > 0) {
-        // The consumers start this tile's chain from its out: bring its 128 rows of 512 bytes into
+      if (c.from_chain && c.k_blocks > 0) {
+        // The consumers start this tile's chain from chain_in: bring its 128 rows of 512 bytes into
         // L2 while they finish the previous tile (the producer runs up to kStages blocks ahead).
-        const float* out = p.out + (int64_t(c.expert) * m + c.m0) * n + c.n0;
-        for (int r = 0; r < Tile::kM; ++r) sm90::prefetch_l2_bulk(out + r * n, Tile::kN * sizeof(float));
+        const float* in = p.chain_in + c.expert * p.chain_expert_stride + int64_t(c.m0) * n + c.n0;
+        for (int r = 0; r < Tile::kM; ++r) sm90::prefetch_l2_bulk(in + r * n, Tile::kN * sizeof(float));
       }
       const int first_block = c.row_begin / Tile::kK;
       for (int kb = 0; kb < c.k_blocks; ++kb) {
@@ -274,32 +297,27 @@ struct Fp8ExpertWgradKernel {
         : row(64 * consumer + 16 * (thread / 32) + (thread % 32) / 4), col(2 * ((thread % 32) % 4)) {}
   };
 
-  // A tile nobody adds to: accumulate leaves out[e] as it is when out is the result (no rounded
-  // copy to write).
-  static __device__ __forceinline__ bool skipped(const Params& p, const Fp8WgradTileCoord& c) {
-    return p.problem.accumulate != 0 && c.k_blocks == 0 && p.rounded_out == nullptr;
-  }
-
-  // The offset of this thread's first element of the tile in out / rounded_out.
+  // The offset of this thread's first element of the tile in chain_in / chain_out.
   static __device__ __forceinline__ int64_t tile_offset(const Params& p, const Fp8WgradTileCoord& c, const Fragment& f) {
-    return (int64_t(c.expert) * p.problem.m + c.m0 + f.row) * p.problem.n + c.n0 + f.col;
+    return c.expert * p.chain_expert_stride + int64_t(c.m0 + f.row) * p.problem.n + c.n0 + f.col;
   }
 
-  // acc = the tile's out (accumulate: the chain continues where the previous window stored it) or 0.
-  static __device__ __forceinline__ void start_chain(const Params& p, int64_t offset, Accumulators& acc) {
+  // acc = the tile's chain_in (the chain continues where the previous window stored it) or 0.
+  static __device__ __forceinline__ void start_chain(const Params& p, const Fp8WgradTileCoord& c, int64_t offset,
+                                                     Accumulators& acc) {
     const int64_t n = p.problem.n;
-    const float* out = p.out + offset;
+    const float* in = p.chain_in + offset;
 #pragma unroll
     for (int i = 0; i < Tile::kAccumulators; i += 2) {
       float2 v = make_float2(0.f, 0.f);
-      if (p.problem.accumulate != 0) v = *reinterpret_cast<const float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4));
+      if (c.from_chain) v = *reinterpret_cast<const float2*>(in + 8 * ((i / 2) % 2) * n + 8 * (i / 4));
       acc[i] = v.x;
       acc[i + 1] = v.y;
     }
   }
 
-  // The tile's sums into out (8-byte stores: a quad's four lanes cover one 32-byte sector of a row),
-  // or rounded to bf16 into rounded_out (each value rounded once, to nearest even: the bits of out's
+  // The tile's sums into chain_out (8-byte stores: a quad's four lanes cover one 32-byte sector of a
+  // row), or rounded to bf16 into rounded_out (each value rounded once, to nearest even: the bits of out's
   // value converted) through the warpgroup's staging buffer and two TMA stores of 64 x 64 at rows
   // expert * m + m0 + 64 * consumer of rounded_out seen as (E * m, n). The buffer is free once the
   // previous tile's stores have read it (committed by thread 0, which waits for that before the
@@ -308,7 +326,7 @@ struct Fp8ExpertWgradKernel {
                                                     const Fp8WgradTileCoord& c, int64_t offset, const Accumulators& acc,
                                                     int consumer, int thread) {
     const int64_t n = p.problem.n;
-    if (p.rounded_out != nullptr) {
+    if (c.rounded) {
       uint32_t packed[Tile::kAccumulators / 2];
 #pragma unroll
       for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
@@ -322,7 +340,7 @@ struct Fp8ExpertWgradKernel {
       store_staged(maps.rounded_out, buffer, consumer, thread, c.n0, c.expert * p.problem.m + c.m0 + 64 * consumer);
       return;
     }
-    float* out = p.out + offset;
+    float* out = p.chain_out + offset;
 #pragma unroll
     for (int i = 0; i < Tile::kAccumulators; i += 2) {
       *reinterpret_cast<float2*>(out + 8 * ((i / 2) % 2) * n + 8 * (i / 4)) = make_float2(acc[i], acc[i + 1]);
@@ -359,9 +377,9 @@ struct Fp8ExpertWgradKernel {
     uint32_t phase = 0;
     Fp8WgradTileCoord c;
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
-      if (skipped(p, c)) continue;
+      if (c.skip) continue;
       const int64_t offset = tile_offset(p, c, f);
-      start_chain(p, offset, acc);
+      start_chain(p, c, offset, acc);
 #pragma unroll 1
       for (int kb = 0; kb < c.k_blocks; ++kb) {
         sm90::mbarrier_wait(&shared.full[stage], phase, kWaitLoadedStage, watch);
@@ -438,9 +456,9 @@ struct Fp8ExpertWgradKernel {
     };
     Fp8WgradTileCoord c;
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
-      if (skipped(p, c)) continue;
+      if (c.skip) continue;
       const int64_t offset = tile_offset(p, c, f);
-      start_chain(p, offset, acc);
+      start_chain(p, c, offset, acc);
       const int k_blocks = c.k_blocks;
       if (k_blocks > 0) {
         issue(p0);

@@ -211,26 +211,44 @@ def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor
     return quantize_columns(rows, offsets, pow2)
 
 
-def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[Tensor], *, recipe: Fp8Recipe) -> Tensor:
+@dataclasses.dataclass(frozen=True)
+class WindowedWeightGrad:
+    """What a windowed FP8 weight gradient hands from one receive window to the next: the bf16
+    result, filled expert by expert as their chains end, and the two fp32 carries the windows use in
+    turn (ops.fp8_expert_wgrad `carry`: the one expert crossing a window's end goes on in one)."""
+
+    rounded: Tensor  # (E, m, n) bf16
+    carries: tuple[Tensor, Tensor]  # (m, n) float32 each
+
+
+def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[WindowedWeightGrad], *,
+                       recipe: Fp8Recipe):
     """grad_out (W, m) bf16, inputs (W, n) bf16 or RowsToGather: a receive window's rows
-    (receive.Window) -> both quantized 1x128 along the rows, their FP8 weight gradients added to
-    `carried`. Returns what the next window carries: (E, m, n) fp32 after a window that is not the
-    last, (E, m, n) bf16 after the last.
+    (receive.Window) -> both quantized 1x128 along the rows, their FP8 weight gradients added to the
+    experts' chains. Returns what the next window carries (WindowedWeightGrad) after a window that is
+    not the last, the (E, m, n) bf16 gradient after the last.
 
     One window (every pass over the collective exchange): one launch writing the bf16 gradient
     directly (ops.fp8_expert_wgrad `rounded`: each fp32 sum rounded once in the kernel), so no fp32
-    copy of the gradient exists. Several windows: one fp32 (E, m, n) that each window continues
-    (accumulate), the last one rounding it into the bf16 result, bitwise one pass over every row."""
+    copy of the gradient exists. Several windows: the kernel's windowed form, each expert's chain
+    rounded into the result by the window that ends it and carried between windows only across a
+    window edge, so the fp32 state is two (m, n) carries (not an (E, m, n) total), no window touches
+    an expert it has no rows of, and the result is bitwise one pass over every row."""
     offsets = window.schedule.expert_offsets
     grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
     values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)
     operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
-    rounded = grad_out.new_empty((num_experts, m, n)) if window.last else None
-    return ops.fp8_expert_wgrad(
-        *operands, carried, accumulate=window.index > 0, window_begin=window.begin, rounded=rounded,
-        variant=FP8_WGRAD_VARIANT,
-    )
+    if window.num_windows == 1:
+        rounded = grad_out.new_empty((num_experts, m, n))
+        return ops.fp8_expert_wgrad(*operands, rounded=rounded, variant=FP8_WGRAD_VARIANT)
+    if carried is None:
+        carries = tuple(torch.empty((m, n), dtype=torch.float32, device=grad_out.device) for _ in range(2))
+        carried = WindowedWeightGrad(grad_out.new_empty((num_experts, m, n)), carries)
+    carry = (carried.carries[window.index % 2], carried.carries[(window.index + 1) % 2])
+    ops.fp8_expert_wgrad(*operands, window_begin=window.begin, rounded=carried.rounded, carry=carry,
+                         variant=FP8_WGRAD_VARIANT)
+    return carried.rounded if window.last else carried
 
 
 def _swiglu(gate_up: Tensor, offsets: Tensor) -> Tensor:

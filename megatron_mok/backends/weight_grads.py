@@ -16,13 +16,14 @@ window. `accumulator_for` gives the stage that adds each window's rows, one per 
   added straight into one fp32 (E + 1, m, n) total in row order (Stages.weight_grad_into), so the sum
   is bitwise the one-window sum;
 - fp8_kernel (the FP8 kernel backend's weight gradients), any number of windows: the stage
-  (Stages.weight_grad_window) carries what it needs from window to window and returns the result
-  after the last (backends/kernel_fp8.py).
+  (Stages.weight_grad_window) carries what it needs from window to window (several windows: the
+  bf16 result and two (m, n) fp32 carries, backends/kernel_fp8.WindowedWeightGrad) and returns the
+  result after the last.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -31,7 +32,8 @@ from megatron_mok.receive import Window
 Tensor = torch.Tensor
 SegmentWeightGrad = Callable[[Tensor, Tensor, Tensor], Tensor]
 WeightGradInto = Callable[[Tensor, Tensor, Tensor, Tensor], None]
-WeightGradWindow = Callable[[Tensor, Tensor, Window, Optional[Tensor]], Tensor]
+# (grad_out, inputs, window, what the previous window returned) -> what the next takes; the result after the last
+WeightGradWindow = Callable[[Tensor, Tensor, Window, Any], Any]
 
 
 class WeightGradAccumulator(Protocol):

@@ -41,8 +41,8 @@ FP8_WGRAD_VARIANTS = ("default", "overlap")
 
 @register_fake("fp8_expert_wgrad")
 def _fp8_expert_wgrad_fake(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out,
-                           rounded_out, variant):
-    return None  # writes out or rounded_out in place
+                           rounded_out, carry_in, carry_out, variant):
+    return None  # writes out, rounded_out or carry_out in place
 
 
 def fp8_expert_wgrad(
@@ -56,6 +56,7 @@ def fp8_expert_wgrad(
     accumulate: bool = False,
     window_begin: int = 0,
     rounded: Optional[torch.Tensor] = None,
+    carry: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     variant: str = "default",
 ) -> torch.Tensor:
     """out (E, m, n) float32, written in place (allocated when None and no `rounded` is given, which
@@ -74,15 +75,29 @@ def fp8_expert_wgrad(
     and the rest with accumulate=True, each with its own rows' operands and window_begin (a multiple of
     128), the last one with `rounded` if the bf16 gradient is wanted: the result ends bitwise equal to one
     call over all the rows, whatever the windows (each expert's fp32 chain continues from where the
-    previous window stored it). variant: one of FP8_WGRAD_VARIANTS, the kernel's mainloop (speed only).
+    previous window stored it).
+
+    carry: (carry_in, carry_out), two distinct (m, n) float32 buffers: the windowed form, for passes of
+    several windows (with `rounded`, without out and accumulate). Call it for the windows in order,
+    tiling the schedule's rows from row 0 (each window_begin the previous window's end), carry_out of
+    one window being carry_in of the next (two buffers used in turn). Per expert e with segment
+    [o_e, o_e+1) of expert_offsets: its chain starts from carry_in if o_e < window_begin, else from 0;
+    it ends rounded into rounded[e] in the window with o_e+1 <= window_begin + R (an empty expert: the
+    window at row 0), else goes on into carry_out; a window with none of e's rows leaves rounded[e]
+    alone. After the last window `rounded` is bitwise one call's (the same chains, each rounded once),
+    each tile was read and written only by windows holding its expert's rows, and the fp32 state
+    between windows is one carry of (m, n) instead of an (E, m, n) total. Returns rounded.
+
+    variant: one of FP8_WGRAD_VARIANTS, the kernel's mainloop (speed only).
     Ref: fp8_expert_wgrad_reference."""
     check_fp8_expert_wgrad_args(grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin,
-                                rounded, variant)
+                                rounded, variant, carry)
+    carry_in, carry_out = carry if carry is not None else (None, None)
     if out is None and rounded is None:
         out = grad.new_empty((expert_offsets.shape[0] - 1, grad.shape[0], inputs.shape[0]), dtype=torch.float32)
     torch.ops.megatron_mok.fp8_expert_wgrad(
-        grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out, rounded,
-        FP8_WGRAD_VARIANTS.index(variant),
+        grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, accumulate, out, rounded, carry_in,
+        carry_out, FP8_WGRAD_VARIANTS.index(variant),
     )
     return out if rounded is None else rounded
 
@@ -118,7 +133,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_fp8_expert_wgrad_args(
     grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin, rounded=None,
-    variant="default",
+    variant="default", carry=None,
 ) -> None:
     """ValueErrors naming the argument: types, dtypes, shapes and multiples of 128 first, then the
     flags, contiguity, then devices (so everything but the device is checkable with CPU tensors)."""
@@ -134,12 +149,16 @@ def check_fp8_expert_wgrad_args(
         tensors["out"] = out
     if rounded is not None:
         tensors["rounded"] = rounded
+    if carry is not None:
+        if not isinstance(carry, (tuple, list)) or len(carry) != 2:
+            fail(f"carry must be a pair (carry_in, carry_out), got {type(carry).__name__}")
+        tensors["carry_in"], tensors["carry_out"] = carry
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             fail(f"{name} must be a tensor, got {type(t).__name__}")
     for name, dtype in (("grad", E4M3), ("inputs", E4M3), ("grad_scales", torch.float32),
                         ("inputs_scales", torch.float32), ("expert_offsets", torch.int32), ("out", torch.float32),
-                        ("rounded", torch.bfloat16)):
+                        ("rounded", torch.bfloat16), ("carry_in", torch.float32), ("carry_out", torch.float32)):
         if name in tensors and tensors[name].dtype != dtype:
             fail(f"{name} must be {dtype}, got {tensors[name].dtype}")
     if grad.dim() != 2:
@@ -171,6 +190,18 @@ def check_fp8_expert_wgrad_args(
         fail(f"accumulate must be a bool, got {type(accumulate).__name__}")
     if accumulate and out is None:
         fail("accumulate=True adds to out: out must be given")
+    if carry is not None:
+        for name in ("carry_in", "carry_out"):
+            if tuple(tensors[name].shape) != (m, n):
+                fail(f"{name} must be (m, n) = {(m, n)}, got {tuple(tensors[name].shape)}")
+        if rounded is None or out is not None or accumulate:
+            fail("carry (the windowed form) takes rounded, without out and accumulate")
+        named = [("carry_in", tensors["carry_in"]), ("carry_out", tensors["carry_out"]), ("rounded", rounded)]
+        for i, (a_name, a) in enumerate(named):
+            for b_name, b in named[i + 1:]:
+                if _overlap(a, b):
+                    fail(f"{a_name} and {b_name} must not overlap in memory (a window reads one carry while it "
+                         "writes the other and the result)")
     if variant not in FP8_WGRAD_VARIANTS:
         fail(f"variant must be one of {FP8_WGRAD_VARIANTS}, got {variant!r}")
     if out is not None and rounded is not None and _overlap(out, rounded):

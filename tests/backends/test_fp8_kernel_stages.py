@@ -25,6 +25,7 @@ from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe, ops
 from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for, tuning
 from megatron_mok.ops import fp8_gemm, fp8_quant, fp8_wgrad
 from megatron_mok.emulation import EmulatedGroup
+from megatron_mok import quantization
 from megatron_mok.quantization import E4M3, Fp8Recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
@@ -95,14 +96,42 @@ def _zero_past_end(t, offsets):
 
 
 def _sim_fp8_expert_wgrad(grad, grad_scales, inputs, inputs_scales, expert_offsets, out=None, *, accumulate=False,
-                          window_begin=0, rounded=None, variant="default"):
+                          window_begin=0, rounded=None, carry=None, variant="default"):
     _meets_the_op_contract(fp8_wgrad.check_fp8_expert_wgrad_args, grad, grad_scales, inputs, inputs_scales, expert_offsets,
-                           out, accumulate, window_begin, rounded, variant)
+                           out, accumulate, window_begin, rounded, variant, carry)
+    if carry is not None:
+        return _sim_fp8_expert_wgrad_windowed(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin,
+                                              rounded, carry)
     part = ops.fp8_expert_wgrad_reference(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin)
     total = out + part if accumulate else part
     if rounded is not None:
         return rounded.copy_(total)
     return part if out is None else out.copy_(total)
+
+
+def _sim_fp8_expert_wgrad_windowed(grad, grad_scales, inputs, inputs_scales, expert_offsets, window_begin, rounded, carry):
+    """The windowed form (ops.fp8_expert_wgrad `carry`) as its docstring states it: each chain continues
+    from carry_in when its segment began before the window and gets the window's blocks added in order
+    (quantization.fp8_grouped_weight_grad: the same additions as one pass), then is rounded into
+    `rounded` where the segment ends in the window (an empty expert: the window at row 0) or goes on
+    into carry_out; experts without rows here are left alone."""
+    carry_in, carry_out = carry
+    rows, experts = grad.shape[1], expert_offsets.shape[0] - 1
+    begin, end, bounds = window_begin, window_begin + rows, expert_offsets.tolist()
+    chains = torch.zeros(experts + 1, grad.shape[0], inputs.shape[0])
+    for e in range(experts):
+        if bounds[e] < begin:
+            chains[e] = carry_in
+    local = (expert_offsets.long() - begin).clamp(0, rows)
+    quantization.fp8_grouped_weight_grad(grad, grad_scales, inputs, inputs_scales, local, chains)
+    for e in range(experts):
+        o, o_next = bounds[e], bounds[e + 1]
+        has_rows = max(o, begin) < min(o_next, end)
+        if (o == o_next and begin == 0) or (has_rows and o_next <= end):
+            rounded[e] = chains[e]
+        elif has_rows:
+            carry_out.copy_(chains[e])
+    return rounded
 
 
 def _meets_the_op_contract(check, *args) -> None:
@@ -264,3 +293,44 @@ def test_the_fp8_kernel_table_and_the_backend_choice():
     # (On CPU the kernels need CUDA tensors: named as for bf16.)
     with pytest.raises(ValueError, match="the kernel needs CUDA tensors"):
         resolve_backend("kernel", x, fc1, "fp8_blockwise")
+
+
+@pytest.mark.parametrize("window_rows", [128, 256, 384])
+def test_kernel_fp8_weight_grads_over_windows_equal_one_window_bitwise(simulated_kernels, window_rows):
+    """kernel_fp8.weight_grad_window over several receive windows (the windowed form: two carries used
+    in turn, the bf16 result filled as experts end, what is handed between windows a
+    WindowedWeightGrad) gives the one-window gradient bit for bit, for segments crossing one and
+    several window edges, empty experts at either end and rows past the schedule's end."""
+    from types import SimpleNamespace
+
+    from megatron_mok.receive import Window
+
+    counts, m, n = [0, 300, 0, 129, 700, 0], 256, 128
+    bounds = [0]
+    for count in counts:
+        bounds.append(bounds[-1] + -(-count // 128) * 128)
+    capacity = -(-(bounds[-1] + 128) // window_rows) * window_rows  # rows past the end, whole windows
+    full = torch.tensor(bounds, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(window_rows)
+    routed = torch.zeros(capacity, 1, dtype=torch.bool)
+    for e, count in enumerate(counts):
+        routed[bounds[e]:bounds[e] + count] = True
+    grad_out = torch.where(routed, torch.randn(capacity, m, generator=gen), 0.0).bfloat16()
+    inputs = torch.where(routed, torch.randn(capacity, n, generator=gen), 0.0).bfloat16()
+    recipe = Fp8Recipe()
+
+    def window(index, count, begin, rows):
+        local = (full - begin).clamp(0, rows).to(torch.int32)
+        return Window(index, count, begin, SimpleNamespace(expert_offsets=local), full)
+
+    one = kernel_fp8.weight_grad_window(grad_out, inputs, window(0, 1, 0, capacity), None, recipe=recipe)
+    count = capacity // window_rows
+    carried = None
+    for w in range(count):
+        begin = w * window_rows
+        rows = slice(begin, begin + window_rows)
+        carried = kernel_fp8.weight_grad_window(grad_out[rows], inputs[rows], window(w, count, begin, window_rows),
+                                                carried, recipe=recipe)
+        assert isinstance(carried, torch.Tensor) == (w == count - 1)
+    assert count > 2
+    assert torch.equal(carried.view(torch.int16), one.view(torch.int16))

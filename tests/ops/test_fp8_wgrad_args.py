@@ -34,6 +34,8 @@ def wgrad_args(**changes):
     return args
 
 
+SHARED_CARRY = torch.zeros(M, N)  # one buffer given as both carries
+
 # name: (the changed arguments, the error's words)
 BAD_ARGS = {
     "grad_bf16": (dict(grad=torch.zeros(M, R, dtype=torch.bfloat16)), "grad must be torch.float8_e4m3fn"),
@@ -77,6 +79,20 @@ BAD_ARGS = {
     "rounded_wrong_shape": (dict(rounded=torch.zeros(E, N, M, dtype=torch.bfloat16)),
                             r"rounded must be \(E, m, n\) = \(3, 256, 384\)"),
     "variant_unknown": (dict(variant="pingpong"), r"variant must be one of \('default', 'overlap'\)"),
+    "carry_not_a_pair": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16), carry=torch.zeros(M, N)),
+                         r"carry must be a pair \(carry_in, carry_out\)"),
+    "carry_bf16": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16),
+                        carry=(torch.zeros(M, N, dtype=torch.bfloat16), torch.zeros(M, N))), "carry_in must be torch.float32"),
+    "carry_transposed": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16),
+                              carry=(torch.zeros(M, N), torch.zeros(N, M))), r"carry_out must be \(m, n\) = \(256, 384\)"),
+    "carry_without_rounded": (dict(out=None, carry=(torch.zeros(M, N), torch.zeros(M, N))),
+                              r"carry \(the windowed form\) takes rounded, without out and accumulate"),
+    "carry_with_out": (dict(rounded=torch.zeros(E, M, N, dtype=torch.bfloat16), carry=(torch.zeros(M, N), torch.zeros(M, N))),
+                       r"carry \(the windowed form\) takes rounded, without out and accumulate"),
+    "carry_with_accumulate": (dict(out=None, accumulate=True, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16),
+                                   carry=(torch.zeros(M, N), torch.zeros(M, N))), "accumulate=True adds to out"),
+    "carries_one_buffer": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16),
+                                carry=(SHARED_CARRY, SHARED_CARRY)), "carry_in and carry_out must not overlap"),
     "cpu_tensors": ({}, r"grad must be a CUDA tensor on grad's device"),
 }
 

@@ -247,6 +247,62 @@ def test_windows_accumulate_bitwise_equal_to_one_pass(shape, routing, window, va
     assert ops.last_failure() is None
 
 
+def run_windowed(windows, offsets, rounded, carries, variant="default"):
+    """The windows in order in the windowed form: window w reads carries[w % 2] and writes carries[(w + 1) % 2]."""
+    for w, (begin, qg, sg, qx, sx) in enumerate(windows):
+        ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets, window_begin=begin, rounded=rounded,
+                             carry=(carries[w % 2], carries[(w + 1) % 2]), variant=variant)
+
+
+def nan_carries(m, n):
+    return [torch.full((m, n), float("nan"), device="cuda") for _ in range(2)]
+
+
+@pytest.mark.parametrize("variant", FP8_WGRAD_VARIANTS)
+@pytest.mark.parametrize("window", [128, 256, 1024])
+@pytest.mark.parametrize("routing", list(WINDOW_ROUTINGS))
+@pytest.mark.parametrize("shape", list(WINDOW_SHAPES))
+def test_windowed_form_rounds_each_expert_once_where_its_rows_end(shape, routing, window, variant):
+    """The windowed form (carry): after each window exactly the experts whose segment has ended (an
+    empty one: from the first window on) hold their final bits, the one pass's fp32 converted, and
+    every other expert is untouched (still NaN): a window rounds only the experts it ends, and what
+    crosses a window's edge goes through the (NaN-started) carries bit for bit."""
+    m, n = WINDOW_SHAPES[shape]
+    case = make_case(WINDOW_ROUTINGS[routing], m, n, seed=zlib.crc32(f"{shape}{routing}".encode()) % 1000)
+    want = ops.fp8_expert_wgrad(*operands(case)).bfloat16()
+    offsets = case["offsets_host"]
+    rounded = torch.full(want.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    carries = nan_carries(m, n)
+    for w, (begin, qg, sg, qx, sx) in enumerate(window_operands(case, window)):
+        run_windowed([(begin, qg, sg, qx, sx)], case["offsets"], rounded, carries[w % 2 :] + carries[: w % 2], variant)
+        end = begin + qg.shape[1]
+        for e in range(len(offsets) - 1):
+            if offsets[e] == offsets[e + 1] or offsets[e + 1] <= end:
+                assert_same_bits(rounded[e], want[e], f"window {w}, expert {e} (ended)")
+            else:
+                assert bool(rounded[e].isnan().all()), f"window {w} wrote expert {e}, whose rows go on past it"
+    assert ops.last_failure() is None
+
+
+def test_windowed_form_with_windows_of_no_rows():
+    """A window of no rows at row 0 (it rounds every expert as empty; the later windows overwrite those
+    with rows) and one between two windows inside a segment (its carry goes on unchanged): the result
+    is still one pass's, bit for bit."""
+    m, n = WINDOW_SHAPES["small"]
+    case = make_case(WINDOW_ROUTINGS["one_expert_spans_windows"], m, n, seed=41)
+    want = ops.fp8_expert_wgrad(*operands(case)).bfloat16()
+    qg, sg, qx, sx, _ = operands(case)
+    windows = window_operands(case, 1024)
+
+    def no_rows(begin):
+        return (begin, qg[:, :0].contiguous(), sg[:0], qx[:, :0].contiguous(), sx[:0])
+
+    rounded = torch.full(want.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    run_windowed([no_rows(0), windows[0], no_rows(1024), *windows[1:]], case["offsets"], rounded, nan_carries(m, n))
+    assert_same_bits(rounded, want, "windows with windows of no rows between them")
+    assert ops.last_failure() is None
+
+
 def assert_same_bits(got, want, what):
     same = got.view(torch.int16) == want.view(torch.int16)
     assert bool(same.all()), f"{what}: {int((~same).sum())} of {same.numel()} elements differ"
@@ -359,7 +415,7 @@ def test_cuda_graph_replay_equals_eager():
 
 
 def test_op_registration_fake_and_compile():
-    """The schema declares out and rounded_out as the tensors written; the fake agrees with the kernel (opcheck's
+    """The schema declares out, rounded_out and carry_out as the tensors written; the fake agrees with the kernel (opcheck's
     test_faketensor); the inputs' bytes stay as they were (opcheck's test_schema would check it by
     multiplying the inputs, which torch cannot on float8_e4m3fn: done by hand); torch.compile(fullgraph)
     runs the op and gives the eager result."""
@@ -367,9 +423,9 @@ def test_op_registration_fake_and_compile():
     qg, sg, qx, sx, offsets = operands(case)
     op = torch.ops.megatron_mok.fp8_expert_wgrad.default
     written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert written == {"out", "rounded_out"}
+    assert written == {"out", "rounded_out", "carry_out"}
     out = torch.empty(len(case["offsets_host"]) - 1, qg.shape[0], qx.shape[0], device="cuda")
-    args = (qg, sg, qx, sx, offsets, 0, False, out, None, 0)
+    args = (qg, sg, qx, sx, offsets, 0, False, out, None, None, None, 0)
     inputs = [qg, sg, qx, sx, offsets]
     before = [t.view(torch.uint8).clone() if t.dtype == E4M3 else t.clone() for t in inputs]
     torch.library.opcheck(op, args, test_utils=("test_faketensor",))
@@ -378,7 +434,7 @@ def test_op_registration_fake_and_compile():
     eager = ops.fp8_expert_wgrad(qg, sg, qx, sx, offsets)
 
     def wgrad(qg, sg, qx, sx, offsets, out):
-        op(qg, sg, qx, sx, offsets, 0, False, out, None, 1)
+        op(qg, sg, qx, sx, offsets, 0, False, out, None, None, None, 1)
         return out
 
     compiled = torch.compile(wgrad, fullgraph=True)
@@ -413,7 +469,7 @@ def test_kernel_checks_are_clear_errors(case, change, fragment):
     out = torch.zeros(2, 128, 256, device="cuda")
     qg, sg, qx, sx, offsets, window_begin, out = change([*operands(c), 0, out])
     with pytest.raises(RuntimeError, match=fragment):
-        torch.ops.megatron_mok.fp8_expert_wgrad(qg, sg, qx, sx, offsets, window_begin, False, out, None, 0)
+        torch.ops.megatron_mok.fp8_expert_wgrad(qg, sg, qx, sx, offsets, window_begin, False, out, None, None, None, 0)
 
 
 # One window whose segment starts inside a 128-row block (offsets are read on the device only: the
