@@ -378,7 +378,7 @@ def _backward_window(
             grad_slot_out = None  # (freed before the rows in the activation dtype are pulled)
             grad_slot_out = stages.pull_route_grads(sources.grad_for_weights, window.schedule)
         if act is None:
-            act = stages.swiglu(gate_up, offsets)
+            act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
         d_fc2.add(grad_slot_out, act, window)
     del grad_slot_out, gate_up, act
     d_x = None

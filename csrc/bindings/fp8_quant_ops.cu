@@ -1,8 +1,8 @@
 // Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
-// fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_weight and fp8_transpose_weight of the
-// `megatron_mok` library (validated wrappers, fake implementations and references in
-// megatron_mok/ops/fp8_quant.py, which raise ValueError before these run; the checks here are the
-// same, for callers of torch.ops directly). Each fills its params struct (mok_params.h) once and
+// fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_weight and
+// fp8_transpose_weight of the `megatron_mok` library (validated wrappers, fake implementations and
+// references in megatron_mok/ops/fp8_quant.py, which raise ValueError before these run; the checks
+// here are the same, for callers of torch.ops directly). Each fills its params struct (mok_params.h) once and
 // launches one kernel. An output a caller did not ask for is returned as an empty (0,) tensor (a
 // schema cannot return None).
 #include <ATen/ATen.h>
@@ -150,6 +150,35 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up
   return {q, a_scales};
 }
 
+// (q (cols, R_pad) e4m3, scales (R_pad/128, cols) fp32), R_pad = `rows` rounded up to 128, from
+// quantize_columns_kernel<kGather, kSwiglu> over p's source (p's outputs and sizes are filled here).
+template <bool kGather, bool kSwiglu>
+std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Fp8QuantizeColumnsParams p, const at::TensorOptions& options,
+                                                           int64_t rows, int64_t cols, const char* op) {
+  const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
+  auto q = at::empty({cols, padded_rows}, options.dtype(at::kFloat8_e4m3fn));
+  auto scales = at::empty({padded_rows / kFp8Block, cols}, options.dtype(at::kFloat));
+  if (rows == 0) return {q, scales};
+  const int64_t tiles = (padded_rows / kColumnsTileRows) * (cols / kColumnsTileCols);
+  TORCH_CHECK(tiles < (int64_t(1) << 31), op, "more than 2^31 tiles of 128 x 128");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  p.q = e4m3_ptr(q);
+  p.scales = scales.data_ptr<float>();
+  p.num_rows = rows;
+  p.cols = cols;
+  p.padded_rows = padded_rows;
+  p.failure_record = kGather ? failure_record(stream) : nullptr;
+  quantize_columns_kernel<kGather, kSwiglu><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, scales};
+}
+
+void check_expert_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& x, const char* x_name) {
+  TORCH_CHECK(offsets.is_cuda() && offsets.is_contiguous() && offsets.device() == x.device() &&
+                  offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() >= 1,
+              op, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on ", x_name, "'s device");
+}
+
 // (q (C, R_pad) e4m3, scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: x (R, C) bf16
 // quantized 1x128 along R; rows at or past expert_offsets[-1] (when given) and past R as zeros.
 // With row_index (R,) int64, x is (num_src_rows, C) and row r is x[row_index[r]] (zeros for -1).
@@ -164,40 +193,35 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
                     index.scalar_type() == at::kLong && index.dim() == 1,
                 kOp, "row_index must be a contiguous 1-D int64 CUDA tensor on x's device");
   }
-  if (expert_offsets.has_value()) {
-    const at::Tensor& offsets = *expert_offsets;
-    TORCH_CHECK(offsets.is_cuda() && offsets.is_contiguous() && offsets.device() == x.device() &&
-                    offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() >= 1,
-                kOp, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on x's device");
-  }
+  if (expert_offsets.has_value()) check_expert_offsets(kOp, *expert_offsets, x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t rows = row_index.has_value() ? row_index->numel() : x.size(0), cols = x.size(1);
-  const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
-  auto q = at::empty({cols, padded_rows}, x.options().dtype(at::kFloat8_e4m3fn));
-  auto scales = at::empty({padded_rows / kFp8Block, cols}, x.options().dtype(at::kFloat));
-  if (rows == 0) return {q, scales};
-  const int64_t tiles = (padded_rows / kColumnsTileRows) * (cols / kColumnsTileCols);
-  TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 tiles of 128 x 128");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t rows = row_index.has_value() ? row_index->numel() : x.size(0);
   Fp8QuantizeColumnsParams p{};
   p.src = x.data_ptr();
   p.row_index = row_index.has_value() ? row_index->data_ptr<int64_t>() : nullptr;
   p.row_end = expert_offsets.has_value() ? expert_offsets->data_ptr<int32_t>() + (expert_offsets->numel() - 1) : nullptr;
-  p.q = e4m3_ptr(q);
-  p.scales = scales.data_ptr<float>();
   p.num_src_rows = x.size(0);
-  p.num_rows = rows;
-  p.cols = cols;
-  p.padded_rows = padded_rows;
   p.pow2 = pow2 ? 1 : 0;
-  p.failure_record = row_index.has_value() ? failure_record(stream) : nullptr;
-  if (row_index.has_value()) {
-    quantize_columns_kernel<true><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
-  } else {
-    quantize_columns_kernel<false><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {q, scales};
+  if (row_index.has_value()) return launch_quantize_columns<true, false>(p, x.options(), rows, x.size(1), kOp);
+  return launch_quantize_columns<false, false>(p, x.options(), rows, x.size(1), kOp);
+}
+
+// fp8_quantize_columns of act = SwiGLU(gate_up) (swiglu_forward_kernel's bf16 values): gate_up (R, 2F)
+// bf16 -> (q (F, R_pad) e4m3, scales (R_pad/128, F) fp32); rows at or past expert_offsets[-1] as zeros.
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu_columns(const at::Tensor& gate_up,
+                                                               const at::Tensor& expert_offsets, bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_swiglu_columns: ";
+  check_bf16_rows(kOp, gate_up);
+  TORCH_CHECK(gate_up.size(1) % (2 * kFp8Block) == 0, kOp, "gate_up must be (rows, 2F) with F a multiple of ",
+              std::to_string(kFp8Block), ", got ", sizes_str(gate_up));
+  check_expert_offsets(kOp, expert_offsets, gate_up, "gate_up");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  Fp8QuantizeColumnsParams p{};
+  p.src = gate_up.data_ptr();
+  p.row_end = expert_offsets.data_ptr<int32_t>() + (expert_offsets.numel() - 1);
+  p.num_src_rows = gate_up.size(0);
+  p.pow2 = pow2 ? 1 : 0;
+  return launch_quantize_columns<false, true>(p, gate_up.options(), gate_up.size(0), gate_up.size(1) / 2, kOp);
 }
 
 // (q (E, N, K) e4m3 and scales (E, N/128, K/128) fp32, or (0,) each without forward_copy; q_t
@@ -288,6 +312,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_rows(Tensor x, Tensor? row_index, bool source_scales, bool gemm_a_scales, bool pow2) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2, Tensor? row_index=None) -> (Tensor, Tensor)");
+  m.def("fp8_quantize_swiglu_columns(Tensor gate_up, Tensor expert_offsets, bool pow2) -> (Tensor, Tensor)");
   m.def(
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
@@ -298,6 +323,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_columns", &fp8_quantize_columns);
+  m.impl("fp8_quantize_swiglu_columns", &fp8_quantize_swiglu_columns);
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_transpose_weight", &fp8_transpose_weight);
   m.impl("fp8_quantize_swiglu", &fp8_quantize_swiglu);

@@ -2,7 +2,10 @@
 // (mok_params.h Fp8QuantizeColumnsParams): quantization.quantize_columnwise bit for bit, the
 // operands of the FP8 weight gradients (tokens contiguous: K-major for a GEMM reducing over tokens).
 // Optionally gathered (kGather): row r is src[row_index[r]], a zero row for -1, so a weight
-// gradient's operand is quantized straight from the token rows, with no gathered bf16 copy.
+// gradient's operand is quantized straight from the token rows, with no gathered bf16 copy. Or
+// (kSwiglu) the rows are act = SwiGLU of src's gate/up rows (num_rows, 2 cols), each value computed
+// as swiglu_forward_kernel computes it (fp32, rounded once to bf16) while the tile loads: the fc2
+// weight gradient's act operand, with no bf16 act in memory.
 //
 // One CTA per tile of 128 rows x 128 columns, in three steps:
 //   load      the tile's 128 rows of 256 bytes into shared memory, 16-byte loads (a half-warp per
@@ -25,6 +28,8 @@
 #include "common/failure_codes.h"
 #include "common/fp8_block_math.cuh"
 #include "common/limits.h"
+#include "common/swiglu_math.cuh"
+#include "common/vec_utils.cuh"
 #include "common/watchdog_sm90.cuh"
 #include "mok_params.h"
 
@@ -45,8 +50,21 @@ __device__ __noinline__ void fail_columns_row_index_check(const Fp8QuantizeColum
   asm volatile("trap;");
 }
 
-template <bool kGather>
-__global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(const Fp8QuantizeColumnsParams p) {
+// Eight bf16 act values of one 16-byte piece: SwiGLU of the gate and up pieces, value by value.
+__device__ __forceinline__ uint4 swiglu_piece(const uint4& gate, const uint4& up) {
+  const auto* g = reinterpret_cast<const __nv_bfloat16*>(&gate);
+  const auto* u = reinterpret_cast<const __nv_bfloat16*>(&up);
+  uint4 act;
+  auto* a = reinterpret_cast<__nv_bfloat16*>(&act);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = from_float<__nv_bfloat16>(swiglu_value(to_float(g[j]), to_float(u[j])));
+  return act;
+}
+
+template <bool kGather, bool kSwiglu = false>
+__global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
+    quantize_columns_kernel(const Fp8QuantizeColumnsParams p) {
+  static_assert(!(kGather && kSwiglu), "a gathered source or a SwiGLU source, not both");
   __shared__ uint4 tile[kColumnsTileRows * kColumnsRowWords / 4];
   auto* words = reinterpret_cast<uint32_t*>(tile);
   const int64_t col_tiles = p.cols / kColumnsTileCols;
@@ -69,20 +87,44 @@ __global__ void __launch_bounds__(kColumnsThreads, 3) quantize_columns_kernel(co
       if (row < end) src_rows[s] = __ldg(p.row_index + row);
     }
   }
-  uint4 raw[kPieces];
-#pragma unroll
-  for (int s = 0; s < kPieces; ++s) {
-    const int piece = (threadIdx.x + s * kColumnsThreads) % 16;
-    if constexpr (kGather) {
-      if (src_rows[s] < -1 || src_rows[s] >= p.num_src_rows) fail_columns_row_index_check(p);
-    }
-    raw[s] = make_uint4(0, 0, 0, 0);
-    if (src_rows[s] >= 0) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_rows[s] * p.cols + col0) + piece);
-  }
-#pragma unroll
-  for (int s = 0; s < kPieces; ++s) {
+  const auto store_piece = [&](int s, const uint4& value) {
     const int i = threadIdx.x + s * kColumnsThreads, row = i / 16, piece = i % 16;
-    tile[row * (kColumnsRowWords / 4) + (piece ^ (columns_swizzle(row) / 4))] = raw[s];
+    tile[row * (kColumnsRowWords / 4) + (piece ^ (columns_swizzle(row) / 4))] = value;
+  };
+  if constexpr (kSwiglu) {
+    // Gate and up pieces in two batches, each batch's act stored before the next batch loads: the
+    // SwiGLU math (an exp and a division per value) runs while other CTAs load, and the registers
+    // allow a fourth CTA per SM.
+    constexpr int kBatch = kPieces / 2;
+#pragma unroll
+    for (int b = 0; b < kPieces; b += kBatch) {
+      uint4 gate[kBatch], up[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = b + k, piece = (threadIdx.x + s * kColumnsThreads) % 16;
+        gate[k] = up[k] = make_uint4(0, 0, 0, 0);  // a zero row's act is zero: SwiGLU(0, 0) = 0
+        if (src_rows[s] >= 0) {
+          const __nv_bfloat16* row = src + src_rows[s] * 2 * p.cols + col0;
+          gate[k] = __ldg(reinterpret_cast<const uint4*>(row) + piece);
+          up[k] = __ldg(reinterpret_cast<const uint4*>(row + p.cols) + piece);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) store_piece(b + k, swiglu_piece(gate[k], up[k]));
+    }
+  } else {
+    uint4 raw[kPieces];
+#pragma unroll
+    for (int s = 0; s < kPieces; ++s) {
+      const int piece = (threadIdx.x + s * kColumnsThreads) % 16;
+      if constexpr (kGather) {
+        if (src_rows[s] < -1 || src_rows[s] >= p.num_src_rows) fail_columns_row_index_check(p);
+      }
+      raw[s] = make_uint4(0, 0, 0, 0);
+      if (src_rows[s] >= 0) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_rows[s] * p.cols + col0) + piece);
+    }
+#pragma unroll
+    for (int s = 0; s < kPieces; ++s) store_piece(s, raw[s]);
   }
   __syncthreads();  // every row of the tile is in shared memory before any column is read
 

@@ -46,6 +46,7 @@ import torch
 from megatron_mok import fp8_weights, ops
 from megatron_mok.backends import kernel, tuning
 from megatron_mok.backends.fp8_quantize import gemm_a_layout, quantize_columns, quantize_rows_gemm_a, quantize_source_rows
+from megatron_mok.ops.fp8_quant import kernel_ready
 from megatron_mok.backends.stages import Stages
 from megatron_mok.backends.tuning import (
     EXPERT_GEMM_CHOICES,
@@ -205,9 +206,29 @@ def weight_grad_rows(source: RowSource, schedule: Schedule):
     return RowsToGather(source.tensor, torch.where(route >= 0, route // schedule.topk, route))
 
 
+@dataclasses.dataclass(frozen=True)
+class ActOfGateUp:
+    """A window's act not made: SwiGLU of gate_up, the SwiGLU kernel's bits. The fc2 weight gradient
+    quantizes it column-wise straight from gate_up (ops.fp8_quantize_swiglu_columns), so no (capacity,
+    F) bf16 act is made in backward."""
+
+    gate_up: Tensor  # (capacity, 2F) bf16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.gate_up.shape[0], self.gate_up.shape[1] // 2)
+
+
+def weight_grad_act(gate_up: Tensor, offsets: Tensor) -> ActOfGateUp:
+    """The fc2 weight gradient's act: ActOfGateUp (offsets: the window's, which its quantization reads)."""
+    return ActOfGateUp(gate_up)
+
+
 def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     if isinstance(rows, RowsToGather):
         return quantize_columns(rows.source, offsets, pow2, row_index=rows.row_index)
+    if isinstance(rows, ActOfGateUp):
+        return ops.fp8_quantize_swiglu_columns(kernel_ready(rows.gate_up), offsets, pow2=pow2)
     return quantize_columns(rows, offsets, pow2)
 
 
@@ -223,7 +244,7 @@ class WindowedWeightGrad:
 
 def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[WindowedWeightGrad], *,
                        recipe: Fp8Recipe):
-    """grad_out (W, m) bf16, inputs (W, n) bf16 or RowsToGather: a receive window's rows
+    """grad_out (W, m) bf16, inputs (W, n) bf16, RowsToGather or ActOfGateUp: a receive window's rows
     (receive.Window) -> both quantized 1x128 along the rows, their FP8 weight gradients added to the
     experts' chains. Returns what the next window carries (WindowedWeightGrad) after a window that is
     not the last, the (E, m, n) bf16 gradient after the last.
@@ -288,5 +309,6 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         route_weight_grads=bf16.route_weight_grads,
         quantize_rows=quantize_source_rows,
         weight_grad_rows=weight_grad_rows if recipe.weight_grad else None,
+        weight_grad_act=weight_grad_act if recipe.weight_grad else None,
         **weight_grads,
     )

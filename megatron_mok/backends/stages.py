@@ -163,3 +163,7 @@ class Stages:
     # dispatch_rows. A backend whose weight_grad_window quantizes straight from the source (the FP8
     # kernel backend) gives what to gather instead of the gathered (capacity, H) rows.
     weight_grad_rows: Optional[DispatchRows] = None
+    # The act the fc2 weight gradient reads (its `inputs`), from the window's gate_up: None is swiglu.
+    # A backend whose weight_grad_window quantizes act straight from gate_up (the FP8 kernel backend)
+    # gives what to quantize instead of the (capacity, F) act.
+    weight_grad_act: Optional[Swiglu] = None

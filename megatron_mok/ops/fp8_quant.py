@@ -65,6 +65,12 @@ def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None):
     return x.new_empty((x.shape[1], padded), dtype=E4M3), x.new_empty((padded // FP8_BLOCK, x.shape[1]), dtype=torch.float32)
 
 
+@register_fake("fp8_quantize_swiglu_columns")
+def _fp8_quantize_swiglu_columns_fake(gate_up, expert_offsets, pow2):
+    padded, ffn = _padded_rows(gate_up.shape[0]), gate_up.shape[1] // 2
+    return gate_up.new_empty((ffn, padded), dtype=E4M3), gate_up.new_empty((padded // FP8_BLOCK, ffn), dtype=torch.float32)
+
+
 @register_fake("fp8_quantize_weight")
 def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy):
     e, n, k = weight.shape
@@ -191,6 +197,26 @@ def fp8_quantize_columns_reference(
     return quantization.quantize_columnwise(padded, pow2)
 
 
+def fp8_quantize_swiglu_columns(gate_up: Tensor, expert_offsets: Tensor, *, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """gate_up (R, 2F) bf16 -> act = SwiGLU(gate_up) quantized 1x128 along R (tokens): (q (F, R_pad) e4m3,
+    scales (R_pad/128, F) fp32), bitwise fp8_quantize_columns(swiglu_forward(gate_up, expert_offsets),
+    expert_offsets) (each act value SwiGLU in fp32 rounded once to bf16, as the SwiGLU kernel rounds it)
+    with no bf16 act in memory: the fc2 weight gradient's act operand. Rows at or past expert_offsets[-1]
+    ((E + 1,) int32, read on the device) and the padding rows quantize as zeros, and are not read.
+    Ref: fp8_quantize_swiglu_columns_reference."""
+    check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2, op="fp8_quantize_swiglu_columns")
+    return torch.ops.megatron_mok.fp8_quantize_swiglu_columns(gate_up, expert_offsets, pow2)
+
+
+def fp8_quantize_swiglu_columns_reference(gate_up: Tensor, expert_offsets: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """fp8_quantize_swiglu_columns through PyTorch: SwiGLU in fp32 rounded to bf16, rows at or past
+    expert_offsets[-1] zero, then fp8_quantize_columns_reference. Reads the offsets on the host: tests
+    and references only."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).bfloat16()
+    return fp8_quantize_columns_reference(act, expert_offsets, pow2)
+
+
 def fp8_quantize_weight(
     weight: Tensor, *, transposed: bool = True, pow2: bool = False, forward_copy: bool = True
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
@@ -309,9 +335,8 @@ def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None) -> 
     _check_placement(op, tensors)
 
 
-def check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2) -> None:
-    """As check_fp8_quantize_rows_args, for fp8_quantize_swiglu."""
-    op = "fp8_quantize_swiglu"
+def check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2, op: str = "fp8_quantize_swiglu") -> None:
+    """As check_fp8_quantize_rows_args, for fp8_quantize_swiglu and fp8_quantize_swiglu_columns (op)."""
     _check_tensor(op, "gate_up", gate_up, torch.bfloat16, 2, "(R, 2F)")
     if gate_up.shape[1] <= 0 or gate_up.shape[1] % (2 * FP8_BLOCK):
         _fail(op, f"gate_up's columns (2F) must be twice a positive multiple of {FP8_BLOCK} (F, the act columns, "

@@ -159,6 +159,11 @@ def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False, row_index=N
     return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2, row_index)
 
 
+def _sim_fp8_quantize_swiglu_columns(gate_up, expert_offsets, *, pow2=False):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_swiglu_args, gate_up, expert_offsets, pow2)
+    return ops.fp8_quantize_swiglu_columns_reference(gate_up, expert_offsets, pow2)
+
+
 def _sim_fp8_quantize_swiglu(gate_up, expert_offsets, *, pow2=False):
     _meets_the_op_contract(fp8_quant.check_fp8_quantize_swiglu_args, gate_up, expert_offsets, pow2)
     # (the rows at or past the end, NaN here, are never read: the reference zeroes their act)
@@ -178,6 +183,7 @@ def _sim_fp8_transpose_weight(q, scales):
 SIMULATED = {
     "fp8_quantize_rows": _sim_fp8_quantize_rows,
     "fp8_quantize_swiglu": _sim_fp8_quantize_swiglu,
+    "fp8_quantize_swiglu_columns": _sim_fp8_quantize_swiglu_columns,
     "fp8_quantize_weight": _sim_fp8_quantize_weight,
     "fp8_transpose_weight": _sim_fp8_transpose_weight,
     "fp8_quantize_columns": _sim_fp8_quantize_columns,
@@ -334,3 +340,18 @@ def test_kernel_fp8_weight_grads_over_windows_equal_one_window_bitwise(simulated
         assert isinstance(carried, torch.Tensor) == (w == count - 1)
     assert count > 2
     assert torch.equal(carried.view(torch.int16), one.view(torch.int16))
+
+
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_the_fc2_weight_gradient_quantizes_act_straight_from_gate_up(simulated_kernels, monkeypatch, weight_grad):
+    """With FP8 weight gradients backward makes no bf16 act: the fc2 weight gradient's act operand is
+    quantized from gate_up (ops.fp8_quantize_swiglu_columns) and swiglu_forward never runs; with BF16
+    weight gradients act is made by swiglu_forward as without FP8. The layer bitwise the reference's."""
+    called = []
+    for name in ("swiglu_forward", "fp8_quantize_swiglu_columns"):
+        monkeypatch.setattr(ops, name, lambda *a, sim=SIMULATED[name], name=name, **k: called.append(name) or sim(*a, **k))
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=8)
+    kernel_config, reference_config = _configs(weight_grad=weight_grad)
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "act")
+    wanted = "fp8_quantize_swiglu_columns" if weight_grad else "swiglu_forward"
+    assert called and set(called) == {wanted}, f"weight_grad={weight_grad}: act made by {called}"

@@ -1,5 +1,5 @@
 """The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_swiglu,
-fp8_quantize_columns, fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of
+fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of
 128, contiguity and alignment before devices, so every error but the device's shows without a GPU and
 before any kernel runs), and their references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
 
@@ -104,6 +104,13 @@ BAD_ARGS = {
     "swiglu_not_contiguous": ("fp8_quantize_swiglu", swiglu_args,
                               dict(gate_up=torch.zeros(C, R, dtype=torch.bfloat16).t()), "gate_up must be contiguous"),
     "swiglu_cpu": ("fp8_quantize_swiglu", swiglu_args, {}, "gate_up must be a CUDA tensor"),
+    "swiglu_columns_f_not_multiple": ("fp8_quantize_swiglu_columns", swiglu_args,
+                                      dict(gate_up=torch.zeros(R, 384, dtype=torch.bfloat16)),
+                                      r"gate_up's columns \(2F\) must be twice a positive multiple of 128"),
+    "swiglu_columns_offsets_missing": ("fp8_quantize_swiglu_columns", swiglu_args, dict(expert_offsets=None),
+                                       "expert_offsets must be a tensor"),
+    "swiglu_columns_cpu": ("fp8_quantize_swiglu_columns", swiglu_args, {},
+                           "gate_up must be a CUDA tensor"),
     "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
     "weight_fp16": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(2, 256, 384, dtype=torch.float16)),
                     "weight must be torch.bfloat16 or torch.float32"),
@@ -150,11 +157,16 @@ def test_bad_argument_is_a_value_error_naming_it(case):
         getattr(ops, op)(*args.values(), **flags)
 
 
+def gate_up_ending_at(rows, end, seed):
+    """(gate_up (rows, 2C) bf16 with NaN rows from `end` on, past the schedule's end: not part of the
+    result; offsets (3,) int32 ending at `end`)."""
+    gate_up = torch.randn(rows, 2 * C, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    gate_up[end:] = float("nan")
+    return gate_up, torch.tensor([0, end // 2, end], dtype=torch.int32)
+
+
 def test_swiglu_reference_is_swiglu_then_quantize_rowwise_with_rows_past_the_end_zero():
-    g = torch.Generator().manual_seed(1)
-    gate_up = torch.randn(9, 2 * C, generator=g).bfloat16()
-    gate_up[6:] = float("nan")  # past the schedule's end: not part of the result
-    offsets = torch.tensor([0, 4, 6], dtype=torch.int32)
+    gate_up, offsets = gate_up_ending_at(9, 6, seed=1)
     act, act_scales = ops.fp8_quantize_swiglu_reference(gate_up, offsets)
     gate, up = gate_up[:6].float().chunk(2, dim=-1)
     want_q, want_scales = quantization.quantize_rowwise((torch.nn.functional.silu(gate) * up).bfloat16())
@@ -162,6 +174,17 @@ def test_swiglu_reference_is_swiglu_then_quantize_rowwise_with_rows_past_the_end
     assert torch.equal(act_scales[:, :6], want_scales.t())
     assert not bool(act[6:].view(torch.uint8).any()) and bool((act_scales[:, 6:] == 1).all())
     assert act_scales.shape == (C // 128, fp8_scale_rows(9))
+
+
+def test_swiglu_columns_reference_is_swiglu_then_quantize_columnwise_with_rows_past_the_end_zero():
+    gate_up, offsets = gate_up_ending_at(150, 140, seed=2)
+    q, scales = ops.fp8_quantize_swiglu_columns_reference(gate_up, offsets)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = torch.zeros(256, C, dtype=torch.bfloat16)
+    act[:140] = (torch.nn.functional.silu(gate[:140]) * up[:140]).bfloat16()
+    want_q, want_scales = quantization.quantize_columnwise(act)
+    assert q.shape == (C, 256) and scales.shape == (2, C)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
 
 
 def test_rows_reference_gathers_and_zero_fills():

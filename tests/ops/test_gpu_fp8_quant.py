@@ -1,6 +1,6 @@
 """The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_swiglu, fp8_quantize_columns,
-fp8_quantize_weight, fp8_transpose_weight; csrc/quant/) against megatron_mok/quantization.py run on
-the same GPU tensors (skipped without a Hopper GPU and the built extension; run on the device).
+fp8_quantize_swiglu_columns, fp8_quantize_weight, fp8_transpose_weight; csrc/quant/) against
+megatron_mok/quantization.py run on the same GPU tensors (skipped without a Hopper GPU and the built extension; run on the device).
 
 Tolerance: none. The kernels compute docs/design.md §12.1 exactly as the reference does (the same
 amax, the IEEE quotient amax / 448, the IEEE quotient v / scale, round-to-nearest-even E4M3 with
@@ -179,16 +179,23 @@ SWIGLU_SHAPES = {
 }
 
 
+def swiglu_case(shape, kind, name):
+    """(gate_up (rows, 2F) bf16 with NaN rows at or past the end, as the GEMM leaves them unwritten,
+    offsets (3,) int32 ending there, rows, F, end) of a SWIGLU_SHAPES entry."""
+    rows, ffn, end = SWIGLU_SHAPES[shape]
+    gate_up = row_values(kind, rows, 2 * ffn, seed_of(name, shape, kind))
+    gate_up[end:] = float("nan")
+    offsets = torch.tensor([0, end // 2, end], dtype=torch.int32, device="cuda")
+    return gate_up, offsets, rows, ffn, end
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", list(SWIGLU_SHAPES))
 def test_swiglu_equals_swiglu_then_quantize_rowwise(shape, kind, pow2):
     """act = quantize_rowwise of silu(gate) * up rounded to bf16; rows at or past the end hold NaN here
     (the GEMM never wrote them) and must quantize as zero rows, never read."""
-    rows, ffn, end = SWIGLU_SHAPES[shape]
-    gate_up = row_values(kind, rows, 2 * ffn, seed_of("swiglu", shape, kind))
-    gate_up[end:] = float("nan")
-    offsets = torch.tensor([0, end // 2, end], dtype=torch.int32, device="cuda")
+    gate_up, offsets, _, _, end = swiglu_case(shape, kind, "swiglu")
     poison_allocator()
     act, act_scales = ops.fp8_quantize_swiglu(gate_up, offsets, pow2=pow2)
     want_act, want_scales = ops.fp8_quantize_swiglu_reference(gate_up, offsets, pow2)
@@ -200,6 +207,29 @@ def test_swiglu_equals_swiglu_then_quantize_rowwise(shape, kind, pow2):
         q, _, gemm_a = ops.fp8_quantize_rows(act_bf16, source_scales=False, pow2=pow2)
         assert_q_equal(act, q, "act against swiglu_forward + fp8_quantize_rows")
         assert_scales_equal(act_scales, gemm_a, "act scales against swiglu_forward + fp8_quantize_rows")
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(SWIGLU_SHAPES))
+def test_swiglu_columns_equal_swiglu_then_quantize_columnwise(shape, kind, pow2):
+    """The fc2 weight gradient's act operand (ops.fp8_quantize_swiglu_columns): quantize_columnwise of
+    silu(gate) * up rounded to bf16, rows at or past the end (NaN here: the GEMM never wrote them)
+    zero and never read; against what it replaces too, the SwiGLU kernel then the column quantization,
+    byte for byte."""
+    gate_up, offsets, rows, ffn, _ = swiglu_case(shape, kind, "swiglu_columns")
+    poison_allocator()
+    q, scales = ops.fp8_quantize_swiglu_columns(gate_up, offsets, pow2=pow2)
+    want_q, want_scales = ops.fp8_quantize_swiglu_columns_reference(gate_up, offsets, pow2)
+    padded = -(-rows // 128) * 128
+    assert q.shape == (ffn, padded) and scales.shape == (padded // 128, ffn)
+    assert_q_equal(q, want_q, "act columns")
+    assert_scales_equal(scales, want_scales, "act column scales")
+    if kind == "gaussian":
+        act = ops.swiglu_forward(gate_up, offsets)
+        got_q, got_scales = ops.fp8_quantize_columns(act, offsets, pow2=pow2)
+        assert_q_equal(q, got_q, "act columns against swiglu_forward + fp8_quantize_columns")
+        assert_scales_equal(scales, got_scales, "act column scales against swiglu_forward + fp8_quantize_columns")
 
 
 # name: (source rows, the index): repeats, reversed order, -1 rows, all -1, an empty source.
@@ -507,6 +537,9 @@ def op_cases():
         # (F = 384: three blocks a row; rows 20.. past the schedule's end)
         ("swiglu", torch.ops.megatron_mok.fp8_quantize_swiglu.default,
          (row_values("gaussian", 37, 768, seed=3), torch.tensor([0, 9, 20], dtype=torch.int32, device="cuda"), False)),
+        # (two 128-row blocks of act columns; rows 150.. past the schedule's end)
+        ("swiglu_columns", torch.ops.megatron_mok.fp8_quantize_swiglu_columns.default,
+         (row_values("gaussian", 200, 512, seed=4), torch.tensor([0, 128, 150], dtype=torch.int32, device="cuda"), False)),
     ]
 
 
@@ -515,8 +548,8 @@ def same_outputs(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6],
-                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6, 7],
+                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu", "swiglu_columns"])
 def test_deterministic_and_graph_replay_equals_eager(case):
     _, op, args = op_cases()[case]
     first = [t.clone() for t in op(*args)]
@@ -537,8 +570,8 @@ def test_deterministic_and_graph_replay_equals_eager(case):
         assert same_outputs(captured, first)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6],
-                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6, 7],
+                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu", "swiglu_columns"])
 def test_registration_fake_no_mutation_and_compile(case):
     """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
     torch.compile(fullgraph=True) of the op gives the eager bytes."""
