@@ -95,8 +95,9 @@ def layer_memory_bound(
         raise ValueError(f"layer_memory_bound models the kernel backend, which runs bf16; got dtype {dtype}")
     if config.precision != "bf16":
         raise ValueError(
-            f"layer_memory_bound models the kernel backend, which runs bf16; MoKConfig.precision={config.precision!r} "
-            "runs on the reference backend (docs/design.md §12.4 compares what it keeps)"
+            f"layer_memory_bound models the kernel backend's bf16 layer; MoKConfig.precision={config.precision!r} is "
+            "not modelled yet (its FP8 rows and scales, weight copies and weight-gradient carries; docs/design.md "
+            "§12.4 compares what it keeps)"
         )
     s = torch.empty((), dtype=dtype).element_size()
     weight_grad_family = EXPERT_GEMM_CHOICES[config.expert_gemm].weight_grads
