@@ -155,9 +155,18 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
                 name, " must be float32 (m, n) = (", std::to_string(m), ", ", std::to_string(n), "), got ",
                 c10::toString(carry.scalar_type()), " ", sizes_str(carry));
   }
-  TORCH_CHECK(!windowed || carry_in->data_ptr() != carry_out->data_ptr(), kOp,
-              "carry_in and carry_out must be different buffers (a window may continue one expert while it "
-              "carries another on)");
+  if (windowed) {
+    // (all contiguous: each covers [data_ptr, data_ptr + nbytes))
+    const auto overlap = [](const at::Tensor& a, const at::Tensor& b) {
+      const auto* a0 = static_cast<const char*>(a.data_ptr());
+      const auto* b0 = static_cast<const char*>(b.data_ptr());
+      return a.numel() > 0 && b.numel() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+    };
+    TORCH_CHECK(!overlap(*carry_in, *carry_out) && !overlap(*carry_in, *rounded_out) &&
+                    !overlap(*carry_out, *rounded_out),
+                kOp, "carry_in, carry_out and rounded_out must not overlap in memory (a window reads one carry while "
+                "it writes the other and the result)");
+  }
   TORCH_CHECK(window_begin >= 0 && window_begin % kFp8Block == 0, kOp,
               "window_begin must be a non-negative multiple of ", std::to_string(kFp8Block), ", got ",
               std::to_string(window_begin));
@@ -165,10 +174,15 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
                   experts * m < (int64_t(1) << 31),
               kOp, "sizes past 2^31 (window_begin + R, m, n, E * m)");
   if (rows == 0 && windowed) {
-    // No row: the first window rounds the empty experts, here every expert of an empty schedule (a
-    // window at row 0 with no rows; a later window beginning at 0 overwrites the rest); an expert
-    // crossing a later empty window's position goes on unchanged into carry_out.
-    if (window_begin == 0) rounded_out->zero_(); else carry_out->copy_(*carry_in);
+    // No row: a window at row 0 rounds the empty experts (zeros; the mask is formed on the device, so
+    // no host synchronization); an expert crossing a later empty window's position goes on unchanged
+    // into carry_out.
+    if (window_begin == 0) {
+      const at::Tensor empty = expert_offsets.slice(0, 1).eq(expert_offsets.slice(0, 0, experts)).view({experts, 1, 1});
+      rounded_out->masked_fill_(empty, 0);
+    } else {
+      carry_out->copy_(*carry_in);
+    }
     return;
   }
   if (rows == 0) {  // no block: nothing to add

@@ -95,6 +95,13 @@ class WeightGradWindow(Protocol):
         ...
 
 
+class WeightGradAct(Protocol):
+    def __call__(self, gate_up: Tensor, expert_offsets: Tensor) -> object:
+        """gate_up (R, 2F) -> the fc2 weight gradient's act as its weight_grad_window takes it (a
+        (R, F) tensor, or what to quantize it from)."""
+        ...
+
+
 class DgradSwiglu(Protocol):
     def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> Tensor:
         """grad_out (capacity, H), fc2 (E, H, F) -> grad_gate_up (capacity, 2F)."""
@@ -166,4 +173,4 @@ class Stages:
     # The act the fc2 weight gradient reads (its `inputs`), from the window's gate_up: None is swiglu.
     # A backend whose weight_grad_window quantizes act straight from gate_up (the FP8 kernel backend)
     # gives what to quantize instead of the (capacity, F) act.
-    weight_grad_act: Optional[Swiglu] = None
+    weight_grad_act: Optional[WeightGradAct] = None

@@ -119,7 +119,7 @@ class Fp32Carried:
 class StageCarried:
     def __init__(self, weight_grad_window: WeightGradWindow):
         self.weight_grad_window = weight_grad_window
-        self.carried: Optional[Tensor] = None  # what the stage hands from one window to the next
+        self.carried: Any = None  # what the stage hands from one window to the next
 
     def add(self, grad_out: Tensor, inputs: Tensor, window: Window) -> None:
         self.carried = self.weight_grad_window(grad_out, inputs, window, self.carried)

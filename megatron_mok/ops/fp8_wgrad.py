@@ -79,7 +79,8 @@ def fp8_expert_wgrad(
 
     carry: (carry_in, carry_out), two distinct (m, n) float32 buffers: the windowed form, for passes of
     several windows (with `rounded`, without out and accumulate). Call it for the windows in order,
-    tiling the schedule's rows from row 0 (each window_begin the previous window's end), carry_out of
+    tiling the schedule's rows from row 0 to at least expert_offsets[-1] (each window_begin the previous
+    window's end, the offsets non-decreasing), carry_out of
     one window being carry_in of the next (two buffers used in turn). Per expert e with segment
     [o_e, o_e+1) of expert_offsets: its chain starts from carry_in if o_e < window_begin, else from 0;
     it ends rounded into rounded[e] in the window with o_e+1 <= window_begin + R (an empty expert: the

@@ -285,9 +285,9 @@ def test_windowed_form_rounds_each_expert_once_where_its_rows_end(shape, routing
 
 
 def test_windowed_form_with_windows_of_no_rows():
-    """A window of no rows at row 0 (it rounds every expert as empty; the later windows overwrite those
-    with rows) and one between two windows inside a segment (its carry goes on unchanged): the result
-    is still one pass's, bit for bit."""
+    """A window of no rows at row 0 (it rounds the empty experts, as zeros, and leaves the others
+    alone) and one between two windows inside a segment (its carry goes on unchanged): the result is
+    still one pass's, bit for bit."""
     m, n = WINDOW_SHAPES["small"]
     case = make_case(WINDOW_ROUTINGS["one_expert_spans_windows"], m, n, seed=41)
     want = ops.fp8_expert_wgrad(*operands(case)).bfloat16()
@@ -298,7 +298,12 @@ def test_windowed_form_with_windows_of_no_rows():
         return (begin, qg[:, :0].contiguous(), sg[:0], qx[:, :0].contiguous(), sx[:0])
 
     rounded = torch.full(want.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    run_windowed([no_rows(0), windows[0], no_rows(1024), *windows[1:]], case["offsets"], rounded, nan_carries(m, n))
+    carries = nan_carries(m, n)
+    run_windowed([no_rows(0)], case["offsets"], rounded, carries)
+    assert_same_bits(rounded[0::2], torch.zeros_like(rounded[0::2]), "the empty experts after a window of no rows")
+    assert bool(rounded[1].isnan().all()), "a window of no rows wrote an expert with rows"
+    rest = [windows[0], no_rows(1024), *windows[1:]]  # window w of `rest` is window w + 1: its carries turn over
+    run_windowed(rest, case["offsets"], rounded, carries[1:] + carries[:1])
     assert_same_bits(rounded, want, "windows with windows of no rows between them")
     assert ops.last_failure() is None
 
