@@ -2,9 +2,9 @@
 // fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_weight and
 // fp8_transpose_weight of the `megatron_mok` library (validated wrappers, fake implementations and
 // references in megatron_mok/ops/fp8_quant.py, which raise ValueError before these run; the checks
-// here are the same, for callers of torch.ops directly). Each fills its params struct (mok_params.h) once and
-// launches one kernel. An output a caller did not ask for is returned as an empty (0,) tensor (a
-// schema cannot return None).
+// here are the same, for callers of torch.ops directly). Each fills its params struct (mok_params.h)
+// once and launches one kernel. An output a caller did not ask for is returned as an empty (0,)
+// tensor (a schema cannot return None).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -110,6 +110,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_rows(const at::Tenso
   return {q, scales, a_scales};
 }
 
+// expert_offsets (E + 1,) int32, the schedule's segments, beside x on its device.
+void check_expert_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& x, const char* x_name) {
+  TORCH_CHECK(offsets.is_cuda() && offsets.is_contiguous() && offsets.device() == x.device() &&
+                  offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() >= 1,
+              op, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on ", x_name, "'s device");
+}
+
 // (act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R)) fp32, the GEMM-A layout, padding columns 1):
 // silu(gate) * up of gate_up (R, 2F) bf16 rounded to bf16, quantized 1x128 along F; rows at or past
 // expert_offsets[-1] are not read and quantize as zeros.
@@ -119,9 +126,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up
   check_bf16_rows(kOp, gate_up);
   TORCH_CHECK(gate_up.size(1) % (2 * kFp8Block) == 0, kOp, "gate_up must be (rows, 2F) with F a multiple of ",
               std::to_string(kFp8Block), ", got ", sizes_str(gate_up));
-  TORCH_CHECK(expert_offsets.is_cuda() && expert_offsets.is_contiguous() && expert_offsets.device() == gate_up.device() &&
-                  expert_offsets.scalar_type() == at::kInt && expert_offsets.dim() == 1 && expert_offsets.numel() >= 1,
-              kOp, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on gate_up's device");
+  check_expert_offsets(kOp, expert_offsets, gate_up, "gate_up");
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
   const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
@@ -171,12 +176,6 @@ std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Fp8QuantizeColumnsPar
   quantize_columns_kernel<kGather, kSwiglu><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scales};
-}
-
-void check_expert_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& x, const char* x_name) {
-  TORCH_CHECK(offsets.is_cuda() && offsets.is_contiguous() && offsets.device() == x.device() &&
-                  offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() >= 1,
-              op, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on ", x_name, "'s device");
 }
 
 // (q (C, R_pad) e4m3, scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: x (R, C) bf16

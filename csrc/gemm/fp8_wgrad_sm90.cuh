@@ -38,10 +38,10 @@
 //   expert's sums are rounded once, by the window that ends its chain, no tile is read or written
 //   by windows it has no rows in, and the fp32 state between windows is one (m, n) carry, not a total
 //   of every expert; the rounded result is bitwise one pass's.
-//   The rounded tile goes through the consumer
-//   warpgroup's staging buffer (stmatrix, 128-byte swizzle) and two TMA stores, which run in the
-//   background while the warpgroup starts its next tile; from registers, a quad's bf16 pairs would
-//   cover half a sector each and the tensor cores would wait for the stores' issue.
+//   The rounded tile goes through the consumer warpgroup's staging buffer (stmatrix, 128-byte
+//   swizzle) and two TMA stores, which run in the background while the warpgroup starts its next
+//   tile; from registers, a quad's bf16 pairs would cover half a sector each and the tensor cores
+//   would wait for the stores' issue.
 #pragma once
 
 #include <cuda.h>
@@ -201,8 +201,8 @@ enum class Fp8WgradMainloop : int {
   // Two partial sums per warpgroup used in turn: block k + 1's wgmmas are issued before block k's
   // are waited for (wgmma.wait_group 1), so each warpgroup promotes block k while its next block
   // runs. The scales are read from the stage during the promotion, so a stage is released after its
-  // block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for the sums: the
-  // consumers' setmaxnreg budget, not the 168 of the whole launch.
+  // block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for
+  // the sums: the consumers' setmaxnreg budget, not the 168 of the whole launch.
   kOverlap = 1,
 };
 constexpr int kFp8WgradMainloopCount = 2;  // the op checks 0 <= variant < this
@@ -317,8 +317,8 @@ struct Fp8ExpertWgradKernel {
   }
 
   // The tile's sums into chain_out (8-byte stores: a quad's four lanes cover one 32-byte sector of a
-  // row), or rounded to bf16 into rounded_out (each value rounded once, to nearest even: the bits of out's
-  // value converted) through the warpgroup's staging buffer and two TMA stores of 64 x 64 at rows
+  // row), or rounded to bf16 into rounded_out (each value rounded once, to nearest even: the bits of
+  // the fp32 value converted) through the warpgroup's staging buffer and two TMA stores of 64 x 64 at rows
   // expert * m + m0 + 64 * consumer of rounded_out seen as (E * m, n). The buffer is free once the
   // previous tile's stores have read it (committed by thread 0, which waits for that before the
   // warpgroup's barrier).

@@ -148,13 +148,18 @@ def fp8_quantize_swiglu(gate_up: Tensor, expert_offsets: Tensor, *, pow2: bool =
     return torch.ops.megatron_mok.fp8_quantize_swiglu(gate_up, expert_offsets, pow2)
 
 
+def _swiglu_reference(gate_up: Tensor) -> Tensor:
+    """gate_up (R, 2F) -> act (R, F) bf16: silu(gate) * up in fp32, rounded once (the SwiGLU kernels' bits)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).bfloat16()
+
+
 def fp8_quantize_swiglu_reference(gate_up: Tensor, expert_offsets: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor]:
     """fp8_quantize_swiglu through PyTorch: SwiGLU in fp32 rounded to bf16 (rows at or past
     expert_offsets[-1] zero), quantization.quantize_rowwise, quantization.gemm_a_scales. Reads the
     offsets on the host: tests and references only."""
     end = max(0, min(gate_up.shape[0], int(expert_offsets[-1])))
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).bfloat16()
+    act = _swiglu_reference(gate_up)
     act[end:] = 0
     q, scales = quantization.quantize_rowwise(act, pow2)
     return q, quantization.gemm_a_scales(scales)
@@ -212,9 +217,7 @@ def fp8_quantize_swiglu_columns_reference(gate_up: Tensor, expert_offsets: Tenso
     """fp8_quantize_swiglu_columns through PyTorch: SwiGLU in fp32 rounded to bf16, rows at or past
     expert_offsets[-1] zero, then fp8_quantize_columns_reference. Reads the offsets on the host: tests
     and references only."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).bfloat16()
-    return fp8_quantize_columns_reference(act, expert_offsets, pow2)
+    return fp8_quantize_columns_reference(_swiglu_reference(gate_up), expert_offsets, pow2)
 
 
 def fp8_quantize_weight(
