@@ -117,16 +117,22 @@ void check_expert_offsets(const char* op, const at::Tensor& offsets, const at::T
               op, "expert_offsets must be a contiguous 1-D int32 CUDA tensor on ", x_name, "'s device");
 }
 
+// The SwiGLU quantizations' inputs: gate_up (R, 2F) bf16 rows with F a multiple of 128, and the
+// schedule's offsets beside it.
+void check_swiglu_inputs(const char* op, const at::Tensor& gate_up, const at::Tensor& expert_offsets) {
+  check_bf16_rows(op, gate_up);
+  TORCH_CHECK(gate_up.size(1) % (2 * kFp8Block) == 0, op, "gate_up must be (rows, 2F) with F a multiple of ",
+              std::to_string(kFp8Block), ", got ", sizes_str(gate_up));
+  check_expert_offsets(op, expert_offsets, gate_up, "gate_up");
+}
+
 // (act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R)) fp32, the GEMM-A layout, padding columns 1):
 // silu(gate) * up of gate_up (R, 2F) bf16 rounded to bf16, quantized 1x128 along F; rows at or past
 // expert_offsets[-1] are not read and quantize as zeros.
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up, const at::Tensor& expert_offsets,
                                                        bool pow2) {
   constexpr const char* kOp = "fp8_quantize_swiglu: ";
-  check_bf16_rows(kOp, gate_up);
-  TORCH_CHECK(gate_up.size(1) % (2 * kFp8Block) == 0, kOp, "gate_up must be (rows, 2F) with F a multiple of ",
-              std::to_string(kFp8Block), ", got ", sizes_str(gate_up));
-  check_expert_offsets(kOp, expert_offsets, gate_up, "gate_up");
+  check_swiglu_inputs(kOp, gate_up, expert_offsets);
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
   const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
@@ -210,10 +216,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu_columns(const at::Tensor& gate_up,
                                                                const at::Tensor& expert_offsets, bool pow2) {
   constexpr const char* kOp = "fp8_quantize_swiglu_columns: ";
-  check_bf16_rows(kOp, gate_up);
-  TORCH_CHECK(gate_up.size(1) % (2 * kFp8Block) == 0, kOp, "gate_up must be (rows, 2F) with F a multiple of ",
-              std::to_string(kFp8Block), ", got ", sizes_str(gate_up));
-  check_expert_offsets(kOp, expert_offsets, gate_up, "gate_up");
+  check_swiglu_inputs(kOp, gate_up, expert_offsets);
   const c10::cuda::CUDAGuard guard(gate_up.device());
   Fp8QuantizeColumnsParams p{};
   p.src = gate_up.data_ptr();
