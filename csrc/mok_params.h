@@ -341,6 +341,24 @@ struct Fp8QuantizeColumnsParams {
   FailureRecord* failure_record;  // host-mapped; null: trap without a record (an index out of range)
 };
 
+// The SwiGLU backward of gate/up rows with d act, and its 1x128 quantization along 2 ffn (quant/
+// quantize_swiglu_backward_sm90.cuh): d gate_up (num_rows, 2 ffn) bf16, gate columns then up
+// columns, and its E4M3 copy with the GEMM-A scales (the gate/up dgrad's operand). Rows at or past
+// expert_offsets[num_experts] are not read: d gate_up zero there, quantized as zero rows.
+struct Fp8QuantizeSwigluBackwardParams {
+  const void* gate_up;            // (num_rows, 2 ffn) bf16
+  const void* grad_act;           // (num_rows, ffn) bf16
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device: the schedule's end row
+  int32_t num_experts;
+  void* grad_gate_up;             // (num_rows, 2 ffn) bf16
+  uint8_t* rows_q;                // (num_rows, 2 ffn) e4m3
+  float* rows_scales;             // (2 ffn / 128, gemm_a_rows) fp32: the GEMM-A layout
+  int64_t num_rows;
+  int64_t ffn;                    // a multiple of 128
+  int64_t gemm_a_rows;            // num_rows rounded up to kFp8ScaleRowPad
+  int32_t pow2;
+};
+
 // 128x128 blocks of a weight (quantization.quantize_weight), and with q_t its transposed copy
 // (quantization.transpose_weight of it): one pass over the weight.
 struct Fp8QuantizeWeightParams {

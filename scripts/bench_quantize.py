@@ -13,6 +13,10 @@ Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments p
     dY columns        ops.fp8_quantize_columns of (C, H) bf16 rows: the fc2 weight gradient's operand
     act columns       (C, F)
     d gate_up columns (C, 2F)
+    d gate_up and its rows, SwiGLU backward  ops.fp8_quantize_swiglu_backward of gate_up (C, 2F) and
+                      d act (C, F): d gate_up in bf16 and quantized 1x128 along 2F in one launch (what
+                      backward runs with FP8 weight gradients), beside
+    the same, two launches  ops.swiglu_backward, then d gate_up rows (what it replaces)
     x columns, gathered  (C, H) rows gathered from x by the schedule (row_index): fc1's weight gradient
     fc1 / fc2         ops.fp8_quantize_weight, forward copy (the cache's, once per weight version)
     fc1 / fc2 transposed  the dgrads' copy, from the bf16 weight (forward_copy=False)
@@ -62,6 +66,13 @@ def rows_bytes(r, c):  # bf16 in, e4m3 out, both scale layouts
     return r * c * 3 + 2 * r * (c // 128) * 4
 
 
+def _two_launches(s):
+    """What ops.fp8_quantize_swiglu_backward replaces: the SwiGLU backward kernel (bf16 d gate_up), then
+    its row quantization (GEMM-A scales)."""
+    grad_gate_up = ops.swiglu_backward(s["dgate_up"], s["act"], s["offsets"])
+    return ops.fp8_quantize_rows(grad_gate_up, source_scales=False)
+
+
 def cases(s):
     """name -> (function of a set, bytes moved)."""
     t, h = s["x"].shape
@@ -70,6 +81,7 @@ def cases(s):
     cols = lambda r, c: r * c * 3 + (r // 128 + 1) * c * 4  # noqa: E731
     weight = lambda w: w.numel() * 3 + w.numel() // 128**2 * 4  # noqa: E731
     moved = lambda w: w.numel() * 2 + w.numel() // 128**2 * 8  # noqa: E731
+    swiglu_backward_bytes = rows * f2 * 3 + rows * f2 * 3 + rows * (f2 // 128) * 4
     return {
         "x rows": (lambda s: ops.fp8_quantize_rows(s["x"]), rows_bytes(t, h)),
         "dY rows": (lambda s: ops.fp8_quantize_rows(s["dy"]), rows_bytes(t, h)),
@@ -80,6 +92,11 @@ def cases(s):
         "dY columns": (lambda s: ops.fp8_quantize_columns(s["dy_rows"], s["offsets"]), cols(rows, h)),
         "act columns": (lambda s: ops.fp8_quantize_columns(s["act"], s["offsets"]), cols(rows, f2 // 2)),
         "d gate_up columns": (lambda s: ops.fp8_quantize_columns(s["dgate_up"], s["offsets"]), cols(rows, f2)),
+        # (gate_up and d act in; d gate_up in bf16 and E4M3 out, with the scales. The two launches are
+        # given the same bytes, the work's: their GB/s is the one launch's for the same result.)
+        "d gate_up and its rows, SwiGLU backward": (
+            lambda s: ops.fp8_quantize_swiglu_backward(s["dgate_up"], s["act"], s["offsets"]), swiglu_backward_bytes),
+        "the same, two launches": (lambda s: _two_launches(s), swiglu_backward_bytes),
         "x columns, gathered": (lambda s: ops.fp8_quantize_columns(s["x"], s["offsets"], row_index=s["index"]),
                                 cols(rows, h)),
         "fc1": (lambda s: ops.fp8_quantize_weight(s["fc1"], transposed=False), weight(s["fc1"])),

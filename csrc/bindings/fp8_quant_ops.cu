@@ -1,10 +1,10 @@
 // Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
-// fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_weight and
-// fp8_transpose_weight of the `megatron_mok` library (validated wrappers, fake implementations and
-// references in megatron_mok/ops/fp8_quant.py, which raise ValueError before these run; the checks
-// here are the same, for callers of torch.ops directly). Each fills its params struct (mok_params.h)
-// once and launches one kernel. An output a caller did not ask for is returned as an empty (0,)
-// tensor (a schema cannot return None).
+// fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_swiglu_columns,
+// fp8_quantize_swiglu_backward, fp8_quantize_weight and fp8_transpose_weight of the `megatron_mok`
+// library (validated wrappers, fake implementations and references in megatron_mok/ops/fp8_quant.py,
+// which raise ValueError before these run; the checks here are the same, for callers of torch.ops
+// directly). Each fills its params struct (mok_params.h) once and launches one kernel. An output a
+// caller did not ask for is returned as an empty (0,) tensor (a schema cannot return None).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -24,6 +24,7 @@
 #include "mok_params.h"
 #include "quant/quantize_columns_sm90.cuh"
 #include "quant/quantize_rows_sm90.cuh"
+#include "quant/quantize_swiglu_backward_sm90.cuh"
 #include "quant/quantize_swiglu_sm90.cuh"
 #include "quant/quantize_weight_sm90.cuh"
 #include "quant/transpose_weight_sm90.cuh"
@@ -126,6 +127,15 @@ void check_swiglu_inputs(const char* op, const at::Tensor& gate_up, const at::Te
   check_expert_offsets(op, expert_offsets, gate_up, "gate_up");
 }
 
+// The grid of a SwiGLU kernel over units of a row and 128 of F's columns (quantize_swiglu_kernel,
+// quantize_swiglu_backward_kernel): a warp per 2 * kRowsUnroll units, no more CTAs than are resident.
+template <typename Kernel>
+int swiglu_units_grid(Kernel kernel, int64_t rows, int64_t ffn) {
+  const int64_t warps = (rows * (ffn / kFp8Block) + 2 * kRowsUnroll - 1) / (2 * kRowsUnroll);
+  const int64_t wanted = (warps + kQuantizeThreads / 32 - 1) / (kQuantizeThreads / 32);
+  return int(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel))));
+}
+
 // (act (R, F) e4m3, act_scales (F/128, fp8_scale_rows(R)) fp32, the GEMM-A layout, padding columns 1):
 // silu(gate) * up of gate_up (R, 2F) bf16 rounded to bf16, quantized 1x128 along F; rows at or past
 // expert_offsets[-1] are not read and quantize as zeros.
@@ -152,11 +162,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up
   p.ffn = ffn;
   p.gemm_a_rows = gemm_a_rows;
   p.pow2 = pow2 ? 1 : 0;
-  // A warp per 2 * kRowsUnroll blocks of 128 act columns.
-  const int64_t warps = (rows * (ffn / kFp8Block) + 2 * kRowsUnroll - 1) / (2 * kRowsUnroll);
-  const int64_t wanted = (warps + kQuantizeThreads / 32 - 1) / (kQuantizeThreads / 32);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(quantize_swiglu_kernel))));
-  quantize_swiglu_kernel<<<grid, kQuantizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  quantize_swiglu_kernel<<<swiglu_units_grid(quantize_swiglu_kernel, rows, ffn), kQuantizeThreads, 0,
+                           c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, a_scales};
 }
@@ -224,6 +231,52 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu_columns(const at::Tensor&
   p.num_src_rows = gate_up.size(0);
   p.pow2 = pow2 ? 1 : 0;
   return launch_quantize_columns<false, true>(p, gate_up.options(), gate_up.size(0), gate_up.size(1) / 2, kOp);
+}
+
+// (grad_gate_up (R, 2F) bf16, rows_q (R, 2F) e4m3, rows_scales (2F/128, fp8_scale_rows(R)) fp32 in the
+// GEMM-A layout, padding columns 1): d gate_up, the SwiGLU backward of gate_up (R, 2F) bf16 with
+// grad_act (R, F) bf16 (swiglu_backward's values), and its quantization 1x128 along 2F; rows at or
+// past expert_offsets[-1] are not read: zero rows of d gate_up, quantized as zeros.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward(const at::Tensor& gate_up,
+                                                                            const at::Tensor& grad_act,
+                                                                            const at::Tensor& expert_offsets,
+                                                                            bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_swiglu_backward: ";
+  check_swiglu_inputs(kOp, gate_up, expert_offsets);
+  const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
+  TORCH_CHECK(grad_act.is_cuda() && grad_act.is_contiguous() && grad_act.device() == gate_up.device(), kOp,
+              "grad_act must be a contiguous CUDA tensor on gate_up's device");
+  TORCH_CHECK(grad_act.scalar_type() == at::kBFloat16, kOp, "grad_act must be bfloat16, got ",
+              c10::toString(grad_act.scalar_type()));
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == rows && grad_act.size(1) == ffn, kOp,
+              "grad_act must be (rows, F) = (", std::to_string(rows), ", ", std::to_string(ffn), ") for gate_up ",
+              sizes_str(gate_up), ", got ", sizes_str(grad_act));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(grad_act.data_ptr()) % 16 == 0, kOp, "grad_act must start 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
+  auto grad_gate_up = at::empty({rows, 2 * ffn}, gate_up.options());
+  auto rows_q = at::empty({rows, 2 * ffn}, gate_up.options().dtype(at::kFloat8_e4m3fn));
+  auto rows_scales = at::empty({2 * ffn / kFp8Block, gemm_a_rows}, gate_up.options().dtype(at::kFloat));
+  if (rows == 0) {
+    rows_scales.fill_(1.f);
+    return {grad_gate_up, rows_q, rows_scales};
+  }
+  Fp8QuantizeSwigluBackwardParams p{};
+  p.gate_up = gate_up.data_ptr();
+  p.grad_act = grad_act.data_ptr();
+  p.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  p.num_experts = int32_t(expert_offsets.numel() - 1);
+  p.grad_gate_up = grad_gate_up.data_ptr();
+  p.rows_q = e4m3_ptr(rows_q);
+  p.rows_scales = rows_scales.data_ptr<float>();
+  p.num_rows = rows;
+  p.ffn = ffn;
+  p.gemm_a_rows = gemm_a_rows;
+  p.pow2 = pow2 ? 1 : 0;
+  quantize_swiglu_backward_kernel<<<swiglu_units_grid(quantize_swiglu_backward_kernel, rows, ffn), kQuantizeThreads,
+                                    0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {grad_gate_up, rows_q, rows_scales};
 }
 
 // (q (E, N, K) e4m3 and scales (E, N/128, K/128) fp32, or (0,) each without forward_copy; q_t
@@ -316,6 +369,9 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2, Tensor? row_index=None) -> (Tensor, Tensor)");
   m.def("fp8_quantize_swiglu_columns(Tensor gate_up, Tensor expert_offsets, bool pow2) -> (Tensor, Tensor)");
   m.def(
+      "fp8_quantize_swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_transpose_weight(Tensor q, Tensor scales) -> (Tensor, Tensor)");
@@ -326,6 +382,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_columns", &fp8_quantize_columns);
   m.impl("fp8_quantize_swiglu_columns", &fp8_quantize_swiglu_columns);
+  m.impl("fp8_quantize_swiglu_backward", &fp8_quantize_swiglu_backward);
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_transpose_weight", &fp8_transpose_weight);
   m.impl("fp8_quantize_swiglu", &fp8_quantize_swiglu);

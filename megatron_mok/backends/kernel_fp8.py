@@ -19,13 +19,17 @@ dtype is bf16 (the kernel backend's). Per stage:
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
                        reference's); from a bf16 source, bf16's
-    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) -> d act bf16 -> the SwiGLU
-                       backward kernel with gate_up
-    dgrad_rows         d gate_up quantized 1x128 along 2F -> ops.fp8_expert_gemm with fc1 transposed
-                       (E, H, 2F) -> d rows bf16 (pushed back as bf16's)
+    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) -> d act bf16 -> with FP8
+                       weight gradients ops.fp8_quantize_swiglu_backward: d gate_up bf16 and its
+                       quantization 1x128 along 2F in one pass (GradGateUp); with BF16 ones the SwiGLU
+                       backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
+    dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
+                       ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) -> d rows bf16 (pushed back
+                       as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
                        bf16 values (fc1's rows straight from the source x, never gathered into a
-                       (capacity, H) copy: RowsToGather) -> ops.fp8_expert_wgrad, the fp32 sums
+                       (capacity, H) copy: RowsToGather; fc2's act from gate_up: ActOfGateUp) ->
+                       ops.fp8_expert_wgrad, the fp32 sums
                        rounded once into the bf16 result in the kernel; over several receive windows
                        one fp32 (E, m, n) carried from window to window (bitwise one pass), the last
                        window rounding it; or the BF16 kernel's weight gradients
@@ -168,17 +172,53 @@ def pull_route_grads(source: GradSource, schedule: Schedule):
     return QuantizedRows(_gather_values(grad_y_all.values, schedule), scales)
 
 
-def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
-    """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F) bf16: d act = FP8 GEMM with fc2 transposed
-    (E, F, H), rounded to bf16, then the SwiGLU backward kernel (fp32, rounded once), as the reference."""
+class GradGateUp:
+    """d gate_up as the SwiGLU backward leaves it with FP8 weight gradients
+    (ops.fp8_quantize_swiglu_backward): the bf16 values, which the fc1 weight gradient quantizes
+    column-wise, and their quantization 1x128 along 2F, the gate/up dgrad's left operand (bitwise
+    fp8_quantize_rows of the bf16 values: dgrad_rows computes what it would from the bf16 tensor).
+    The dgrad takes the E4M3 copy (take_rows), so that it is freed before the fc1 weight gradient's
+    operands are made, as the copy quantized inside the dgrad was."""
+
+    def __init__(self, values: Tensor, rows: GemmOperand):
+        self.values = values  # (capacity, 2F) bf16
+        self._rows: Optional[GemmOperand] = rows  # (capacity, 2F) e4m3, scales (2F/128, fp8_scale_rows(capacity))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def take_rows(self) -> GemmOperand:
+        """The E4M3 copy, handed over once: this object keeps no reference to it."""
+        if self._rows is None:
+            raise RuntimeError("GradGateUp.take_rows: the row-wise copy was already taken (one dgrad per d gate_up)")
+        rows, self._rows = self._rows, None
+        return rows
+
+
+def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe):
+    """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F): d act = FP8 GEMM with fc2 transposed
+    (E, F, H), rounded to bf16, then the SwiGLU backward (fp32, rounded once), as the reference. With
+    FP8 weight gradients a GradGateUp (the bf16 values and the dgrad's operand from one pass); with
+    BF16 ones the bf16 tensor, which the BF16 weight gradient reads as it is."""
     weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
-    return ops.swiglu_backward(gate_up, grad_act, offsets)
+    if not recipe.weight_grad:
+        return ops.swiglu_backward(gate_up, grad_act, offsets)
+    values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
+        kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
+    )
+    return GradGateUp(values, GemmOperand(rows, rows_scales))
 
 
-def dgrad_rows(grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
-    """d gate_up (capacity, 2F) bf16, quantized 1x128 along 2F -> d rows (capacity, H) bf16."""
-    values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
+def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+    """d gate_up (capacity, 2F), a GradGateUp or bf16 (then quantized 1x128 along 2F here) -> d rows
+    (capacity, H) bf16."""
+    if isinstance(grad_gate_up, GradGateUp):
+        operand = grad_gate_up.take_rows()
+        values, scales = operand.values, operand.scales
+    else:
+        values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
     weight = fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     return _gemm(values, scales, weight, offsets)
 
@@ -242,12 +282,12 @@ class WindowedWeightGrad:
     carries: tuple[Tensor, Tensor]  # (m, n) float32 each
 
 
-def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[WindowedWeightGrad], *,
-                       recipe: Fp8Recipe):
-    """grad_out (W, m) bf16, inputs (W, n) bf16, RowsToGather or ActOfGateUp: a receive window's rows
-    (receive.Window) -> both quantized 1x128 along the rows, their FP8 weight gradients added to the
-    experts' chains. Returns what the next window carries (WindowedWeightGrad) after a window that is
-    not the last, the (E, m, n) bf16 gradient after the last.
+def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeightGrad], *, recipe: Fp8Recipe):
+    """grad_out (W, m) bf16 or a GradGateUp (its bf16 values), inputs (W, n) bf16, RowsToGather or
+    ActOfGateUp: a receive window's rows (receive.Window) -> both quantized 1x128 along the rows, their
+    FP8 weight gradients added to the experts' chains. Returns what the next window carries
+    (WindowedWeightGrad) after a window that is not the last, the (E, m, n) bf16 gradient after the
+    last.
 
     One window (every pass over the collective exchange): one launch writing the bf16 gradient
     directly (ops.fp8_expert_wgrad `rounded`: each fp32 sum rounded once in the kernel), so no fp32
@@ -255,6 +295,8 @@ def weight_grad_window(grad_out: Tensor, inputs, window, carried: Optional[Windo
     rounded into the result by the window that ends it and carried between windows only across a
     window edge, so the fp32 state is two (m, n) carries (not an (E, m, n) total), no window touches
     an expert it has no rows of, and the result is bitwise one pass over every row."""
+    if isinstance(grad_out, GradGateUp):
+        grad_out = grad_out.values
     offsets = window.schedule.expert_offsets
     grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
     values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)

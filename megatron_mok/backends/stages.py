@@ -103,14 +103,16 @@ class WeightGradAct(Protocol):
 
 
 class DgradSwiglu(Protocol):
-    def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> Tensor:
-        """grad_out (capacity, H), fc2 (E, H, F) -> grad_gate_up (capacity, 2F)."""
+    def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> object:
+        """grad_out (capacity, H), fc2 (E, H, F) -> grad_gate_up (capacity, 2F): a tensor, or what the
+        backend's dgrad_rows and fc1 weight gradient take (the FP8 kernel backend's GradGateUp)."""
         ...
 
 
 class DgradRows(Protocol):
-    def __call__(self, grad_gate_up: Tensor, fc1: Tensor, offsets: Tensor) -> Tensor:
-        """grad_gate_up (capacity, 2F), fc1 (E, 2F, H) -> grad_rows (capacity, H)."""
+    def __call__(self, grad_gate_up: object, fc1: Tensor, offsets: Tensor) -> Tensor:
+        """grad_gate_up (capacity, 2F) as dgrad_swiglu returned it, fc1 (E, 2F, H) -> grad_rows
+        (capacity, H)."""
         ...
 
 

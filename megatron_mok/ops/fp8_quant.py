@@ -16,6 +16,11 @@ two (quantization.block_scale).
                           (R_pad/128, C), R_pad = R rounded up to 128; rows at or past
                           expert_offsets[-1] and the padding quantize as zeros; optionally
                           gathered as fp8_quantize_rows (quantization.quantize_columnwise)
+    fp8_quantize_swiglu_backward
+                          gate_up (R, 2F) bf16, grad_act (R, F) bf16 -> d gate_up (R, 2F) bf16, the
+                          SwiGLU backward (ops.swiglu_backward's values), and its E4M3 copy 1x128 along
+                          2F with GEMM-A scales; rows at or past expert_offsets[-1] are not read
+                          (ops.swiglu_backward then quantize_rowwise)
     fp8_quantize_weight   weight (E, N, K) bf16 or fp32 -> q (E, N, K) e4m3, scales (E, N/128, K/128),
                           and its transposed copy q_t (E, K, N), scales_t (E, K/128, N/128)
                           (quantization.quantize_weight, transpose_weight)
@@ -69,6 +74,13 @@ def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None):
 def _fp8_quantize_swiglu_columns_fake(gate_up, expert_offsets, pow2):
     padded, ffn = _padded_rows(gate_up.shape[0]), gate_up.shape[1] // 2
     return gate_up.new_empty((ffn, padded), dtype=E4M3), gate_up.new_empty((padded // FP8_BLOCK, ffn), dtype=torch.float32)
+
+
+@register_fake("fp8_quantize_swiglu_backward")
+def _fp8_quantize_swiglu_backward_fake(gate_up, grad_act, expert_offsets, pow2):
+    rows, cols = gate_up.shape
+    return (gate_up.new_empty((rows, cols)), gate_up.new_empty((rows, cols), dtype=E4M3),
+            gate_up.new_empty((cols // FP8_BLOCK, fp8_scale_rows(rows)), dtype=torch.float32))
 
 
 @register_fake("fp8_quantize_weight")
@@ -220,6 +232,46 @@ def fp8_quantize_swiglu_columns_reference(gate_up: Tensor, expert_offsets: Tenso
     return fp8_quantize_columns_reference(_swiglu_reference(gate_up), expert_offsets, pow2)
 
 
+def fp8_quantize_swiglu_backward(
+    gate_up: Tensor, grad_act: Tensor, expert_offsets: Tensor, *, pow2: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """gate_up (R, 2F) bf16 (gate columns then up columns, F a multiple of 128), grad_act (R, F) bf16 ->
+    (grad_gate_up (R, 2F) bf16, q (R, 2F) e4m3, scales (2F/128, fp8_scale_rows(R)) fp32 in the GEMM-A
+    layout, padding columns 1): d gate_up, the SwiGLU backward with ops.swiglu_backward's arithmetic
+    (fp32, rounded once to bf16) and its bits, and its quantization 1x128 along 2F (the gate/up
+    dgrad's left operand: fp8_quantize_rows' bytes), in one pass: d gate_up is not read back for it.
+    Rows at or past expert_offsets[-1] ((E + 1,) int32, read on the device) are not read (of either
+    input): zero rows of d gate_up, as swiglu_backward writes them, quantized as zero rows (scale 1).
+    Ref: fp8_quantize_swiglu_backward_reference."""
+    check_fp8_quantize_swiglu_backward_args(gate_up, grad_act, expert_offsets, pow2)
+    return torch.ops.megatron_mok.fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, pow2)
+
+
+def fp8_quantize_grad_gate_up_reference(
+    grad_gate_up: Tensor, expert_offsets: Tensor, pow2: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8_quantize_swiglu_backward's outputs from a bf16 d gate_up (R, 2F): it with its rows at or past
+    expert_offsets[-1] zeroed, and quantization.quantize_rowwise of that with gemm_a_scales. Reads the
+    offsets on the host: tests and references only."""
+    end = max(0, min(grad_gate_up.shape[0], int(expert_offsets[-1])))
+    grad_gate_up = grad_gate_up.clone()
+    grad_gate_up[end:] = 0
+    q, scales = quantization.quantize_rowwise(grad_gate_up, pow2)
+    return grad_gate_up, q, quantization.gemm_a_scales(scales)
+
+
+def fp8_quantize_swiglu_backward_reference(
+    gate_up: Tensor, grad_act: Tensor, expert_offsets: Tensor, pow2: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8_quantize_swiglu_backward through PyTorch: the reference backend's SwiGLU backward
+    (backends/reference.py swiglu_backward: fp32, rounded once to bf16; torch's sigmoid, which may
+    differ from the kernels' by an ulp), then fp8_quantize_grad_gate_up_reference. Reads the offsets
+    on the host: tests and references only."""
+    from megatron_mok.backends import reference  # (the backends import the ops: imported when called)
+
+    return fp8_quantize_grad_gate_up_reference(reference.swiglu_backward(gate_up, grad_act), expert_offsets, pow2)
+
+
 def fp8_quantize_weight(
     weight: Tensor, *, transposed: bool = True, pow2: bool = False, forward_copy: bool = True
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
@@ -284,14 +336,16 @@ def _check_bf16_rows(op: str, x) -> None:
         _fail(op, f"x's columns (C) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {x.shape[1]}")
 
 
-def _check_placement(op: str, tensors: dict) -> None:
-    """Contiguity, then 16-byte alignment of x (the kernels' loads), then devices: all on x's CUDA device."""
+def _check_placement(op: str, tensors: dict, aligned: int = 1) -> None:
+    """Contiguity, then 16-byte alignment of the first `aligned` tensors (the kernels' 16-byte loads),
+    then devices: all on the first tensor's CUDA device."""
     for name, t in tensors.items():
         if not t.is_contiguous():
             _fail(op, f"{name} must be contiguous")
+    for name, t in list(tensors.items())[:aligned]:
+        if t.data_ptr() % 16:
+            _fail(op, f"{name} must start 16-byte aligned (a view that starts mid-row is not)")
     first_name, first = next(iter(tensors.items()))
-    if first.data_ptr() % 16:
-        _fail(op, f"{first_name} must start 16-byte aligned (a view that starts mid-row is not)")
     for name, t in tensors.items():
         if t.device.type != "cuda" or t.device != first.device:
             _fail(op, f"{name} must be a CUDA tensor on {first_name}'s device ({first.device}), got {t.device}")
@@ -340,6 +394,12 @@ def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None) -> 
 
 def check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2, op: str = "fp8_quantize_swiglu") -> None:
     """As check_fp8_quantize_rows_args, for fp8_quantize_swiglu and fp8_quantize_swiglu_columns (op)."""
+    _check_swiglu_inputs(op, gate_up, expert_offsets, pow2)
+    _check_placement(op, {"gate_up": gate_up, "expert_offsets": expert_offsets})
+
+
+def _check_swiglu_inputs(op: str, gate_up, expert_offsets, pow2) -> None:
+    """gate_up (R, 2F) bf16 with F a multiple of 128, expert_offsets (E + 1,) int32, pow2 a bool."""
     _check_tensor(op, "gate_up", gate_up, torch.bfloat16, 2, "(R, 2F)")
     if gate_up.shape[1] <= 0 or gate_up.shape[1] % (2 * FP8_BLOCK):
         _fail(op, f"gate_up's columns (2F) must be twice a positive multiple of {FP8_BLOCK} (F, the act columns, "
@@ -348,7 +408,18 @@ def check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2, op: str = "fp8
     if expert_offsets.shape[0] < 1:
         _fail(op, f"expert_offsets must be (E + 1,), got {tuple(expert_offsets.shape)}")
     _check_flag(op, "pow2", pow2)
-    _check_placement(op, {"gate_up": gate_up, "expert_offsets": expert_offsets})
+
+
+def check_fp8_quantize_swiglu_backward_args(gate_up, grad_act, expert_offsets, pow2) -> None:
+    """As check_fp8_quantize_rows_args, for fp8_quantize_swiglu_backward: gate_up's and the offsets'
+    checks of fp8_quantize_swiglu, then grad_act (R, F) bf16 beside gate_up."""
+    op = "fp8_quantize_swiglu_backward"
+    _check_swiglu_inputs(op, gate_up, expert_offsets, pow2)
+    _check_tensor(op, "grad_act", grad_act, torch.bfloat16, 2, "(R, F)")
+    wanted = (gate_up.shape[0], gate_up.shape[1] // 2)
+    if tuple(grad_act.shape) != wanted:
+        _fail(op, f"grad_act must be (R, F) = {wanted} for gate_up {tuple(gate_up.shape)}, got {tuple(grad_act.shape)}")
+    _check_placement(op, {"gate_up": gate_up, "grad_act": grad_act, "expert_offsets": expert_offsets}, aligned=2)
 
 
 def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True) -> None:

@@ -170,6 +170,12 @@ def _sim_fp8_quantize_swiglu(gate_up, expert_offsets, *, pow2=False):
     return ops.fp8_quantize_swiglu_reference(gate_up, expert_offsets, pow2)
 
 
+def _sim_fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, *, pow2=False):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_swiglu_backward_args, gate_up, grad_act, expert_offsets, pow2)
+    # (rows at or past the end, NaN here, are never read: the reference zeroes their d gate_up)
+    return ops.fp8_quantize_swiglu_backward_reference(gate_up, grad_act, expert_offsets, pow2)
+
+
 def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
     _meets_the_op_contract(fp8_quant.check_fp8_quantize_weight_args, weight, transposed, pow2, forward_copy)
     return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
@@ -184,6 +190,7 @@ SIMULATED = {
     "fp8_quantize_rows": _sim_fp8_quantize_rows,
     "fp8_quantize_swiglu": _sim_fp8_quantize_swiglu,
     "fp8_quantize_swiglu_columns": _sim_fp8_quantize_swiglu_columns,
+    "fp8_quantize_swiglu_backward": _sim_fp8_quantize_swiglu_backward,
     "fp8_quantize_weight": _sim_fp8_quantize_weight,
     "fp8_transpose_weight": _sim_fp8_transpose_weight,
     "fp8_quantize_columns": _sim_fp8_quantize_columns,
@@ -340,6 +347,58 @@ def test_kernel_fp8_weight_grads_over_windows_equal_one_window_bitwise(simulated
         assert isinstance(carried, torch.Tensor) == (w == count - 1)
     assert count > 2
     assert torch.equal(carried.view(torch.int16), one.view(torch.int16))
+
+
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_the_swiglu_backward_quantizes_d_gate_up_both_ways_in_one_op(simulated_kernels, monkeypatch, weight_grad):
+    """With FP8 weight gradients the SwiGLU backward quantizes d gate_up for the gate/up dgrad as it
+    writes it (ops.fp8_quantize_swiglu_backward): neither swiglu_backward nor a row quantization of
+    d gate_up runs; with BF16 weight gradients swiglu_backward makes the bf16 d gate_up the BF16
+    weight gradient reads, and the dgrad quantizes it. The layer bitwise the reference's either way."""
+    called = []
+
+    def record(name, sim):
+        def op(*args, **kwargs):
+            # (a row quantization for a GEMM's left operand: d gate_up's; the source rows' have no GEMM-A scales)
+            called.append("d gate_up rows" if name == "fp8_quantize_rows" and kwargs.get("gemm_a_scales") else name)
+            return sim(*args, **kwargs)
+        return op
+
+    for name in ("swiglu_backward", "fp8_quantize_swiglu_backward", "fp8_quantize_rows"):
+        monkeypatch.setattr(ops, name, record(name, SIMULATED[name]))
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=9)
+    kernel_config, reference_config = _configs(weight_grad=weight_grad)
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "d gate_up")
+    fused, separate = {"fp8_quantize_swiglu_backward"}, {"swiglu_backward", "d gate_up rows"}
+    wanted, unwanted = (fused, separate) if weight_grad else (separate, fused)
+    assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
+
+
+def test_the_dgrad_takes_d_gate_ups_fp8_rows_before_the_fc1_weight_gradient(simulated_kernels, monkeypatch):
+    """The E4M3 copy of d gate_up is freed by the gate/up dgrad (GradGateUp.take_rows), not held through
+    the fc1 weight gradient: when that gradient quantizes d gate_up column-wise, no GradGateUp still
+    holds its row-wise copy. A second take is an error."""
+    made, checked = [], []
+    original_init, original_columns = kernel_fp8.GradGateUp.__init__, kernel_fp8.quantize_columns
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        made.append(self)
+
+    def columns(x, *args, **kwargs):
+        for grad in made:
+            if x is grad.values:
+                checked.append(grad)
+                with pytest.raises(RuntimeError, match="already taken"):
+                    grad.take_rows()
+        return original_columns(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_fp8.GradGateUp, "__init__", init)
+    monkeypatch.setattr(kernel_fp8, "quantize_columns", columns)
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=10)
+    kernel_config, reference_config = _configs()
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "rows taken")
+    assert made and len(checked) == len(made)
 
 
 @pytest.mark.parametrize("weight_grad", [True, False])

@@ -1,5 +1,6 @@
 """The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_swiglu,
-fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of
+fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_swiglu_backward, fp8_quantize_weight,
+fp8_transpose_weight: types, dtypes, shapes, the multiple of
 128, contiguity and alignment before devices, so every error but the device's shows without a GPU and
 before any kernel runs), and their references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
 
@@ -31,6 +32,13 @@ def columns_args(**changes):
 def swiglu_args(**changes):
     args = dict(gate_up=torch.zeros(R, C, dtype=torch.bfloat16), expert_offsets=torch.tensor([0, R], dtype=torch.int32),
                 pow2=False)
+    args.update(changes)
+    return args
+
+
+def swiglu_backward_args(**changes):
+    args = dict(gate_up=torch.zeros(R, C, dtype=torch.bfloat16), grad_act=torch.zeros(R, C // 2, dtype=torch.bfloat16),
+                expert_offsets=torch.tensor([0, R], dtype=torch.int32), pow2=False)
     args.update(changes)
     return args
 
@@ -111,6 +119,31 @@ BAD_ARGS = {
                                        "expert_offsets must be a tensor"),
     "swiglu_columns_cpu": ("fp8_quantize_swiglu_columns", swiglu_args, {},
                            "gate_up must be a CUDA tensor"),
+    "swiglu_backward_f_not_multiple": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                       dict(gate_up=torch.zeros(R, 384, dtype=torch.bfloat16),
+                                            grad_act=torch.zeros(R, 192, dtype=torch.bfloat16)),
+                                       r"gate_up's columns \(2F\) must be twice a positive multiple of 128"),
+    "swiglu_backward_grad_fp32": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                  dict(grad_act=torch.zeros(R, C // 2)), "grad_act must be torch.bfloat16"),
+    "swiglu_backward_grad_missing": ("fp8_quantize_swiglu_backward", swiglu_backward_args, dict(grad_act=None),
+                                     "grad_act must be a tensor"),
+    "swiglu_backward_grad_rows": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                  dict(grad_act=torch.zeros(R + 1, C // 2, dtype=torch.bfloat16)),
+                                  r"grad_act must be \(R, F\) = \(10, 128\) for gate_up \(10, 256\), got \(11, 128\)"),
+    "swiglu_backward_grad_columns": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                     dict(grad_act=torch.zeros(R, C, dtype=torch.bfloat16)),
+                                     r"grad_act must be \(R, F\) = \(10, 128\)"),
+    "swiglu_backward_grad_not_contiguous": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                            dict(grad_act=torch.zeros(C // 2, R, dtype=torch.bfloat16).t()),
+                                            "grad_act must be contiguous"),
+    "swiglu_backward_grad_misaligned": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                        dict(grad_act=_misaligned(R, C // 2)), "grad_act must start 16-byte aligned"),
+    "swiglu_backward_offsets_int64": ("fp8_quantize_swiglu_backward", swiglu_backward_args,
+                                      dict(expert_offsets=torch.zeros(3, dtype=torch.int64)),
+                                      "expert_offsets must be torch.int32"),
+    "swiglu_backward_flag_int": ("fp8_quantize_swiglu_backward", swiglu_backward_args, dict(pow2=1),
+                                 "pow2 must be a bool"),
+    "swiglu_backward_cpu": ("fp8_quantize_swiglu_backward", swiglu_backward_args, {}, "gate_up must be a CUDA tensor"),
     "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
     "weight_fp16": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(2, 256, 384, dtype=torch.float16)),
                     "weight must be torch.bfloat16 or torch.float32"),
@@ -185,6 +218,25 @@ def test_swiglu_columns_reference_is_swiglu_then_quantize_columnwise_with_rows_p
     want_q, want_scales = quantization.quantize_columnwise(act)
     assert q.shape == (C, 256) and scales.shape == (2, C)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+def test_swiglu_backward_reference_is_swiglu_backward_then_quantize_rowwise_with_rows_past_the_end_zero():
+    """d gate_up = the reference backend's SwiGLU backward, rows at or past the end zero (gate_up and
+    grad_act are NaN there), and its quantization 1x128 along 2F with GEMM-A scales."""
+    from megatron_mok.backends import reference
+
+    gate_up, offsets = gate_up_ending_at(150, 140, seed=3)
+    grad_act = torch.randn(150, C, generator=torch.Generator().manual_seed(4)).bfloat16()
+    grad_act[140:] = float("nan")
+    grad_gate_up, q, scales = ops.fp8_quantize_swiglu_backward_reference(gate_up, grad_act, offsets)
+    want = torch.zeros(150, 2 * C, dtype=torch.bfloat16)
+    want[:140] = reference.swiglu_backward(gate_up[:140], grad_act[:140])
+    assert torch.equal(grad_gate_up, want)
+    want_q, want_scales = quantization.quantize_rowwise(want)
+    assert q.shape == (150, 2 * C) and scales.shape == (2 * C // 128, fp8_scale_rows(150))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, quantization.gemm_a_scales(want_scales))
+    assert not bool(q[140:].view(torch.uint8).any()) and bool((scales[:, 140:] == 1).all())
 
 
 def test_rows_reference_gathers_and_zero_fills():

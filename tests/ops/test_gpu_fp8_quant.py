@@ -1,6 +1,7 @@
 """The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_swiglu, fp8_quantize_columns,
-fp8_quantize_swiglu_columns, fp8_quantize_weight, fp8_transpose_weight; csrc/quant/) against
-megatron_mok/quantization.py run on the same GPU tensors (skipped without a Hopper GPU and the built extension; run on the device).
+fp8_quantize_swiglu_columns, fp8_quantize_swiglu_backward, fp8_quantize_weight, fp8_transpose_weight;
+csrc/quant/) against megatron_mok/quantization.py run on the same GPU tensors (skipped without a
+Hopper GPU and the built extension; run on the device).
 
 Tolerance: none. The kernels compute docs/design.md §12.1 exactly as the reference does (the same
 amax, the IEEE quotient amax / 448, the IEEE quotient v / scale, round-to-nearest-even E4M3 with
@@ -230,6 +231,47 @@ def test_swiglu_columns_equal_swiglu_then_quantize_columnwise(shape, kind, pow2)
         got_q, got_scales = ops.fp8_quantize_columns(act, offsets, pow2=pow2)
         assert_q_equal(q, got_q, "act columns against swiglu_forward + fp8_quantize_columns")
         assert_scales_equal(scales, got_scales, "act column scales against swiglu_forward + fp8_quantize_columns")
+
+
+def assert_bf16_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit for bit, a NaN matching any NaN."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    differ = (got.view(torch.int16) != want.view(torch.int16)) & ~(torch.isnan(got) & torch.isnan(want))
+    count = int(differ.sum())
+    if count:
+        at = tuple(int(i) for i in differ.nonzero()[0])
+        raise AssertionError(f"{what}: {count} of {got.numel()} values differ, first at {at}: {float(got[at])!r} "
+                             f"against {float(want[at])!r}")
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(SWIGLU_SHAPES))
+def test_swiglu_backward_equals_swiglu_backward_then_quantize_rowwise(shape, kind, pow2):
+    """ops.fp8_quantize_swiglu_backward against the SwiGLU backward kernel's d gate_up, bit for bit, and
+    its quantization by the reference (quantize_rowwise, the GEMM-A layout) byte for byte: the op must
+    compute the SwiGLU backward as that kernel does, value for value (the reference backend's torch
+    formula may differ from it by an ulp, the SwiGLU kernel's own tolerance,
+    tests/backends/test_gpu_kernels.py). Rows at or past the end hold NaN in both inputs (never written)
+    and must come out as zero rows, never read. Against what it replaces too: the SwiGLU backward
+    kernel, then the row quantization kernel."""
+    gate_up, offsets, rows, ffn, end = swiglu_case(shape, kind, "swiglu_backward")
+    grad_act = row_values(kind, rows, ffn, seed_of("swiglu_backward_grad", shape, kind))
+    grad_act[end:] = float("nan")
+    poison_allocator()
+    grad_gate_up, q, scales = ops.fp8_quantize_swiglu_backward(gate_up, grad_act, offsets, pow2=pow2)
+    kernel_grad = ops.swiglu_backward(gate_up, grad_act, offsets)
+    want_grad, want_q, want_scales = ops.fp8_quantize_grad_gate_up_reference(kernel_grad, offsets, pow2)
+    assert q.shape == (rows, 2 * ffn) and scales.shape == (2 * ffn // 128, fp8_scale_rows(rows))
+    assert_bf16_equal(grad_gate_up, want_grad, "d gate_up against swiglu_backward")
+    assert_q_equal(q, want_q, "d gate_up rows")
+    assert_scales_equal(scales, want_scales, "d gate_up row scales (GEMM-A layout, padding columns 1)")
+    assert not bool(grad_gate_up[end:].view(torch.int16).any())
+    assert not bool(q[end:].view(torch.uint8).any()) and bool((scales[:, end:] == 1).all())
+    if kind == "gaussian":
+        got_q, _, gemm_a = ops.fp8_quantize_rows(kernel_grad, source_scales=False, pow2=pow2)
+        assert_q_equal(q, got_q, "rows against swiglu_backward + fp8_quantize_rows")
+        assert_scales_equal(scales, gemm_a, "row scales against swiglu_backward + fp8_quantize_rows")
 
 
 # name: (source rows, the index): repeats, reversed order, -1 rows, all -1, an empty source.
@@ -540,6 +582,11 @@ def op_cases():
         # (two 128-row blocks of act columns; rows 150.. past the schedule's end)
         ("swiglu_columns", torch.ops.megatron_mok.fp8_quantize_swiglu_columns.default,
          (row_values("gaussian", 200, 512, seed=4), torch.tensor([0, 128, 150], dtype=torch.int32, device="cuda"), False)),
+        # (F = 256: two blocks each of d gate and d up a row; 130 rows, the GEMM-A scales padded to 132;
+        # rows 129.. past the schedule's end)
+        ("swiglu_backward", torch.ops.megatron_mok.fp8_quantize_swiglu_backward.default,
+         (row_values("gaussian", 130, 512, seed=5), row_values("gaussian", 130, 256, seed=6),
+          torch.tensor([0, 128, 129], dtype=torch.int32, device="cuda"), False)),
     ]
 
 
@@ -548,8 +595,9 @@ def same_outputs(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6, 7],
-                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu", "swiglu_columns"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6, 7, 8],
+                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu", "swiglu_columns",
+                              "swiglu_backward"])
 def test_deterministic_and_graph_replay_equals_eager(case):
     _, op, args = op_cases()[case]
     first = [t.clone() for t in op(*args)]
@@ -570,8 +618,9 @@ def test_deterministic_and_graph_replay_equals_eager(case):
         assert same_outputs(captured, first)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6, 7],
-                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu", "swiglu_columns"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6, 7, 8],
+                         ids=["rows", "gathered_rows", "columns", "weight", "transpose_weight", "swiglu", "swiglu_columns",
+                              "swiglu_backward"])
 def test_registration_fake_no_mutation_and_compile(case):
     """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
     torch.compile(fullgraph=True) of the op gives the eager bytes."""
