@@ -21,8 +21,9 @@ dtype is bf16 (the kernel backend's). Per stage:
                        reference's); from a bf16 source, bf16's
     dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) -> d act bf16 -> with FP8
                        weight gradients ops.fp8_quantize_swiglu_backward: d gate_up bf16 and its
-                       quantization 1x128 along 2F in one pass (GradGateUp); with BF16 ones the SwiGLU
-                       backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
+                       quantization 1x128 along 2F in one pass, then its quantization 1x128 along the
+                       rows, the bf16 values freed (GradGateUp: both FP8 copies); with BF16 ones the
+                       SwiGLU backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
     dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
                        ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) -> d rows bf16 (pushed back
                        as bf16's)
@@ -173,23 +174,22 @@ def pull_route_grads(source: GradSource, schedule: Schedule):
 
 
 class GradGateUp:
-    """d gate_up as the SwiGLU backward leaves it with FP8 weight gradients
-    (ops.fp8_quantize_swiglu_backward): the bf16 values, which the fc1 weight gradient quantizes
-    column-wise, and their quantization 1x128 along 2F, the gate/up dgrad's left operand (bitwise
-    fp8_quantize_rows of the bf16 values: dgrad_rows computes what it would from the bf16 tensor).
-    The dgrad takes the E4M3 copy (take_rows), so that it is freed before the fc1 weight gradient's
-    operands are made, as the copy quantized inside the dgrad was."""
+    """d gate_up (capacity, 2F) as the SwiGLU backward leaves it with FP8 weight gradients: both of its
+    FP8 copies and no bf16 values. The row-wise one (1x128 along 2F, the gate/up dgrad's left
+    operand) comes out of the SwiGLU backward's own pass (ops.fp8_quantize_swiglu_backward); the
+    column-wise one (1x128 along the rows, the fc1 weight gradient's operand) is quantized from the
+    bf16 values at once, which are then freed, so that what stays alive through the fc2 weight
+    gradient is two one-byte copies, the bytes of the bf16 d gate_up that was alive there before.
+    The dgrad takes the row-wise copy (take_rows) and frees it: the fc1 weight gradient runs beside
+    the column-wise copy alone. Both copies are bitwise what quantizing the bf16 d gate_up gives."""
 
-    def __init__(self, values: Tensor, rows: GemmOperand):
-        self.values = values  # (capacity, 2F) bf16
+    def __init__(self, rows: GemmOperand, columns: tuple[Tensor, Tensor], shape: tuple[int, int]):
         self._rows: Optional[GemmOperand] = rows  # (capacity, 2F) e4m3, scales (2F/128, fp8_scale_rows(capacity))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.values.shape)
+        self.columns = columns  # q (2F, capacity_pad) e4m3, scales (capacity_pad/128, 2F) fp32
+        self.shape = shape  # (capacity, 2F)
 
     def take_rows(self) -> GemmOperand:
-        """The E4M3 copy, handed over once: this object keeps no reference to it."""
+        """The row-wise copy, handed over once: this object keeps no reference to it."""
         if self._rows is None:
             raise RuntimeError("GradGateUp.take_rows: the row-wise copy was already taken (one dgrad per d gate_up)")
         rows, self._rows = self._rows, None
@@ -199,8 +199,9 @@ class GradGateUp:
 def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe):
     """grad_out (capacity, H) FP8 -> d gate_up (capacity, 2F): d act = FP8 GEMM with fc2 transposed
     (E, F, H), rounded to bf16, then the SwiGLU backward (fp32, rounded once), as the reference. With
-    FP8 weight gradients a GradGateUp (the bf16 values and the dgrad's operand from one pass); with
-    BF16 ones the bf16 tensor, which the BF16 weight gradient reads as it is."""
+    FP8 weight gradients a GradGateUp (both copies are made even where no weight gradient, or no input
+    gradient, is wanted: the stage cannot tell; an untaken copy lives as long as the GradGateUp);
+    with BF16 ones the bf16 tensor, which the BF16 weight gradient reads as it is."""
     weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
     if not recipe.weight_grad:
@@ -208,12 +209,14 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
     values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
         kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
     )
-    return GradGateUp(values, GemmOperand(rows, rows_scales))
+    del grad_act
+    columns = quantize_columns(values, offsets, recipe.pow2_scales)
+    return GradGateUp(GemmOperand(rows, rows_scales), columns, tuple(values.shape))
 
 
 def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
-    """d gate_up (capacity, 2F), a GradGateUp or bf16 (then quantized 1x128 along 2F here) -> d rows
-    (capacity, H) bf16."""
+    """d gate_up (capacity, 2F), a GradGateUp (its row-wise copy taken) or bf16 (then quantized 1x128
+    along 2F here) -> d rows (capacity, H) bf16."""
     if isinstance(grad_gate_up, GradGateUp):
         operand = grad_gate_up.take_rows()
         values, scales = operand.values, operand.scales
@@ -283,7 +286,7 @@ class WindowedWeightGrad:
 
 
 def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeightGrad], *, recipe: Fp8Recipe):
-    """grad_out (W, m) bf16 or a GradGateUp (its bf16 values), inputs (W, n) bf16, RowsToGather or
+    """grad_out (W, m) bf16 or a GradGateUp (its column-wise copy), inputs (W, n) bf16, RowsToGather or
     ActOfGateUp: a receive window's rows (receive.Window) -> both quantized 1x128 along the rows, their
     FP8 weight gradients added to the experts' chains. Returns what the next window carries
     (WindowedWeightGrad) after a window that is not the last, the (E, m, n) bf16 gradient after the
@@ -295,19 +298,22 @@ def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeigh
     rounded into the result by the window that ends it and carried between windows only across a
     window edge, so the fp32 state is two (m, n) carries (not an (E, m, n) total), no window touches
     an expert it has no rows of, and the result is bitwise one pass over every row."""
-    if isinstance(grad_out, GradGateUp):
-        grad_out = grad_out.values
     offsets = window.schedule.expert_offsets
-    grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
+    if isinstance(grad_out, GradGateUp):
+        grad, grad_scales = grad_out.columns
+    else:
+        grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
     values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)
     operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
+    # The result in the activation dtype (a GradGateUp's d gate_up was bf16, the kernel backend's).
+    result = dict(dtype=grad_out.dtype if isinstance(grad_out, Tensor) else torch.bfloat16, device=grad.device)
     if window.num_windows == 1:
-        rounded = grad_out.new_empty((num_experts, m, n))
+        rounded = torch.empty((num_experts, m, n), **result)
         return ops.fp8_expert_wgrad(*operands, rounded=rounded, variant=FP8_WGRAD_VARIANT)
     if carried is None:
-        carries = tuple(torch.empty((m, n), dtype=torch.float32, device=grad_out.device) for _ in range(2))
-        carried = WindowedWeightGrad(grad_out.new_empty((num_experts, m, n)), carries)
+        carries = tuple(torch.empty((m, n), dtype=torch.float32, device=grad.device) for _ in range(2))
+        carried = WindowedWeightGrad(torch.empty((num_experts, m, n), **result), carries)
     carry = (carried.carries[window.index % 2], carried.carries[(window.index + 1) % 2])
     ops.fp8_expert_wgrad(*operands, window_begin=window.begin, rounded=carried.rounded, carry=carry,
                          variant=FP8_WGRAD_VARIANT)

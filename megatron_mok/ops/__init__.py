@@ -16,8 +16,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
     fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_swiglu (SwiGLU
                          of gate/up quantized 1x128 along F), fp8_quantize_columns (1x128 along tokens,
                          transposed), fp8_quantize_swiglu_columns (SwiGLU of gate/up quantized 1x128
-                         along tokens), fp8_quantize_swiglu_backward (the SwiGLU backward quantized
-                         both ways), fp8_quantize_weight (128x128 and its transposed copy),
+                         along tokens), fp8_quantize_swiglu_backward (the SwiGLU backward with d
+                         gate_up's row-wise quantization), fp8_quantize_weight (128x128 and its transposed copy),
                          fp8_transpose_weight (the transposed copy from the 128x128 one); their
                          references beside them
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,

@@ -350,7 +350,7 @@ def test_kernel_fp8_weight_grads_over_windows_equal_one_window_bitwise(simulated
 
 
 @pytest.mark.parametrize("weight_grad", [True, False])
-def test_the_swiglu_backward_quantizes_d_gate_up_both_ways_in_one_op(simulated_kernels, monkeypatch, weight_grad):
+def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_kernels, monkeypatch, weight_grad):
     """With FP8 weight gradients the SwiGLU backward quantizes d gate_up for the gate/up dgrad as it
     writes it (ops.fp8_quantize_swiglu_backward): neither swiglu_backward nor a row quantization of
     d gate_up runs; with BF16 weight gradients swiglu_backward makes the bf16 d gate_up the BF16
@@ -374,31 +374,36 @@ def test_the_swiglu_backward_quantizes_d_gate_up_both_ways_in_one_op(simulated_k
     assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
 
 
-def test_the_dgrad_takes_d_gate_ups_fp8_rows_before_the_fc1_weight_gradient(simulated_kernels, monkeypatch):
-    """The E4M3 copy of d gate_up is freed by the gate/up dgrad (GradGateUp.take_rows), not held through
-    the fc1 weight gradient: when that gradient quantizes d gate_up column-wise, no GradGateUp still
-    holds its row-wise copy. A second take is an error."""
+def test_d_gate_up_lives_as_its_two_fp8_copies_and_the_dgrad_takes_the_row_wise_one(simulated_kernels, monkeypatch):
+    """With FP8 weight gradients d gate_up is held between the stages as its two FP8 copies only (no
+    bf16 values: GradGateUp), and the gate/up dgrad takes the row-wise copy (GradGateUp.take_rows), so
+    that it is gone when the fc1 weight gradient runs on the column-wise copy. A second take is an
+    error."""
     made, checked = [], []
-    original_init, original_columns = kernel_fp8.GradGateUp.__init__, kernel_fp8.quantize_columns
+    original_init, original_wgrad = kernel_fp8.GradGateUp.__init__, ops.fp8_expert_wgrad
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         made.append(self)
 
-    def columns(x, *args, **kwargs):
-        for grad in made:
-            if x is grad.values:
-                checked.append(grad)
+    def wgrad(grad, *args, **kwargs):
+        for grad_gate_up in made:
+            if grad is grad_gate_up.columns[0]:  # the fc1 weight gradient of that d gate_up
+                checked.append(grad_gate_up)
                 with pytest.raises(RuntimeError, match="already taken"):
-                    grad.take_rows()
-        return original_columns(x, *args, **kwargs)
+                    grad_gate_up.take_rows()
+        return original_wgrad(grad, *args, **kwargs)
 
     monkeypatch.setattr(kernel_fp8.GradGateUp, "__init__", init)
-    monkeypatch.setattr(kernel_fp8, "quantize_columns", columns)
+    monkeypatch.setattr(ops, "fp8_expert_wgrad", wgrad)
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=10)
     kernel_config, reference_config = _configs()
-    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "rows taken")
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "copies")
     assert made and len(checked) == len(made)
+    for grad_gate_up in made:
+        held = [t for t in vars(grad_gate_up).values() if isinstance(t, torch.Tensor)]
+        held += [t for t in grad_gate_up.columns]
+        assert all(t.dtype in (E4M3, torch.float32) for t in held), [t.dtype for t in held]
 
 
 @pytest.mark.parametrize("weight_grad", [True, False])
