@@ -370,7 +370,7 @@ def _backward_window(
     else:  # recomputed: forward kept only the first window's gate/up (receive.py). Its rows and act
         # are dropped at once (the rows are pulled again for the fc1 gradient, act made again from
         # gate/up: the SwiGLU kernels and the GEMM epilogue's give the same bits).
-        gate_up, act = stages.dispatch_gate_up(sources.rows_for_gate_up, window.schedule, fc1, 0)[1], None
+        gate_up, act = _recompute_gate_up(stages, sources.rows_for_gate_up, window.schedule, fc1), None
     grad_slot_out = stages.pull_route_grads(sources.grad, window.schedule)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
     if need_weight_grads:
@@ -391,6 +391,14 @@ def _backward_window(
             rows = (stages.weight_grad_rows or stages.dispatch_rows)(sources.rows, window.schedule)
         d_fc1.add(grad_gate_up, rows, window)
     return d_x
+
+
+def _recompute_gate_up(stages, source, schedule: Schedule, fc1: torch.Tensor) -> torch.Tensor:
+    """A window's gate_up made again in backward: the backend's recompute_gate_up (no act), else
+    dispatch_gate_up's with its rows and act dropped."""
+    if stages.recompute_gate_up is not None:
+        return stages.recompute_gate_up(source, schedule, fc1)
+    return stages.dispatch_gate_up(source, schedule, fc1, 0)[1]
 
 
 def _return_grad_x(returned, ctx: ForwardContext, stages, need_input_grads: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:

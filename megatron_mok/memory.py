@@ -25,6 +25,9 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
                                  layer shape, shared by every layer of that shape; allocated before
                                  the first call, so not part of a call's peak
 
+FP8 blockwise (MoKConfig.precision="fp8_blockwise", FP8 weight gradients) has terms of its own:
+memory_fp8.py.
+
 Tables of 8 bytes per group route (R*T*K) are the only terms that grow with EP: 4 MB each at the
 DeepSeek-V3 shape at EP = 8, against about 2 GB of activations. Over the collective exchange a pass
 is one window of C = R*T*K rows, plus gathered copies of x and dY (R*T rows) and all-to-all buffers
@@ -78,7 +81,8 @@ def layer_memory_bound(
     config: MoKConfig = MoKConfig(),
     windowed: Optional[bool] = None,
 ) -> LayerMemoryBound:
-    """The bound of one layer call of the kernel backend (bf16). windowed: whether the exchange
+    """The bound of one layer call of the kernel backend (bf16 activations; FP8 blockwise experts with
+    FP8 weight gradients by memory_fp8.py's terms). windowed: whether the exchange
     returns rows window by window, the in-kernel exchange (None: at EP > 1, and not at EP = 1 without
     a group). The collective exchange at EP > 1 is not bounded here: its gathered x and dY and its
     all-to-all buffers grow with EP (the module docstring), so asking for it is a ValueError."""
@@ -93,11 +97,17 @@ def layer_memory_bound(
         )
     if dtype != torch.bfloat16:
         raise ValueError(f"layer_memory_bound models the kernel backend, which runs bf16; got dtype {dtype}")
-    if config.precision != "bf16":
-        raise ValueError(
-            f"layer_memory_bound models the kernel backend's bf16 layer; MoKConfig.precision={config.precision!r} is "
-            "not modelled yet (its FP8 rows and scales, weight copies and weight-gradient carries; docs/design.md "
-            "§12.4 compares what it keeps)"
+    if config.precision == "fp8_blockwise":
+        if not config.fp8_weight_grad:
+            raise ValueError(
+                "layer_memory_bound models the FP8 layer with FP8 weight gradients (MoKConfig.fp8_weight_grad=True, "
+                "the default); its BF16 weight gradients' gathered bf16 rows and act are not modelled"
+            )
+        from megatron_mok.memory_fp8 import fp8_layer_memory_bound
+
+        return fp8_layer_memory_bound(
+            num_tokens=t, hidden=h, ffn_hidden=f, num_local_experts=e, topk=k, num_ranks=r, config=config,
+            windowed=windowed,
         )
     s = torch.empty((), dtype=dtype).element_size()
     weight_grad_family = EXPERT_GEMM_CHOICES[config.expert_gemm].weight_grads

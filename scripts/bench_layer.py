@@ -108,6 +108,9 @@ def torchao_fp8_rowwise_pipeline():
 FP8_KERNEL = MoKConfig(backend="kernel", precision="fp8_blockwise")
 # The same without the weight cache: every forward quantizes its weights, no FP8 copy held between passes.
 FP8_KERNEL_UNCACHED = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_weights=False)
+# The same with BF16 weight gradients (MoKConfig.fp8_weight_grad=False): no column-wise quantization,
+# the BF16 kernel's weight gradients on bf16 rows, dY and act.
+FP8_KERNEL_BF16_WGRAD = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_weight_grad=False)
 
 
 def mok_layer(config):
@@ -263,6 +266,7 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
     if fp8:
         methods["mok_kernel_fp8"] = mok_layer(FP8_KERNEL)
         methods["mok_kernel_fp8_uncached"] = mok_layer(FP8_KERNEL_UNCACHED)
+        methods["mok_kernel_fp8_bf16_wgrad"] = mok_layer(FP8_KERNEL_BF16_WGRAD)
         methods.update(fp8_alternatives())  # the tuning choices not made, beside the ones made
         torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
         if torchao_run is not None:
@@ -382,8 +386,8 @@ METHOD_LABELS = (
     "mok_kernel_sm90", "mok_kernel",
 )
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
-FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_act_gemm_epilogue",
-              "mok_kernel_fp8_act_swiglu_kernel")
+FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_bf16_wgrad",
+              "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel")
 
 
 def _print_queued(results):

@@ -58,6 +58,10 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_wgrad_stress) echo 150 "python3 scripts/stress_fp8_wgrad_windows.py" ;;
         fp8_quant) echo 200 "$PYTEST tests/ops/test_gpu_fp8_quant.py" ;;
         fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
+        # The FP8 layer's per-rank memory against layer_memory_bound, every routing, EP 1 and 4, one window and several.
+        fp8_memory) echo 200 "$PYTEST -s tests/comm/test_gpu_fp8_memory.py tests/comm/test_gpu_emulation.py -k memory" ;;
+        # Per-rank memory at the DeepSeek-V3 shape, EP 1, 2 and 8 (emulated ranks): FP8 without and with the weight cache, BF16 beside.
+        ep_memory_fp8) echo 300 "python3 scripts/ep_memory.py --ranks 1,2,8 --precision fp8_blockwise --no-fp8-weight-cache --json \$OUT/ep_memory_fp8_uncached.json && python3 scripts/ep_memory.py --ranks 1,8 --precision fp8_blockwise && python3 scripts/ep_memory.py --ranks 1,2,8" ;;
         fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;

@@ -2,6 +2,7 @@
 GPU (the in-kernel exchange), beside the stated bound (megatron_mok.memory.layer_memory_bound):
 
     python3 scripts/ep_memory.py [--shape deepseek_v3] [--ranks 1,2,4,8] [--routing uniform]
+                                 [--precision fp8_blockwise [--no-fp8-weight-cache]]
 
 Each rank's forward and backward are measured alone (tests/comm/emulated_memory.py), after a warm-up
 call, so the figures are what one real rank allocates: held (what a forward leaves for backward,
@@ -64,10 +65,14 @@ def main() -> int:
     parser.add_argument("--ranks", default="1,2,4,8")
     parser.add_argument("--routing", default="uniform", choices=("uniform", "skewed", "one_expert_rank0"))
     parser.add_argument("--factor", type=float, default=MoKConfig().receive_capacity_factor)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
+    parser.add_argument("--no-fp8-weight-cache", action="store_true",
+                        help="with fp8_blockwise: MoKConfig.fp8_cache_weights=False")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     t, h, f, e, k = SHAPES[args.shape]
-    config = MoKConfig(backend="kernel", receive_capacity_factor=args.factor)
+    config = MoKConfig(backend="kernel", receive_capacity_factor=args.factor, precision=args.precision,
+                       fp8_cache_weights=not args.no_fp8_weight_cache)
     rows = []
     for num_ranks in (int(r) for r in args.ranks.split(",")):
         problem = make_ranks(num_ranks, t, h, f, e, k, args.routing, 7)
@@ -84,14 +89,17 @@ def main() -> int:
         print(f"EP={num_ranks}: done", flush=True)
     mb = lambda b: b / 2**20  # noqa: E731
     base = rows[0] if rows[0]["ranks"] == 1 else None
-    print(f"\n{args.shape} per rank (T, H, F, E, K) = {SHAPES[args.shape]}, routing {args.routing}, factor {args.factor}")
+    cache = "" if args.precision == "bf16" else f", weight cache {config.fp8_cache_weights}"
+    print(f"\n{args.shape} per rank (T, H, F, E, K) = {SHAPES[args.shape]}, routing {args.routing}, factor {args.factor}, "
+          f"{args.precision}{cache}")
     print(f"{'EP':>3} {'windows':>7} {'held MB':>8} {'x EP1':>6} {'peak MB':>8} {'x EP1':>6} {'bound held/peak MB':>19} {'symmetric MB':>13}")
     for r in rows:
         rel = (lambda key: f"{r[key] / base[key]:.3f}") if base else (lambda key: "-")
         print(f"{r['ranks']:>3} {r['windows']:>7} {mb(r['held']):8.0f} {rel('held'):>6} {mb(r['peak']):8.0f} {rel('peak'):>6} "
               f"{mb(r['bound_held']):>9.0f}/{mb(r['bound_peak']):<9.0f} {mb(r['symmetric']):13.0f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(shape=args.shape, routing=args.routing, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(shape=args.shape, routing=args.routing, precision=args.precision,
+                                                   fp8_cache_weights=config.fp8_cache_weights, rows=rows), indent=1))
     return 0
 
 

@@ -58,6 +58,11 @@ def grouped_mm_dispatch_gate_up(
     return (rows, *grouped_mm_gate_up(rows, fc1, schedule.expert_offsets))
 
 
+def grouped_mm_recompute_gate_up(source: RowSource, schedule: Schedule, fc1: torch.Tensor) -> torch.Tensor:
+    """grouped_mm_dispatch_gate_up's gate_up without its SwiGLU launch (backward's recomputed windows)."""
+    return segment_matmul(dispatch_rows(source, schedule), fc1, schedule.expert_offsets)
+
+
 def grouped_mm_dgrad_swiglu(
     grad_out: torch.Tensor, fc2: torch.Tensor, gate_up: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
@@ -165,7 +170,10 @@ _PROJECTION_STAGES = {
 def kernel_stages_for(choice: ExpertGemmChoice) -> Stages:
     """The kernel backend's stage table for one choice of GEMM family per projection."""
     chosen = {field: implementations[getattr(choice, projection)] for projection, (field, implementations) in _PROJECTION_STAGES.items()}
+    # The sm90 gate/up makes act in its epilogue at no launch of its own: backward recomputes through it.
+    recompute = grouped_mm_recompute_gate_up if choice.gate_up == "grouped_mm" else None
     return Stages(
+        recompute_gate_up=recompute,
         dispatch_rows=dispatch_rows,
         segment_matmul=segment_matmul,
         swiglu=ops.swiglu_forward,

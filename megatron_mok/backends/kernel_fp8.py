@@ -15,6 +15,9 @@ dtype is bf16 (the kernel backend's). Per stage:
                        1x128 along F; or (tuning.FP8_ACT_QUANTIZE "gemm_epilogue", IEEE scales)
                        ops.fp8_expert_gemm_swiglu, act quantized in the GEMM's epilogue; the same
                        bytes either way in the rows before the schedule's end (the only ones read)
+    recompute_gate_up  backward's gate/up of a window after the first: the dispatch and the GEMM of
+                       dispatch_gate_up, bitwise its gate_up, without the act quantization (the fc2
+                       weight gradient quantizes act from gate_up: ActOfGateUp)
     expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's)
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
@@ -148,6 +151,15 @@ def dispatch_gate_up(
     gate_up = _gemm(rows.values, rows_scales, weight, offsets)
     del rows, rows_scales
     return None, gate_up, GemmOperand(*ops.fp8_quantize_swiglu(gate_up, offsets, pow2=recipe.pow2_scales))
+
+
+def recompute_gate_up(source: RowSource, schedule: Schedule, fc1: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+    """dispatch_gate_up's gate_up (capacity, 2F) bf16 alone, bitwise (the same rows, weight copy and
+    GEMM): backward's windows after the first make act again only where they quantize it, from
+    gate_up (ActOfGateUp), so the act quantization is not run."""
+    rows = dispatch_rows(source, schedule)
+    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+    return _gemm(rows.values, gemm_a_layout(rows.scales), weight, schedule.expert_offsets)
 
 
 def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
@@ -346,6 +358,7 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
     return Stages(
         dispatch_rows=dispatch_rows,
         dispatch_gate_up=bind(dispatch_gate_up),
+        recompute_gate_up=bind(recompute_gate_up),
         expert_down=bind(expert_down),
         segment_matmul=bf16.segment_matmul,
         swiglu=_swiglu,

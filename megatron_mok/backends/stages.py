@@ -102,6 +102,13 @@ class WeightGradAct(Protocol):
         ...
 
 
+class RecomputeGateUp(Protocol):
+    def __call__(self, source: RowSource, schedule: Schedule, fc1: Tensor) -> Tensor:
+        """-> gate_up (capacity, 2F), bitwise dispatch_gate_up's, without its act: backward's gate/up
+        of a window after the first, whose act it makes again from gate_up where it needs it."""
+        ...
+
+
 class DgradSwiglu(Protocol):
     def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> object:
         """grad_out (capacity, H), fc2 (E, H, F) -> grad_gate_up (capacity, 2F): a tensor, or what the
@@ -176,3 +183,7 @@ class Stages:
     # A backend whose weight_grad_window quantizes act straight from gate_up (the FP8 kernel backend)
     # gives what to quantize instead of the (capacity, F) act.
     weight_grad_act: Optional[WeightGradAct] = None
+    # Backward's gate/up of a window after the first (receive.py): None is dispatch_gate_up's gate_up
+    # (its rows and act dropped). A backend whose act is a launch of its own gives the GEMM alone, so
+    # that backward does not make an act it drops.
+    recompute_gate_up: Optional[RecomputeGateUp] = None

@@ -26,6 +26,7 @@ Tolerances (SQNR = 20·log10(‖want‖ / ‖want − got‖), tests/oracle.py):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -191,11 +192,17 @@ def test_fp8_saves_no_more_than_bf16():
     assert fp8 <= bf16, f"FP8 keeps {fp8} bytes for backward, bf16 {bf16}"
 
 
-def test_the_memory_bound_is_for_bf16_only():
+def test_the_memory_bound_models_fp8_weight_gradients_only():
+    """The bound models FP8 with FP8 weight gradients (tests/api/test_memory.py checks its terms); BF16
+    weight gradients under FP8, and H or F off the 128 grid, are errors naming what is not modelled."""
     from megatron_mok.memory import layer_memory_bound
 
-    with pytest.raises(ValueError, match="MoKConfig.precision='fp8_blockwise' is not modelled yet"):
-        layer_memory_bound(num_tokens=8, hidden=128, ffn_hidden=128, num_local_experts=2, topk=2, config=FP8)
+    shape = dict(num_tokens=8, hidden=128, ffn_hidden=128, num_local_experts=2, topk=2)
+    assert layer_memory_bound(**shape, config=FP8).peak > 0
+    with pytest.raises(ValueError, match="fp8_weight_grad"):
+        layer_memory_bound(**shape, config=dataclasses.replace(FP8, fp8_weight_grad=False))
+    with pytest.raises(ValueError, match="ffn_hidden=192 must be a multiple of 128"):
+        layer_memory_bound(**{**shape, "ffn_hidden": 192}, config=FP8)
 
 
 # ---- special values ------------------------------------------------------------------------

@@ -4,6 +4,8 @@ design's hand count (docs/design.md §8). Its measured side is a GPU test
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,3 +43,37 @@ def test_collective_exchange_and_non_bf16_are_not_bounded():
 def test_one_rank_over_the_symmetric_exchange_plans_its_windows():
     one = layer_memory_bound(**DSV3, config=MoKConfig(receive_capacity_factor=0.25), windowed=True)
     assert one.num_windows > 1 and one.peak < layer_memory_bound(**DSV3).peak
+
+
+FP8 = MoKConfig(precision="fp8_blockwise")
+
+
+def test_fp8_ep1_held_is_the_designs_count():
+    """FP8 keeps gate/up only (docs/design.md §12.4): y, the route table (the down outputs), gate/up
+    over the 128-row padded schedule and the index tables; the weight cache adds exactly the forward
+    copies (E4M3 and 128x128 fp32 scales), held between calls."""
+    from megatron_mok.memory_fp8 import FP8_HELD_BUFFERS
+
+    t, h, f, e, k = 8192, 7168, 2048, 32, 8
+    c = t * k + e * 127  # every segment padded to 128 rows, at most 127 each
+    tables = 8 * (c + t * k + t * k)
+    uncached = 2 * (t * h + c * h + c * 2 * f) + tables + FP8_HELD_BUFFERS * ALLOCATOR_BLOCK_SLACK
+    assert layer_memory_bound(**DSV3, config=dataclasses.replace(FP8, fp8_cache_weights=False)).held == uncached
+    copies = e * 3 * f * h + 4 * e * (2 * f // 128) * (h // 128) + 4 * e * (h // 128) * (f // 128)
+    assert layer_memory_bound(**DSV3, config=FP8).held == uncached + copies
+
+
+def test_fp8_bound_is_below_bf16s_without_the_cache_and_does_not_grow_with_ep():
+    uncached = dataclasses.replace(FP8, fp8_cache_weights=False)
+    assert layer_memory_bound(**DSV3, config=uncached).peak < layer_memory_bound(**DSV3).peak
+    bounds = [layer_memory_bound(**DSV3, num_ranks=r, config=FP8) for r in (2, 4, 8)]
+    for bound in bounds[1:]:
+        assert 0 <= bound.peak - bounds[0].peak < 64 << 20
+        assert 0 <= bound.held - bounds[0].held < 16 << 20
+    # Its symmetric regions add the FP8 rows and scales of x and dY to the bf16 regions.
+    assert bounds[0].symmetric > layer_memory_bound(**DSV3, num_ranks=2).symmetric
+
+
+def test_fp8_windows_bound_one_window_at_a_time():
+    one = layer_memory_bound(**DSV3, config=dataclasses.replace(FP8, receive_capacity_factor=0.25), windowed=True)
+    assert one.num_windows > 1 and one.peak < layer_memory_bound(**DSV3, config=FP8).peak

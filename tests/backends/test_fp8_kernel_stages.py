@@ -419,3 +419,30 @@ def test_the_fc2_weight_gradient_quantizes_act_straight_from_gate_up(simulated_k
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "act")
     wanted = "fp8_quantize_swiglu_columns" if weight_grad else "swiglu_forward"
     assert called and set(called) == {wanted}, f"weight_grad={weight_grad}: act made by {called}"
+
+
+def test_backward_makes_gate_up_again_without_act_over_windows(simulated_kernels, monkeypatch):
+    """Over several receive windows backward makes each later window's gate/up again
+    (kernel_fp8.recompute_gate_up): the GEMM alone, so the act quantization runs once per forward
+    window and never in backward (backward's act is quantized from gate_up where the fc2 weight
+    gradient needs it); every output and gradient bitwise the one-window pass."""
+    from megatron_mok.comm.exchange import CollectiveExchange
+
+    num_ranks, t, h, f, e, k = 4, 64, 128, 128, 2, 4
+    problem = make_ranks_problem(num_ranks, t, h, f, e, k, "skewed", "cpu", torch.bfloat16, 23)
+    kernel_config, _ = _configs()
+    want = run_concatenated(problem, kernel_config)
+    monkeypatch.setattr(CollectiveExchange, "windowed", True)
+    windowed = dataclasses.replace(kernel_config, receive_capacity_factor=0.3)
+    group = EmulatedGroup(num_ranks, "cpu")
+    num_windows = functional.plan_for(CollectiveExchange(group.ranks[0]), t, k, e, windowed).num_windows
+    assert num_windows > 2
+    made = []
+    act = SIMULATED["fp8_quantize_swiglu"]
+    monkeypatch.setattr(ops, "fp8_quantize_swiglu", lambda *a, **kw: made.append(1) or act(*a, **kw))
+    assert_bitwise(run_emulated(group, problem, e, windowed), want, "gate/up made again")
+    assert len(made) == num_ranks * num_windows, (len(made), num_ranks, num_windows)
+    # The BF16 kernel backend: the grouped_mm gate/up (auto's) is made again without its SwiGLU launch;
+    # the sm90 one makes act in its epilogue, so backward goes through dispatch_gate_up.
+    assert stages_for("kernel", "auto", None).recompute_gate_up is not None
+    assert stages_for("kernel", "sm90", None).recompute_gate_up is None

@@ -1,0 +1,162 @@
+"""The FP8 blockwise layer's memory bound (MoKConfig.precision="fp8_blockwise" with FP8 weight
+gradients, the kernel backend): what memory.layer_memory_bound returns for it, from the shapes and
+the config only, never from the routing.
+
+Notation as memory.py's (T, H, F, E, K, R, W window rows, M windows, C the schedule's rows, s = 2
+bytes of bf16), plus one byte per E4M3 value and 4 per fp32 scale of a 1x128 block:
+
+    Q(n, c)   n rows of c values quantized along c, source scales (n, c/128): n*c + 4*n*c/128
+    A(n, c)   the same with GEMM-A scales (c/128, pad4(n)): n*c + 4*(c/128)*pad4(n)
+    V(n, c)   column-wise, 1x128 along the n rows (a weight gradient's operand, n padded to 128):
+              c*pad128(n) + 4*(pad128(n)/128)*c
+    Wq(N, K)  a weight's 128x128 copy (E, N, K): E*N*K + 4*E*(N/128)*(K/128)
+
+Terms, per rank and per layer call:
+
+    held       y s*T*H, the route table (the down outputs s*C*H at R = 1 and M = 1, else s*T*K*H),
+               the first window's gate/up s*W*2F, the index tables 8*(C + R*T*K + T*K), and with the
+               weight cache (MoKConfig.fp8_cache_weights) the forward copies Wq(2F, H) + Wq(H, F):
+               the cache holds them from the first microbatch of a weight version to the optimizer
+               step, and a later call allocates nothing for them
+    forward    held + x published Q(T, H) + without the cache both forward copies + the largest of
+               a window's stages: the dispatched rows Q(W, H) and their GEMM-A scales with gate/up;
+               gate/up, act A(W, F) and the down outputs s*W*H
+    backward   held + dY published Q(T, H) (+ at M > 1 x again, for the recomputed gate/up) + dY and
+               d x 2*s*T*H + d topk_weights 4*T*K + the weight gradients s*E*3F*H + at M > 1 two fp32
+               carries per weight 8*(2F*H + H*F), both transposed weight copies Wq(F, H) + Wq(2F, H)
+               held for the pass and, without the cache, fc1's forward copy + the largest of a
+               window's stages (functional._backward_window's order):
+                 down dgrad          dY rows Q(W, H) + their GEMM-A scales + d act s*W*F
+                                     (+ at M = 1 fc2's transposed copy, which dies with the GEMM)
+                 SwiGLU backward     dY rows + d act + d gate_up s*W*2F + its rows A(W, 2F);
+                                     then dY rows + d gate_up + its rows + its columns V(W, 2F)
+                 fc2 weight gradient d gate_up's two copies + dY rows s*W*H + V(W, H) + act's V(W, F)
+                 gate/up dgrad       d gate_up's two copies (+ at M = 1 fc1's transposed copy)
+                                     + d rows s*W*H
+                 fc1 weight gradient V(W, 2F) + the rows s*W*H (gathered where the source is peer
+                                     memory) + V(W, H)
+               (+ at M > 1 the recomputed gate/up s*W*2F in the stages up to the fc2 weight
+               gradient, and a stage of its own that makes it from the dispatched rows)
+    every term + 1 MB per buffer (memory.ALLOCATOR_BLOCK_SLACK)
+    symmetric  the bf16 regions and the FP8 ones (comm/symmetric.py FP8_REGIONS)
+
+The stages are bounded one at a time because a window frees each buffer after its last reader
+(tests/comm/test_gpu_fp8_memory.py measures every routing against this bound on a GPU; the
+measured figures at the DeepSeek-V3 shape are in docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_mok.config import MoKConfig
+from megatron_mok.limits import FP8_BLOCK, NUM_EXCHANGE_PHASES, fp8_scale_rows
+from megatron_mok.receive import receive_plan
+
+BF16_BYTES = 2
+FP32_BYTES = 4
+# Buffers that may each take ALLOCATOR_BLOCK_SLACK more than their size (the docstring's terms,
+# counted: a quantized tensor is two, values and scales).
+FP8_HELD_BUFFERS, FP8_FORWARD_BUFFERS, FP8_BACKWARD_BUFFERS = 12, 16, 36
+
+
+def _pad128(rows: int) -> int:
+    return -(-rows // FP8_BLOCK) * FP8_BLOCK
+
+
+def quantized_rows_bytes(rows: int, columns: int) -> int:
+    """Q(n, c): E4M3 rows and their source-layout scales."""
+    return rows * columns + FP32_BYTES * rows * (columns // FP8_BLOCK)
+
+
+def gemm_a_scale_bytes(rows: int, columns: int) -> int:
+    """The GEMM-A scale layout (c/128, pad4(n)) fp32."""
+    return FP32_BYTES * (columns // FP8_BLOCK) * fp8_scale_rows(rows)
+
+
+def quantized_columns_bytes(rows: int, columns: int) -> int:
+    """V(n, c): (c, pad128(n)) E4M3 and (pad128(n)/128, c) fp32."""
+    padded = _pad128(rows)
+    return columns * padded + FP32_BYTES * (padded // FP8_BLOCK) * columns
+
+
+def weight_copy_bytes(experts: int, n: int, k: int) -> int:
+    """Wq(N, K): an (E, N, K) weight's E4M3 copy and its (E, N/128, K/128) fp32 scales."""
+    return experts * n * k + FP32_BYTES * experts * (n // FP8_BLOCK) * (k // FP8_BLOCK)
+
+
+def fp8_layer_memory_bound(
+    *,
+    num_tokens: int,
+    hidden: int,
+    ffn_hidden: int,
+    num_local_experts: int,
+    topk: int,
+    num_ranks: int,
+    config: MoKConfig,
+    windowed: bool,
+):
+    """The bound of one FP8 layer call (the module docstring's terms) as a memory.LayerMemoryBound."""
+    from megatron_mok.comm.symmetric import symmetric_bytes_per_rank
+    from megatron_mok.memory import ALLOCATOR_BLOCK_SLACK, LayerMemoryBound
+
+    t, h, f, e, k, r = num_tokens, hidden, ffn_hidden, num_local_experts, topk, num_ranks
+    for name, value in (("hidden", h), ("ffn_hidden", f)):
+        if value % FP8_BLOCK:
+            raise ValueError(f"layer_memory_bound: {name}={value} must be a multiple of {FP8_BLOCK} with FP8")
+    s = BF16_BYTES
+    plan = receive_plan(
+        num_ranks=r, num_tokens=t, topk=k, num_local_experts=e,
+        segment_alignment=math.lcm(config.segment_alignment, FP8_BLOCK),
+        factor=config.receive_capacity_factor, windowed=windowed,
+    )
+    w, m, c = plan.window_rows, plan.num_windows, plan.capacity
+    routes = r * t * k
+    one_window_one_rank = r == 1 and m == 1
+    slack = ALLOCATOR_BLOCK_SLACK
+
+    forward_copies = weight_copy_bytes(e, 2 * f, h) + weight_copy_bytes(e, h, f)
+    cached = forward_copies if config.fp8_cache_weights else 0
+    route_table = s * c * h if one_window_one_rank else s * t * k * h
+    held = s * t * h + route_table + s * w * 2 * f + 8 * (c + routes + t * k) + cached + FP8_HELD_BUFFERS * slack
+
+    rows_q = quantized_rows_bytes(w, h) + gemm_a_scale_bytes(w, h)
+    act_q = w * f + gemm_a_scale_bytes(w, f)
+    forward_window = max(rows_q + s * w * 2 * f, s * w * 2 * f + act_q + s * w * h)
+    tables = 8 * (2 * routes + m * w)
+    forward_peak = (
+        held + quantized_rows_bytes(t, h) + (forward_copies - cached) + forward_window + tables
+        + FP8_FORWARD_BUFFERS * slack
+    )
+
+    grad_gate_up_rows = w * 2 * f + gemm_a_scale_bytes(w, 2 * f)
+    grad_gate_up_columns = quantized_columns_bytes(w, 2 * f)
+    fc2_transposed, fc1_transposed = weight_copy_bytes(e, f, h), weight_copy_bytes(e, h, 2 * f)
+    transposed_per_stage = (fc2_transposed, fc1_transposed) if m == 1 else (0, 0)
+    # At M > 1 a window after the first makes its gate/up again from the dispatched rows (no act:
+    # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run.
+    recomputed = s * w * 2 * f if m > 1 else 0
+    stages = (
+        recomputed + rows_q,  # the gate/up made again
+        recomputed + rows_q + s * w * f + transposed_per_stage[0],  # the down dgrad
+        recomputed + rows_q + s * w * f + s * w * 2 * f + grad_gate_up_rows,  # the SwiGLU backward's pass
+        recomputed + rows_q + s * w * 2 * f + grad_gate_up_rows + grad_gate_up_columns,  # then d gate_up's columns
+        recomputed + grad_gate_up_rows + grad_gate_up_columns + s * w * h + quantized_columns_bytes(w, h)
+        + quantized_columns_bytes(w, f),  # the fc2 weight gradient
+        grad_gate_up_rows + grad_gate_up_columns + transposed_per_stage[1] + s * w * h,  # the gate/up dgrad
+        grad_gate_up_columns + s * w * h + quantized_columns_bytes(w, h),  # the fc1 weight gradient
+    )
+    pass_terms = 0
+    if m > 1:
+        pass_terms = 2 * FP32_BYTES * (2 * f * h + h * f) + fc2_transposed + fc1_transposed
+        pass_terms += quantized_rows_bytes(t, h)  # x published again, for the recomputed gate/up
+        if not config.fp8_cache_weights:
+            pass_terms += weight_copy_bytes(e, 2 * f, h)
+    backward_peak = (
+        held + quantized_rows_bytes(t, h) + 2 * s * t * h + 4 * t * k + s * e * 3 * f * h + pass_terms
+        + max(stages) + tables + FP8_BACKWARD_BUFFERS * slack
+    )
+    symmetric = symmetric_bytes_per_rank(t, h, k, torch.bfloat16, r, NUM_EXCHANGE_PHASES, fp8=True) if r > 1 and windowed else 0
+    return LayerMemoryBound(held, forward_peak, backward_peak, symmetric, w, m)

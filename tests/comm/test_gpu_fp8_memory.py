@@ -1,0 +1,73 @@
+"""The FP8 blockwise layer's memory on a Hopper GPU against its stated bound
+(megatron_mok.memory.layer_memory_bound, megatron_mok/memory_fp8.py): per rank, for every routing, at
+EP = 1 and over the symmetric exchange in one window and several, with and without the weight cache;
+no routing needs more than a uniform one; and the FP8 layer's peak stays within the BF16 layer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig
+from megatron_mok.emulation import EmulatedGroup
+from megatron_mok.memory import layer_memory_bound
+from cuda_checks import NEEDS_HOPPER_KERNELS
+from emulated_memory import per_rank_memory
+from test_emulation import ROUTINGS, make_problem
+
+pytestmark = NEEDS_HOPPER_KERNELS
+
+# (num_ranks, num_tokens, hidden, ffn, local_experts, topk): H and F multiples of 128.
+SHAPES = {"ep1": (1, 1024, 1024, 512, 8, 8), "ep4": (4, 512, 1024, 512, 4, 8)}
+# Two bf16 figures of one routing differ by the caching allocator's block rounding (which freed
+# blocks the device has released yet): a few MB, within the bound's per-buffer slack.
+ALLOCATOR_SLACK = 16 << 20
+
+
+def _config(cache: bool, factor: float) -> MoKConfig:
+    return MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_weights=cache, receive_capacity_factor=factor)
+
+
+def _measure(shape: str, config: MoKConfig, routing: str) -> list[dict]:
+    num_ranks, t, h, f, e, k = SHAPES[shape]
+    problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16, 31)
+    group = None if num_ranks == 1 else EmulatedGroup(num_ranks, "cuda", exchange="symmetric")
+    return per_rank_memory(group, problem, e, config)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("shape,factor", [("ep1", 1.0), ("ep4", 1.0), ("ep4", 0.25)])
+def test_fp8_per_rank_memory_is_within_the_bound_for_every_routing(shape, factor, cache):
+    num_ranks, t, h, f, e, k = SHAPES[shape]
+    config = _config(cache, factor)
+    bound = layer_memory_bound(num_tokens=t, hidden=h, ffn_hidden=f, num_local_experts=e, topk=k,
+                               num_ranks=num_ranks, config=config)
+    if factor < 1:
+        assert bound.num_windows > 1, bound
+    seen = {}
+    for routing in ROUTINGS:
+        stats = _measure(shape, config, routing)
+        for rank, rank_stats in enumerate(stats):
+            context = (routing, rank, rank_stats, bound)
+            assert rank_stats["held"] <= bound.held, context
+            assert rank_stats["fwd_peak"] <= bound.forward_peak, context
+            assert rank_stats["held"] + rank_stats["bwd_peak"] <= bound.backward_peak, context
+        seen[routing] = [(s["held"], s["peak"]) for s in stats]
+        print(f"{shape} factor {factor} cache {cache} {routing}: held/peak MB per rank "
+              f"{[(round(a / 2**20, 1), round(b / 2**20, 1)) for a, b in seen[routing]]}; bound "
+              f"{bound.held / 2**20:.1f}/{bound.peak / 2**20:.1f}")
+    uniform_held = max(held for held, _ in seen["uniform"])
+    uniform_peak = max(peak for _, peak in seen["uniform"])
+    for routing, figures in seen.items():
+        for held, peak in figures:
+            assert held <= uniform_held + ALLOCATOR_SLACK and peak <= uniform_peak + ALLOCATOR_SLACK, (routing, figures, seen["uniform"])
+
+
+@pytest.mark.parametrize("routing", ["uniform", "one_expert_rank0"])
+def test_fp8_peak_without_the_weight_cache_is_within_the_bf16_layers(routing):
+    """The recipe's memory requirement at EP = 1: FP8 keeps gate/up only (the bf16 layer keeps the
+    rows, gate/up and act), so its peak is at most BF16's even though every forward quantizes its
+    weights (the cached copies are held between calls, apart)."""
+    fp8 = max(s["peak"] for s in _measure("ep1", _config(False, 1.0), routing))
+    bf16 = max(s["peak"] for s in _measure("ep1", MoKConfig(backend="kernel"), routing))
+    assert fp8 <= bf16, (fp8, bf16)
