@@ -330,6 +330,7 @@ struct Fp8QuantizeSwigluParams {
 struct Fp8QuantizeColumnsParams {
   const void* src;            // (num_src_rows, cols) bf16, or the SwiGLU kernel's gate/up (num_rows, 2 cols)
   const int64_t* row_index;   // (num_rows,) or null: the source row of each row, -1 for a zero row
+  const float* row_weights;   // (num_rows,) or null (with row_index): row r scaled by row_weights[r]
   const int32_t* row_end;     // null, or the schedule's end row on the device (expert_offsets[E])
   uint8_t* q;                 // (cols, padded_rows) e4m3
   float* scales;              // (padded_rows / 128, cols) fp32

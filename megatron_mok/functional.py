@@ -376,7 +376,7 @@ def _backward_window(
     if need_weight_grads:
         if sources.grad_for_weights is not sources.grad:  # (FP8: the dgrad's rows were FP8)
             grad_slot_out = None  # (freed before the rows in the activation dtype are pulled)
-            grad_slot_out = stages.pull_route_grads(sources.grad_for_weights, window.schedule)
+            grad_slot_out = (stages.weight_grad_route_grads or stages.pull_route_grads)(sources.grad_for_weights, window.schedule)
         if act is None:
             act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
         d_fc2.add(grad_slot_out, act, window)

@@ -18,6 +18,10 @@ Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments p
                       backward runs with FP8 weight gradients), beside
     the same, two launches  ops.swiglu_backward, then d gate_up rows (what it replaces)
     x columns, gathered  (C, H) rows gathered from x by the schedule (row_index): fc1's weight gradient
+    w dY columns, gathered  (C, H) rows w * dY gathered from dY by the schedule with each row's route
+                      weight (row_index, row_weights): fc2's weight gradient operand as backward makes
+                      it, beside
+    w dY pulled, then columns  ops.pull_grad_rows (bf16 rows), then dY columns (what it replaces)
     fc1 / fc2         ops.fp8_quantize_weight, forward copy (the cache's, once per weight version)
     fc1 / fc2 transposed  the dgrads' copy, from the bf16 weight (forward_copy=False)
     fc1 / fc2 moved   the same copy by ops.fp8_transpose_weight from the forward copy
@@ -55,8 +59,10 @@ def make_set(shape, seed):
         return torch.randn(*size, device="cuda", generator=gen).bfloat16()
 
     s = dict(x=randn(t, h), dy=randn(t, h), dgate_up=randn(rows, 2 * f), dy_rows=randn(rows, h), act=randn(rows, f),
-             index=token_of_slot, offsets=schedule.expert_offsets,
+             index=token_of_slot, offsets=schedule.expert_offsets, route=schedule.slot_to_route, topk=k,
+             weights=torch.rand(t * k, device="cuda", generator=gen),
              fc1=(randn(e, 2 * f, h) / h**0.5).bfloat16(), fc2=(randn(e, h, f) / f**0.5).bfloat16())
+    s["row_weights"] = s["weights"][s["route"].clamp(min=0)]
     for name in ("fc1", "fc2"):
         s[name + "_fp8"] = ops.fp8_quantize_weight(s[name], transposed=False)[:2]
     return s
@@ -71,6 +77,13 @@ def _two_launches(s):
     its row quantization (GEMM-A scales)."""
     grad_gate_up = ops.swiglu_backward(s["dgate_up"], s["act"], s["offsets"])
     return ops.fp8_quantize_rows(grad_gate_up, source_scales=False)
+
+
+def _pulled_then_columns(s):
+    """What the weighted gathered columns replace: the weighted pull of bf16 w * dY rows, then their
+    column quantization."""
+    rows = ops.pull_grad_rows(s["dy"], s["weights"], s["route"], s["topk"], s["offsets"])
+    return ops.fp8_quantize_columns(rows, s["offsets"])
 
 
 def cases(s):
@@ -99,6 +112,10 @@ def cases(s):
         "the same, two launches": (lambda s: _two_launches(s), swiglu_backward_bytes),
         "x columns, gathered": (lambda s: ops.fp8_quantize_columns(s["x"], s["offsets"], row_index=s["index"]),
                                 cols(rows, h)),
+        # (The two rows are given the same bytes, the work's: dY rows gathered, E4M3 and scales out.)
+        "w dY columns, gathered": (lambda s: ops.fp8_quantize_columns(
+            s["dy"], s["offsets"], row_index=s["index"], row_weights=s["row_weights"]), cols(rows, h)),
+        "w dY pulled, then columns": (_pulled_then_columns, cols(rows, h)),
         "fc1": (lambda s: ops.fp8_quantize_weight(s["fc1"], transposed=False), weight(s["fc1"])),
         "fc2": (lambda s: ops.fp8_quantize_weight(s["fc2"], transposed=False), weight(s["fc2"])),
         "fc1 transposed": (lambda s: ops.fp8_quantize_weight(s["fc1"], forward_copy=False), weight(s["fc1"])),

@@ -170,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up
 
 // (q (cols, R_pad) e4m3, scales (R_pad/128, cols) fp32), R_pad = `rows` rounded up to 128, from
 // quantize_columns_kernel<kGather, kSwiglu> over p's source (p's outputs and sizes are filled here).
-template <bool kGather, bool kSwiglu>
+template <bool kGather, bool kSwiglu, bool kWeighted = false>
 std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Fp8QuantizeColumnsParams p, const at::TensorOptions& options,
                                                            int64_t rows, int64_t cols, const char* op) {
   const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
@@ -186,17 +186,19 @@ std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Fp8QuantizeColumnsPar
   p.cols = cols;
   p.padded_rows = padded_rows;
   p.failure_record = kGather ? failure_record(stream) : nullptr;
-  quantize_columns_kernel<kGather, kSwiglu><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
+  quantize_columns_kernel<kGather, kSwiglu, kWeighted><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scales};
 }
 
 // (q (C, R_pad) e4m3, scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: x (R, C) bf16
 // quantized 1x128 along R; rows at or past expert_offsets[-1] (when given) and past R as zeros.
-// With row_index (R,) int64, x is (num_src_rows, C) and row r is x[row_index[r]] (zeros for -1).
+// With row_index (R,) int64, x is (num_src_rows, C) and row r is x[row_index[r]] (zeros for -1);
+// with row_weights (R,) fp32 too, x[row_index[r]] * row_weights[r], each value rounded to bf16.
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
                                                         const std::optional<at::Tensor>& expert_offsets, bool pow2,
-                                                        const std::optional<at::Tensor>& row_index) {
+                                                        const std::optional<at::Tensor>& row_index,
+                                                        const std::optional<at::Tensor>& row_weights) {
   constexpr const char* kOp = "fp8_quantize_columns: ";
   check_bf16_rows(kOp, x);
   if (row_index.has_value()) {
@@ -205,15 +207,25 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
                     index.scalar_type() == at::kLong && index.dim() == 1,
                 kOp, "row_index must be a contiguous 1-D int64 CUDA tensor on x's device");
   }
+  if (row_weights.has_value()) {
+    const at::Tensor& weights = *row_weights;
+    TORCH_CHECK(row_index.has_value(), kOp, "row_weights needs row_index");
+    TORCH_CHECK(weights.is_cuda() && weights.is_contiguous() && weights.device() == x.device() &&
+                    weights.scalar_type() == at::kFloat && weights.dim() == 1 &&
+                    weights.numel() == row_index->numel(),
+                kOp, "row_weights must be a contiguous 1-D float32 CUDA tensor on x's device, one per row_index entry");
+  }
   if (expert_offsets.has_value()) check_expert_offsets(kOp, *expert_offsets, x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = row_index.has_value() ? row_index->numel() : x.size(0);
   Fp8QuantizeColumnsParams p{};
   p.src = x.data_ptr();
   p.row_index = row_index.has_value() ? row_index->data_ptr<int64_t>() : nullptr;
+  p.row_weights = row_weights.has_value() ? row_weights->data_ptr<float>() : nullptr;
   p.row_end = expert_offsets.has_value() ? expert_offsets->data_ptr<int32_t>() + (expert_offsets->numel() - 1) : nullptr;
   p.num_src_rows = x.size(0);
   p.pow2 = pow2 ? 1 : 0;
+  if (row_weights.has_value()) return launch_quantize_columns<true, false, true>(p, x.options(), rows, x.size(1), kOp);
   if (row_index.has_value()) return launch_quantize_columns<true, false>(p, x.options(), rows, x.size(1), kOp);
   return launch_quantize_columns<false, false>(p, x.options(), rows, x.size(1), kOp);
 }
@@ -366,7 +378,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_quantize_rows(Tensor x, Tensor? row_index, bool source_scales, bool gemm_a_scales, bool pow2) "
       "-> (Tensor, Tensor, Tensor)");
-  m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2, Tensor? row_index=None) -> (Tensor, Tensor)");
+  m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2, Tensor? row_index=None, Tensor? row_weights=None) -> (Tensor, Tensor)");
   m.def("fp8_quantize_swiglu_columns(Tensor gate_up, Tensor expert_offsets, bool pow2) -> (Tensor, Tensor)");
   m.def(
       "fp8_quantize_swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "

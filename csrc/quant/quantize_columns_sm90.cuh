@@ -2,7 +2,10 @@
 // (mok_params.h Fp8QuantizeColumnsParams): quantization.quantize_columnwise bit for bit, the
 // operands of the FP8 weight gradients (tokens contiguous: K-major for a GEMM reducing over tokens).
 // Optionally gathered (kGather): row r is src[row_index[r]], a zero row for -1, so a weight
-// gradient's operand is quantized straight from the token rows, with no gathered bf16 copy. Or
+// gradient's operand is quantized straight from the token rows, with no gathered bf16 copy; and
+// weighted (kWeighted, with kGather): row r is src[row_index[r]] * row_weights[r], each value
+// bf16(float(value) * w) as the weighted pull kernel rounds it (moe/dispatch_sm90.cuh), so the fc2
+// weight gradient's w * dY operand needs no pulled bf16 rows. Or
 // (kSwiglu) the rows are act = SwiGLU of src's gate/up rows (num_rows, 2 cols), each value computed
 // as swiglu_forward_kernel computes it (fp32, rounded once to bf16) while the tile loads: the fc2
 // weight gradient's act operand, with no bf16 act in memory.
@@ -50,6 +53,16 @@ __device__ __noinline__ void fail_columns_row_index_check(const Fp8QuantizeColum
   asm volatile("trap;");
 }
 
+// Eight bf16 values of one 16-byte piece times w, each rounded once to bf16 (the weighted pull's
+// arithmetic).
+__device__ __forceinline__ uint4 weighted_piece(const uint4& piece, float w) {
+  uint4 out = piece;
+  auto* v = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = from_float<__nv_bfloat16>(__fmul_rn(to_float(v[j]), w));
+  return out;
+}
+
 // Eight bf16 act values of one 16-byte piece: SwiGLU of the gate and up pieces, value by value.
 __device__ __forceinline__ uint4 swiglu_piece(const uint4& gate, const uint4& up) {
   const auto* g = reinterpret_cast<const __nv_bfloat16*>(&gate);
@@ -61,10 +74,11 @@ __device__ __forceinline__ uint4 swiglu_piece(const uint4& gate, const uint4& up
   return act;
 }
 
-template <bool kGather, bool kSwiglu = false>
+template <bool kGather, bool kSwiglu = false, bool kWeighted = false>
 __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
     quantize_columns_kernel(const Fp8QuantizeColumnsParams p) {
   static_assert(!(kGather && kSwiglu), "a gathered source or a SwiGLU source, not both");
+  static_assert(!kWeighted || kGather, "row weights go with a gathered source");
   __shared__ uint4 tile[kColumnsTileRows * kColumnsRowWords / 4];
   auto* words = reinterpret_cast<uint32_t*>(tile);
   const int64_t col_tiles = p.cols / kColumnsTileCols;
@@ -79,6 +93,7 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
   // gather's 8 row indices first, all of them, then the 8 rows).
   constexpr int kPieces = kColumnsTileRows * (kColumnsTileCols * 2 / 16) / kColumnsThreads;
   int64_t src_rows[kPieces];
+  float row_weights[kWeighted ? kPieces : 1];
 #pragma unroll
   for (int s = 0; s < kPieces; ++s) {
     const int64_t row = row0 + (threadIdx.x + s * kColumnsThreads) / 16;
@@ -86,6 +101,7 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
     if constexpr (kGather) {
       if (row < end) src_rows[s] = __ldg(p.row_index + row);
     }
+    if constexpr (kWeighted) row_weights[s] = row < end ? __ldg(p.row_weights + row) : 0.f;
   }
   const auto store_piece = [&](int s, const uint4& value) {
     const int i = threadIdx.x + s * kColumnsThreads, row = i / 16, piece = i % 16;
@@ -124,7 +140,12 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
       if (src_rows[s] >= 0) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_rows[s] * p.cols + col0) + piece);
     }
 #pragma unroll
-    for (int s = 0; s < kPieces; ++s) store_piece(s, raw[s]);
+    for (int s = 0; s < kPieces; ++s) {
+      if constexpr (kWeighted) {
+        if (src_rows[s] >= 0) raw[s] = weighted_piece(raw[s], row_weights[s]);  // (a zero row stays zero)
+      }
+      store_piece(s, raw[s]);
+    }
   }
   __syncthreads();  // every row of the tile is in shared memory before any column is read
 

@@ -44,14 +44,17 @@ def gemm_a_layout(scales: Tensor) -> Tensor:
 
 
 def quantize_columns(
-    x: Tensor, expert_offsets: Tensor, pow2: bool, row_index: Optional[Tensor] = None
+    x: Tensor, expert_offsets: Tensor, pow2: bool, row_index: Optional[Tensor] = None,
+    row_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """x (R, C) bf16, the rows of a schedule (or of a window of it) -> (q (C, R_pad) e4m3, scales
     (R_pad/128, C) fp32), 1x128 along the rows (tokens), R_pad = R rounded up to 128: a weight
     gradient's operand (ops.fp8_quantize_columns). Rows at or past expert_offsets[-1] ((E + 1,) int32,
     read on the device) and the padding rows quantize as zeros, whatever their memory holds: the
     kernel stages leave the rows past the schedule's end unwritten. With row_index (R,) int64, x is
-    the source (R_src, C) and row r is x[row_index[r]] (-1: zeros), gathered by the kernel."""
+    the source (R_src, C) and row r is x[row_index[r]] (-1: zeros), gathered by the kernel; with
+    row_weights (R,) float32 too, times row_weights[r] (each value rounded to bf16, the weighted
+    pull's w * dY)."""
     if row_index is None:
         return ops.fp8_quantize_columns(x, expert_offsets, pow2=pow2)
-    return ops.fp8_quantize_columns(kernel_ready(x), expert_offsets, pow2=pow2, row_index=row_index)
+    return ops.fp8_quantize_columns(kernel_ready(x), expert_offsets, pow2=pow2, row_index=row_index, row_weights=row_weights)

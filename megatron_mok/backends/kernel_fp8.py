@@ -31,8 +31,9 @@ dtype is bf16 (the kernel backend's). Per stage:
                        ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) -> d rows bf16 (pushed back
                        as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
-                       bf16 values (fc1's rows straight from the source x, never gathered into a
-                       (capacity, H) copy: RowsToGather; fc2's act from gate_up: ActOfGateUp) ->
+                       bf16 values (fc1's rows straight from the source x and fc2's w * dY straight
+                       from dY and the route weights, never gathered into a (capacity, H) copy:
+                       RowsToGather; fc2's act from gate_up: ActOfGateUp) ->
                        ops.fp8_expert_wgrad, the fp32 sums
                        rounded once into the bf16 result in the kernel; over several receive windows
                        one fp32 (E, m, n) carried from window to window (bitwise one pass), the last
@@ -241,15 +242,27 @@ def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe)
 @dataclasses.dataclass(frozen=True)
 class RowsToGather:
     """A window's dispatched rows not gathered: row r is source[row_index[r]], a zero row for -1 (the
-    dispatch kernel's rows, bit for bit). The fc1 weight gradient quantizes them column-wise straight
-    from the source (ops.fp8_quantize_columns row_index), so no (capacity, H) bf16 copy is made."""
+    dispatch kernel's rows, bit for bit), times row_weights[r] where given (the weighted pull's w * dY,
+    bit for bit). A weight gradient quantizes them column-wise straight from the source
+    (ops.fp8_quantize_columns row_index, row_weights), so no (capacity, H) bf16 copy is made."""
 
-    source: Tensor  # (R * T, H) bf16: the exchange's stacked rows
+    source: Tensor  # (R * T, H) bf16: the exchange's stacked rows (x, or dY)
     row_index: Tensor  # (capacity,) int64
+    row_weights: Optional[Tensor] = None  # (capacity,) float32: each row's route weight
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.row_index.shape[0], self.source.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+
+def _token_of_each_row(schedule: Schedule) -> Tensor:
+    """(capacity,) int64: each row's token in the stacked rows (route // K), -1 for a padding row."""
+    route = schedule.slot_to_route
+    return torch.where(route >= 0, route // schedule.topk, route)
 
 
 def weight_grad_rows(source: RowSource, schedule: Schedule):
@@ -257,8 +270,20 @@ def weight_grad_rows(source: RowSource, schedule: Schedule):
     mappings (a symmetric region) or from FP8 rows, dispatch_rows' gathered rows."""
     if source.peer_ptrs is not None or _fp8_source(source) is not None:
         return dispatch_rows(source, schedule)
-    route = schedule.slot_to_route
-    return RowsToGather(source.tensor, torch.where(route >= 0, route // schedule.topk, route))
+    return RowsToGather(source.tensor, _token_of_each_row(schedule))
+
+
+def weight_grad_route_grads(source: GradSource, schedule: Schedule):
+    """The fc2 weight gradient's w * dY rows: RowsToGather with each row's route weight from a bf16 dY
+    in one tensor (quantized column-wise straight from dY: no pulled (capacity, H) bf16 rows); over
+    peer mappings (a symmetric region), pull_route_grads' pulled rows."""
+    grad_y, weights = source.grad_y, source.weights
+    if grad_y.peer_ptrs is not None or _fp8_source(grad_y) is not None:
+        return pull_route_grads(source, schedule)
+    route, flat = schedule.slot_to_route, weights.tensor.reshape(-1).float()
+    # (A padding row's weight is never read: its row index is -1. Without tokens every row is one.)
+    row_weights = flat.index_select(0, route.clamp(min=0)) if flat.numel() else flat.new_zeros(route.shape)
+    return RowsToGather(grad_y.tensor, _token_of_each_row(schedule), row_weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +306,7 @@ def weight_grad_act(gate_up: Tensor, offsets: Tensor) -> ActOfGateUp:
 
 def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     if isinstance(rows, RowsToGather):
-        return quantize_columns(rows.source, offsets, pow2, row_index=rows.row_index)
+        return quantize_columns(rows.source, offsets, pow2, row_index=rows.row_index, row_weights=rows.row_weights)
     if isinstance(rows, ActOfGateUp):
         return ops.fp8_quantize_swiglu_columns(kernel_ready(rows.gate_up), offsets, pow2=pow2)
     return quantize_columns(rows, offsets, pow2)
@@ -298,7 +323,7 @@ class WindowedWeightGrad:
 
 
 def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeightGrad], *, recipe: Fp8Recipe):
-    """grad_out (W, m) bf16 or a GradGateUp (its column-wise copy), inputs (W, n) bf16, RowsToGather or
+    """grad_out (W, m) bf16, RowsToGather (w * dY) or a GradGateUp (its column-wise copy), inputs (W, n) bf16, RowsToGather or
     ActOfGateUp: a receive window's rows (receive.Window) -> both quantized 1x128 along the rows, their
     FP8 weight gradients added to the experts' chains. Returns what the next window carries
     (WindowedWeightGrad) after a window that is not the last, the (E, m, n) bf16 gradient after the
@@ -314,12 +339,12 @@ def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeigh
     if isinstance(grad_out, GradGateUp):
         grad, grad_scales = grad_out.columns
     else:
-        grad, grad_scales = quantize_columns(grad_out, offsets, recipe.pow2_scales)
+        grad, grad_scales = _quantize_columns(grad_out, offsets, recipe.pow2_scales)
     values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)
     operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
     # The result in the activation dtype (a GradGateUp's d gate_up was bf16, the kernel backend's).
-    result = dict(dtype=grad_out.dtype if isinstance(grad_out, Tensor) else torch.bfloat16, device=grad.device)
+    result = dict(dtype=torch.bfloat16 if isinstance(grad_out, GradGateUp) else grad_out.dtype, device=grad.device)
     if window.num_windows == 1:
         rounded = torch.empty((num_experts, m, n), **result)
         return ops.fp8_expert_wgrad(*operands, rounded=rounded, variant=FP8_WGRAD_VARIANT)
@@ -371,5 +396,6 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         quantize_rows=quantize_source_rows,
         weight_grad_rows=weight_grad_rows if recipe.weight_grad else None,
         weight_grad_act=weight_grad_act if recipe.weight_grad else None,
+        weight_grad_route_grads=weight_grad_route_grads if recipe.weight_grad else None,
         **weight_grads,
     )

@@ -183,6 +183,10 @@ class Stages:
     # A backend whose weight_grad_window quantizes act straight from gate_up (the FP8 kernel backend)
     # gives what to quantize instead of the (capacity, F) act.
     weight_grad_act: Optional[WeightGradAct] = None
+    # The w * dY rows the fc2 weight gradient reads (its `grad_out`), from the exchange's dY source:
+    # None is pull_route_grads. A backend whose weight_grad_window quantizes straight from dY and the
+    # route weights (the FP8 kernel backend) gives what to gather instead of the pulled rows.
+    weight_grad_route_grads: Optional[PullRouteGrads] = None
     # Backward's gate/up of a window after the first (receive.py): None is dispatch_gate_up's gate_up
     # (its rows and act dropped). A backend whose act is a launch of its own gives the GEMM alone, so
     # that backward does not make an act it drops.

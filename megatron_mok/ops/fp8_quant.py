@@ -65,7 +65,7 @@ def _fp8_quantize_swiglu_fake(gate_up, expert_offsets, pow2):
 
 
 @register_fake("fp8_quantize_columns")
-def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None):
+def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None, row_weights=None):
     padded = _padded_rows(x.shape[0] if row_index is None else row_index.shape[0])
     return x.new_empty((x.shape[1], padded), dtype=E4M3), x.new_empty((padded // FP8_BLOCK, x.shape[1]), dtype=torch.float32)
 
@@ -178,7 +178,12 @@ def fp8_quantize_swiglu_reference(gate_up: Tensor, expert_offsets: Tensor, pow2:
 
 
 def fp8_quantize_columns(
-    x: Tensor, expert_offsets: Optional[Tensor] = None, *, pow2: bool = False, row_index: Optional[Tensor] = None
+    x: Tensor,
+    expert_offsets: Optional[Tensor] = None,
+    *,
+    pow2: bool = False,
+    row_index: Optional[Tensor] = None,
+    row_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """x (R, C) bf16, 1x128 blocks along R (tokens) -> (q (C, R_pad) e4m3, the matrix transposed;
     scales (R_pad/128, C) fp32), R_pad = R rounded up to 128: the weight gradients' operands.
@@ -190,17 +195,24 @@ def fp8_quantize_columns(
 
     row_index (R,) int64: x is (R_src, C) and row r is x[row_index[r]], a zero row for -1 (an index
     outside [-1, R_src) traps with a failure record), so the rows are never gathered into memory;
-    entries at or past expert_offsets[-1] are not read. Ref: fp8_quantize_columns_reference."""
-    check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index)
-    return torch.ops.megatron_mok.fp8_quantize_columns(x, expert_offsets, pow2, row_index)
+    entries at or past expert_offsets[-1] are not read. row_weights (R,) float32, with row_index: row r
+    is x[row_index[r]] * row_weights[r], each value rounded once to bf16 as the weighted pull rounds
+    w * dY (ops.pull_grad_rows), so the fc2 weight gradient's operand needs no pulled rows; entries at
+    or past expert_offsets[-1] and of -1 rows are not read. Ref: fp8_quantize_columns_reference."""
+    check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index, row_weights)
+    return torch.ops.megatron_mok.fp8_quantize_columns(x, expert_offsets, pow2, row_index, row_weights)
 
 
 def fp8_quantize_columns_reference(
-    x: Tensor, expert_offsets: Optional[Tensor] = None, pow2: bool = False, row_index: Optional[Tensor] = None
+    x: Tensor,
+    expert_offsets: Optional[Tensor] = None,
+    pow2: bool = False,
+    row_index: Optional[Tensor] = None,
+    row_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """fp8_quantize_columns through quantization.quantize_columnwise of x (gathered by row_index)
-    zero-padded to R_pad rows, rows at or past expert_offsets[-1] zeroed. Reads the offsets on the
-    host: tests and references only."""
+    """fp8_quantize_columns through quantization.quantize_columnwise of x (gathered by row_index,
+    times row_weights in fp32 rounded to bf16) zero-padded to R_pad rows, rows at or past
+    expert_offsets[-1] zeroed. Reads the offsets on the host: tests and references only."""
     rows = x.shape[0] if row_index is None else row_index.shape[0]
     end = rows if expert_offsets is None else min(rows, int(expert_offsets[-1]))
     if row_index is not None:  # (as the op: the entries at or past the end are not read)
@@ -208,6 +220,8 @@ def fp8_quantize_columns_reference(
         taken = torch.arange(rows, device=row_index.device) < end
         taken &= row_index >= 0
         gathered[taken] = x[row_index[taken]]
+        if row_weights is not None:
+            gathered[taken] = (gathered[taken].float() * row_weights[taken].unsqueeze(1)).to(x.dtype)
         x = gathered
     padded = x.new_zeros((_padded_rows(x.shape[0]), x.shape[1]))
     padded[:end] = x[:end]
@@ -372,7 +386,7 @@ def check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow
     _check_placement(op, tensors)
 
 
-def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None) -> None:
+def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None, row_weights=None) -> None:
     """As check_fp8_quantize_rows_args, for fp8_quantize_columns."""
     op = "fp8_quantize_columns"
     _check_bf16_rows(op, x)
@@ -380,6 +394,13 @@ def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None) -> 
     if row_index is not None:
         _check_row_index(op, row_index)
         tensors["row_index"] = row_index
+    if row_weights is not None:
+        if row_index is None:
+            _fail(op, "row_weights needs row_index (the weights go with gathered rows)")
+        _check_tensor(op, "row_weights", row_weights, torch.float32, 1, "(R,)")
+        if row_weights.shape != row_index.shape:
+            _fail(op, f"row_weights must have row_index's shape {tuple(row_index.shape)}, got {tuple(row_weights.shape)}")
+        tensors["row_weights"] = row_weights
     if expert_offsets is not None:
         if not isinstance(expert_offsets, torch.Tensor):
             _fail(op, f"expert_offsets must be a tensor or None, got {type(expert_offsets).__name__}")

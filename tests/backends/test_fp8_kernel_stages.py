@@ -151,12 +151,12 @@ def _sim_fp8_quantize_rows(x, row_index=None, *, source_scales=True, gemm_a_scal
     return q, scales if source_scales else None, gemm_a if gemm_a_scales else None
 
 
-def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False, row_index=None):
-    _meets_the_op_contract(fp8_quant.check_fp8_quantize_columns_args, x, expert_offsets, pow2, row_index)
+def _sim_fp8_quantize_columns(x, expert_offsets=None, *, pow2=False, row_index=None, row_weights=None):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_columns_args, x, expert_offsets, pow2, row_index, row_weights)
     if row_index is not None:  # only entries before the schedule's end are read (and must be in range)
         end = row_index.shape[0] if expert_offsets is None else int(expert_offsets[-1])
         assert bool(((row_index[:end] >= -1) & (row_index[:end] < x.shape[0])).all()), "row_index out of range"
-    return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2, row_index)
+    return ops.fp8_quantize_columns_reference(x, expert_offsets, pow2, row_index, row_weights)
 
 
 def _sim_fp8_quantize_swiglu_columns(gate_up, expert_offsets, *, pow2=False):
@@ -446,3 +446,29 @@ def test_backward_makes_gate_up_again_without_act_over_windows(simulated_kernels
     # the sm90 one makes act in its epilogue, so backward goes through dispatch_gate_up.
     assert stages_for("kernel", "auto", None).recompute_gate_up is not None
     assert stages_for("kernel", "sm90", None).recompute_gate_up is None
+
+
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_the_fc2_weight_gradient_quantizes_w_dy_straight_from_dy(simulated_kernels, monkeypatch, weight_grad):
+    """With FP8 weight gradients and dY in one tensor the fc2 weight gradient's w * dY operand is
+    quantized from dY and the route weights (ops.fp8_quantize_columns row_index, row_weights): the
+    pull kernel runs on dY's FP8 scales only (the dgrad's rows), never on bf16 dY rows; with BF16
+    weight gradients the bf16 rows are pulled as without FP8. The layer bitwise the reference's."""
+    pulled, weighted = [], []
+    pull, columns = SIMULATED["pull_grad_rows"], SIMULATED["fp8_quantize_columns"]
+
+    def recording_pull(grad_y_all, *args, **kwargs):
+        pulled.append(grad_y_all.dtype)
+        return pull(grad_y_all, *args, **kwargs)
+
+    def recording_columns(*args, row_weights=None, **kwargs):
+        weighted.append(row_weights is not None)
+        return columns(*args, row_weights=row_weights, **kwargs)
+
+    monkeypatch.setattr(ops, "pull_grad_rows", recording_pull)
+    monkeypatch.setattr(ops, "fp8_quantize_columns", recording_columns)
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=9)
+    kernel_config, reference_config = _configs(weight_grad=weight_grad)
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "w dY")
+    assert (torch.bfloat16 in pulled) != weight_grad, f"weight_grad={weight_grad}: pulled {pulled}"
+    assert any(weighted) == weight_grad, f"weight_grad={weight_grad}: weighted columns {weighted}"

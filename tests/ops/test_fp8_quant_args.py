@@ -100,6 +100,17 @@ BAD_ARGS = {
                          r"row_index must be \(R,\)"),
     "columns_index_strided": ("fp8_quantize_columns", columns_args, dict(row_index=torch.zeros(8, dtype=torch.int64)[::2]),
                               "row_index must be contiguous"),
+    "columns_weights_without_index": ("fp8_quantize_columns", columns_args, dict(row_weights=torch.ones(4)),
+                                      "row_weights needs row_index"),
+    "columns_weights_bf16": ("fp8_quantize_columns", columns_args,
+                             dict(row_index=torch.zeros(4, dtype=torch.int64), row_weights=torch.ones(4, dtype=torch.bfloat16)),
+                             "row_weights must be torch.float32"),
+    "columns_weights_length": ("fp8_quantize_columns", columns_args,
+                               dict(row_index=torch.zeros(4, dtype=torch.int64), row_weights=torch.ones(5)),
+                               r"row_weights must have row_index's shape \(4,\), got \(5,\)"),
+    "columns_weights_strided": ("fp8_quantize_columns", columns_args,
+                                dict(row_index=torch.zeros(4, dtype=torch.int64), row_weights=torch.ones(8)[::2]),
+                                "row_weights must be contiguous"),
     "swiglu_gate_up_fp32": ("fp8_quantize_swiglu", swiglu_args, dict(gate_up=torch.zeros(R, C)),
                             "gate_up must be torch.bfloat16"),
     "swiglu_f_not_multiple": ("fp8_quantize_swiglu", swiglu_args, dict(gate_up=torch.zeros(R, 384, dtype=torch.bfloat16)),
@@ -184,7 +195,7 @@ def test_bad_argument_is_a_value_error_naming_it(case):
     args = build(**changes)
     keywords = ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy")
     if op == "fp8_quantize_columns":
-        keywords += ("row_index",)  # keyword-only there
+        keywords += ("row_index", "row_weights")  # keyword-only there
     flags = {name: args.pop(name) for name in keywords if name in args}
     with pytest.raises(ValueError, match=f"{op}: {words}"):
         getattr(ops, op)(*args.values(), **flags)
@@ -283,6 +294,31 @@ def test_gathered_columns_reference_is_the_columns_of_the_gathered_rows():
     rows = torch.where((index >= 0).unsqueeze(1), x[index.clamp(min=0)], torch.zeros((), dtype=x.dtype))
     want_q, want_scales = ops.fp8_quantize_columns_reference(rows, offsets)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+def test_weighted_gathered_columns_reference_is_the_columns_of_the_pulled_rows():
+    """With row_weights, the reference quantizes the rows the weighted pull gives (the reference
+    backend's pull_route_grads: w * dY of each route's token in fp32, rounded to bf16; padding rows
+    zero), so the fc2 weight gradient's operand is the same bytes either way."""
+    import types
+
+    from megatron_mok.backends import reference
+
+    g = torch.Generator().manual_seed(3)
+    topk, tokens = 2, 9
+    grad_y = torch.randn(tokens, C, generator=g).bfloat16()
+    weights = torch.rand(tokens, topk, generator=g)
+    route = torch.tensor([17, -1, 0, 5, 5, 3, -1, 16] * 20)
+    offsets = torch.tensor([0, 128, 150], dtype=torch.int32)
+    source = types.SimpleNamespace(materialize=lambda: (grad_y, weights.reshape(-1)))
+    pulled = reference.pull_route_grads(source, types.SimpleNamespace(slot_to_route=route, topk=topk))
+    token = torch.where(route >= 0, route // topk, route)
+    q, scales = ops.fp8_quantize_columns_reference(grad_y, offsets, row_index=token,
+                                                   row_weights=weights.reshape(-1)[route.clamp(min=0)])
+    want_q, want_scales = ops.fp8_quantize_columns_reference(pulled, offsets)
+    # (Compared as values: the reference pull's padding rows are w = 0 times a row, so -0 where the
+    # row is negative, and the op's zero rows +0; the kernels write +0 both ways.)
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(scales, want_scales)
 
 
 def test_weight_reference_transposed_copy_is_the_transposed_quantization():

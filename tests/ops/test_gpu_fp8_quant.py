@@ -418,6 +418,33 @@ def test_gathered_columns_equal_quantize_columnwise_of_the_gathered_rows(gather,
     assert_scales_equal(scales, want_scales, "scales")
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", ["gaussian", "zero_blocks", "nan_inf"])
+@pytest.mark.parametrize("tokens,experts", [(1000, 8), (8192, 32), (3, 4)])
+def test_weighted_gathered_columns_equal_the_pulled_rows_quantized(tokens, experts, kind, pow2):
+    """The fc2 weight gradient's w * dY operand straight from dY and the route weights: bitwise the
+    weighted pull kernel's rows (ops.pull_grad_rows) quantized column-wise, over a real top-8 schedule
+    (segments padded to 128, -1 rows, rows past the end unwritten by the pull and not read here)."""
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    topk, cols = min(8, experts), 256 if tokens < 8192 else 7168
+    gen = torch.Generator(device="cuda").manual_seed(seed_of(tokens, experts, kind))
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(topk, dim=1).indices
+    schedule = build_schedule_from_gathered(ids.unsqueeze(0), rank=0, num_local_experts=experts, segment_alignment=128)
+    dy = row_values(kind, tokens, cols, seed_of("dy", tokens, kind))
+    weights = torch.rand(tokens, topk, device="cuda", generator=gen)
+    weights[0, 0] = 0.0  # a zero weight: its row quantizes as the pull's zeros (+0 or -0 alike)
+    route, offsets = schedule.slot_to_route, schedule.expert_offsets
+    poison_allocator()
+    pulled = ops.pull_grad_rows(dy, weights.reshape(-1), route, topk, offsets)
+    want_q, want_scales = ops.fp8_quantize_columns(pulled, offsets, pow2=pow2)
+    token = torch.where(route >= 0, route // topk, route)
+    row_weights = weights.reshape(-1)[route.clamp(min=0)]
+    q, scales = ops.fp8_quantize_columns(dy, offsets, pow2=pow2, row_index=token, row_weights=row_weights)
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales")
+
+
 COLUMNS_TRAP_SCRIPT = TRAP_SCRIPT.replace("ops.fp8_quantize_rows(x, index)", "ops.fp8_quantize_columns(x, row_index=index)")
 
 
