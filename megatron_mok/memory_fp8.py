@@ -30,11 +30,13 @@ Terms, per rank and per layer call:
                                      (+ at M = 1 fc2's transposed copy, which dies with the GEMM)
                  SwiGLU backward     dY rows + d act + d gate_up s*W*2F + its rows A(W, 2F);
                                      then dY rows + d gate_up + its rows + its columns V(W, 2F)
-                 fc2 weight gradient d gate_up's two copies + dY rows s*W*H + V(W, H) + act's V(W, F)
+                 fc2 weight gradient d gate_up's two copies + the w * dY rows + V(W, H) + act's V(W, F)
                  gate/up dgrad       d gate_up's two copies (+ at M = 1 fc1's transposed copy)
                                      + d rows s*W*H
-                 fc1 weight gradient V(W, 2F) + the rows s*W*H (gathered where the source is peer
-                                     memory) + V(W, H)
+                 fc1 weight gradient V(W, 2F) + the rows + V(W, H)
+               where the w * dY rows and the x rows are s*W*H pulled from the peers' regions over
+               the in-kernel exchange (windowed), and otherwise gathered by the column kernel
+               straight from one tensor: 32*W bytes of row indices and weights (RowsToGather)
                (+ at M > 1 the recomputed gate/up s*W*2F in the stages up to the fc2 weight
                gradient, and a stage of its own that makes it from the dispatched rows)
     every term + 1 MB per buffer (memory.ALLOCATOR_BLOCK_SLACK)
@@ -134,6 +136,9 @@ def fp8_layer_memory_bound(
     grad_gate_up_rows = w * 2 * f + gemm_a_scale_bytes(w, 2 * f)
     grad_gate_up_columns = quantized_columns_bytes(w, 2 * f)
     fc2_transposed, fc1_transposed = weight_copy_bytes(e, f, h), weight_copy_bytes(e, h, 2 * f)
+    # The weight gradients' w * dY and x rows: pulled from peer memory (windowed), else gathered by the
+    # column kernel from one tensor (int64 row index and its temporaries, fp32 weights).
+    wgrad_rows = s * w * h if windowed else 32 * w
     transposed_per_stage = (fc2_transposed, fc1_transposed) if m == 1 else (0, 0)
     # At M > 1 a window after the first makes its gate/up again from the dispatched rows (no act:
     # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run.
@@ -143,10 +148,10 @@ def fp8_layer_memory_bound(
         recomputed + rows_q + s * w * f + transposed_per_stage[0],  # the down dgrad
         recomputed + rows_q + s * w * f + s * w * 2 * f + grad_gate_up_rows,  # the SwiGLU backward's pass
         recomputed + rows_q + s * w * 2 * f + grad_gate_up_rows + grad_gate_up_columns,  # then d gate_up's columns
-        recomputed + grad_gate_up_rows + grad_gate_up_columns + s * w * h + quantized_columns_bytes(w, h)
+        recomputed + grad_gate_up_rows + grad_gate_up_columns + wgrad_rows + quantized_columns_bytes(w, h)
         + quantized_columns_bytes(w, f),  # the fc2 weight gradient
         grad_gate_up_rows + grad_gate_up_columns + transposed_per_stage[1] + s * w * h,  # the gate/up dgrad
-        grad_gate_up_columns + s * w * h + quantized_columns_bytes(w, h),  # the fc1 weight gradient
+        grad_gate_up_columns + wgrad_rows + quantized_columns_bytes(w, h),  # the fc1 weight gradient
     )
     pass_terms = 0
     if m > 1:

@@ -140,10 +140,7 @@ def dispatch_gate_up(
     offsets = schedule.expert_offsets
     weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     rows_scales = gemm_a_layout(rows.scales)
-    if tuning.FP8_ACT_QUANTIZE not in tuning.FP8_ACT_QUANTIZE_CHOICES:
-        raise ValueError(f"backends.tuning.FP8_ACT_QUANTIZE must be one of {tuning.FP8_ACT_QUANTIZE_CHOICES}, "
-                         f"got {tuning.FP8_ACT_QUANTIZE!r}")
-    if tuning.FP8_ACT_QUANTIZE == "gemm_epilogue" and not recipe.pow2_scales:
+    if _act_in_gemm_epilogue(recipe):
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
             rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH,
             variant=FP8_EXPERT_GEMM_SWIGLU_VARIANT,
@@ -154,10 +151,22 @@ def dispatch_gate_up(
     return None, gate_up, GemmOperand(*ops.fp8_quantize_swiglu(gate_up, offsets, pow2=recipe.pow2_scales))
 
 
+def _act_in_gemm_epilogue(recipe: Fp8Recipe) -> bool:
+    """Whether dispatch_gate_up makes act in the gate/up GEMM's epilogue (tuning.FP8_ACT_QUANTIZE)."""
+    if tuning.FP8_ACT_QUANTIZE not in tuning.FP8_ACT_QUANTIZE_CHOICES:
+        raise ValueError(f"backends.tuning.FP8_ACT_QUANTIZE must be one of {tuning.FP8_ACT_QUANTIZE_CHOICES}, "
+                         f"got {tuning.FP8_ACT_QUANTIZE!r}")
+    return tuning.FP8_ACT_QUANTIZE == "gemm_epilogue" and not recipe.pow2_scales
+
+
 def recompute_gate_up(source: RowSource, schedule: Schedule, fc1: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """dispatch_gate_up's gate_up (capacity, 2F) bf16 alone, bitwise (the same rows, weight copy and
     GEMM): backward's windows after the first make act again only where they quantize it, from
-    gate_up (ActOfGateUp), so the act quantization is not run."""
+    gate_up (ActOfGateUp), so the act quantization launch is not run. Where act comes from the GEMM's
+    epilogue (no launch of its own) this is dispatch_gate_up itself: the same kernel, so the same bits
+    by construction."""
+    if _act_in_gemm_epilogue(recipe):
+        return dispatch_gate_up(source, schedule, fc1, 0, recipe=recipe)[1]
     rows = dispatch_rows(source, schedule)
     weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     return _gemm(rows.values, gemm_a_layout(rows.scales), weight, schedule.expert_offsets)
@@ -217,6 +226,7 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
     with BF16 ones the bf16 tensor, which the BF16 weight gradient reads as it is."""
     weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
+    del weight  # (one window: the copy dies here, before the SwiGLU backward's buffers exist)
     if not recipe.weight_grad:
         return ops.swiglu_backward(gate_up, grad_act, offsets)
     values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
@@ -278,11 +288,15 @@ def weight_grad_route_grads(source: GradSource, schedule: Schedule):
     in one tensor (quantized column-wise straight from dY: no pulled (capacity, H) bf16 rows); over
     peer mappings (a symmetric region), pull_route_grads' pulled rows."""
     grad_y, weights = source.grad_y, source.weights
-    if grad_y.peer_ptrs is not None or _fp8_source(grad_y) is not None:
-        return pull_route_grads(source, schedule)
+    if _fp8_source(grad_y) is not None:
+        raise ValueError("the fc2 weight gradient quantizes w * dY from dY in the activation dtype, got FP8 dY rows")
+    if grad_y.peer_ptrs is not None:
+        return kernel.pull_route_grads(source, schedule)
     route, flat = schedule.slot_to_route, weights.tensor.reshape(-1).float()
-    # (A padding row's weight is never read: its row index is -1. Without tokens every row is one.)
-    row_weights = flat.index_select(0, route.clamp(min=0)) if flat.numel() else flat.new_zeros(route.shape)
+    # A padding row's weight is never read (its row index is -1); without tokens every row is one. A
+    # route past the routes (a malformed schedule) is clamped here and then trapped, with its failure
+    # record, by the column kernel's row index check (its token is past the rows).
+    row_weights = flat.index_select(0, route.clamp(0, flat.numel() - 1)) if flat.numel() else flat.new_zeros(route.shape)
     return RowsToGather(grad_y.tensor, _token_of_each_row(schedule), row_weights)
 
 

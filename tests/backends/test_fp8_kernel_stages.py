@@ -442,6 +442,13 @@ def test_backward_makes_gate_up_again_without_act_over_windows(simulated_kernels
     monkeypatch.setattr(ops, "fp8_quantize_swiglu", lambda *a, **kw: made.append(1) or act(*a, **kw))
     assert_bitwise(run_emulated(group, problem, e, windowed), want, "gate/up made again")
     assert len(made) == num_ranks * num_windows, (len(made), num_ranks, num_windows)
+    # Where act comes from the gate/up GEMM's epilogue (no launch of its own), backward makes gate/up
+    # again through that same kernel: its gate_up is then the forward's by construction.
+    monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", "gemm_epilogue")
+    fused, sim_fused = [], SIMULATED["fp8_expert_gemm_swiglu"]
+    monkeypatch.setattr(ops, "fp8_expert_gemm_swiglu", lambda *a, **kw: fused.append(1) or sim_fused(*a, **kw))
+    assert_bitwise(run_emulated(group, problem, e, windowed), want, "gate/up made again, act in the epilogue")
+    assert len(fused) == num_ranks * (2 * num_windows - 1), (len(fused), num_ranks, num_windows)
     # The BF16 kernel backend: the grouped_mm gate/up (auto's) is made again without its SwiGLU launch;
     # the sm90 one makes act in its epilogue, so backward goes through dispatch_gate_up.
     assert stages_for("kernel", "auto", None).recompute_gate_up is not None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mok import functional
+from megatron_mok import fp8_weights, functional
 
 
 def _measure(body):
@@ -24,8 +24,10 @@ def _measure(body):
     return result, torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
 
 
-def per_rank_memory(group, problem, local_experts, config) -> list[dict]:
-    """problem: test_emulation.make_problem's tensors. group: None for one rank (EP = 1)."""
+def per_rank_memory(group, problem, local_experts, config, fresh_weight_copies: bool = False) -> list[dict]:
+    """problem: test_emulation.make_problem's tensors. group: None for one rank (EP = 1).
+    fresh_weight_copies: empty the FP8 weight cache before the measured call, so that it makes its
+    weights' copies as the first call after an optimizer step does (they stay held after it)."""
     x, ids, weights, fc1, fc2, grad = problem
     num_ranks = x.shape[0]
     e = local_experts
@@ -46,7 +48,9 @@ def per_rank_memory(group, problem, local_experts, config) -> list[dict]:
         stats[r].update(bwd_peak=bwd_peak, peak=max(stats[r]["fwd_peak"], stats[r]["held"] + bwd_peak))
         return grads
 
-    for _ in range(2):  # the first call warms the allocator and makes the symmetric regions
+    for measured in (False, True):  # the first call warms the allocator and makes the symmetric regions
+        if measured and fresh_weight_copies:
+            fp8_weights.clear()
         _step(group, forward, backward, x, ids)
         torch.cuda.synchronize()
     return stats
