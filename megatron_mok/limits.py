@@ -107,6 +107,11 @@ def wgrad_carry_numel(m: int, n: int) -> int:
     return m_tiles * EXPERT_GEMM_TILE_M * n_tiles * EXPERT_GEMM_TILE_N
 
 
+def fp8_padded_rows(rows: int) -> int:
+    """Rows of a column-wise FP8 operand (C, R_pad) for R = rows: R rounded up to a 128-row block."""
+    return -(-rows // FP8_BLOCK) * FP8_BLOCK
+
+
 def fp8_scale_rows(rows: int) -> int:
     """Rows of the GEMM-A scale layout (C/128, R_pad) for R = rows: R rounded up to FP8_SCALE_ROW_PAD."""
     return -(-rows // FP8_SCALE_ROW_PAD) * FP8_SCALE_ROW_PAD

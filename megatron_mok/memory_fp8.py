@@ -54,7 +54,7 @@ import math
 import torch
 
 from megatron_mok.config import MoKConfig
-from megatron_mok.limits import FP8_BLOCK, NUM_EXCHANGE_PHASES, fp8_scale_rows
+from megatron_mok.limits import FP8_BLOCK, NUM_EXCHANGE_PHASES, fp8_padded_rows, fp8_scale_rows
 from megatron_mok.receive import receive_plan
 
 BF16_BYTES = 2
@@ -62,10 +62,6 @@ FP32_BYTES = 4
 # Buffers that may each take ALLOCATOR_BLOCK_SLACK more than their size (the docstring's terms,
 # counted: a quantized tensor is two, values and scales).
 FP8_HELD_BUFFERS, FP8_FORWARD_BUFFERS, FP8_BACKWARD_BUFFERS = 12, 16, 36
-
-
-def _pad128(rows: int) -> int:
-    return -(-rows // FP8_BLOCK) * FP8_BLOCK
 
 
 def quantized_rows_bytes(rows: int, columns: int) -> int:
@@ -80,7 +76,7 @@ def gemm_a_scale_bytes(rows: int, columns: int) -> int:
 
 def quantized_columns_bytes(rows: int, columns: int) -> int:
     """V(n, c): (c, pad128(n)) E4M3 and (pad128(n)/128, c) fp32."""
-    padded = _pad128(rows)
+    padded = fp8_padded_rows(rows)
     return columns * padded + FP32_BYTES * (padded // FP8_BLOCK) * columns
 
 

@@ -40,4 +40,14 @@ __device__ __forceinline__ Pack<T, kVec> zero_pack() {
   return pack;
 }
 
+// Each element times w, an fp32 multiply rounded once to T (the reference's w * dY): the weighted
+// pull's rows (moe/dispatch_sm90.cuh) and the weighted column quantization's (quant/) alike.
+template <typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> scaled_pack(const Pack<T, kVec>& value, float w) {
+  Pack<T, kVec> out;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
+  return out;
+}
+
 }  // namespace mok

@@ -69,15 +69,11 @@ __device__ __forceinline__ float route_weight(const PeerGatherRowsParams& p, int
 
 // (scatter_rows_kernel writes only the rows invert_slots_kernel recorded, so it needs no row_end.)
 
-// A pack of a dispatched row: as read without weights, else times the route's weight (an fp32
-// multiply rounded once, the reference's arithmetic).
+// A pack of a dispatched row: as read without weights, else times the route's weight (scaled_pack:
+// an fp32 multiply rounded once, the reference's arithmetic).
 template <typename T, int kVec>
 __device__ __forceinline__ Pack<T, kVec> weighted_pack(const Pack<T, kVec>& value, bool weighted, float w) {
-  if (!weighted) return value;
-  Pack<T, kVec> out;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(__fmul_rn(to_float(value.v[j]), w));
-  return out;
+  return weighted ? scaled_pack<T, kVec>(value, w) : value;
 }
 
 // The row of `route` (a valid route index) into dst, scaled by its weight when given; by one warp.

@@ -53,14 +53,13 @@ __device__ __noinline__ void fail_columns_row_index_check(const Fp8QuantizeColum
   asm volatile("trap;");
 }
 
-// Eight bf16 values of one 16-byte piece times w, each rounded once to bf16 (the weighted pull's
-// arithmetic).
+// Eight bf16 values of one 16-byte piece times w: the weighted pull's scaled_pack (common/vec_utils.cuh),
+// so the two give the same bits by construction.
 __device__ __forceinline__ uint4 weighted_piece(const uint4& piece, float w) {
-  uint4 out = piece;
-  auto* v = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = from_float<__nv_bfloat16>(__fmul_rn(to_float(v[j]), w));
-  return out;
+  using Piece = Pack<__nv_bfloat16, 8>;
+  static_assert(sizeof(Piece) == sizeof(uint4), "a 16-byte piece is eight bf16 values");
+  const Piece scaled = scaled_pack<__nv_bfloat16, 8>(reinterpret_cast<const Piece&>(piece), w);
+  return reinterpret_cast<const uint4&>(scaled);
 }
 
 // Eight bf16 act values of one 16-byte piece: SwiGLU of the gate and up pieces, value by value.

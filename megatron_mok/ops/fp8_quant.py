@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from megatron_mok import quantization
-from megatron_mok.limits import FP8_BLOCK, fp8_scale_rows
+from megatron_mok.limits import FP8_BLOCK, fp8_padded_rows, fp8_scale_rows
 from megatron_mok.ops.extension import register_fake
 
 E4M3 = torch.float8_e4m3fn
@@ -66,13 +66,13 @@ def _fp8_quantize_swiglu_fake(gate_up, expert_offsets, pow2):
 
 @register_fake("fp8_quantize_columns")
 def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None, row_weights=None):
-    padded = _padded_rows(x.shape[0] if row_index is None else row_index.shape[0])
+    padded = fp8_padded_rows(x.shape[0] if row_index is None else row_index.shape[0])
     return x.new_empty((x.shape[1], padded), dtype=E4M3), x.new_empty((padded // FP8_BLOCK, x.shape[1]), dtype=torch.float32)
 
 
 @register_fake("fp8_quantize_swiglu_columns")
 def _fp8_quantize_swiglu_columns_fake(gate_up, expert_offsets, pow2):
-    padded, ffn = _padded_rows(gate_up.shape[0]), gate_up.shape[1] // 2
+    padded, ffn = fp8_padded_rows(gate_up.shape[0]), gate_up.shape[1] // 2
     return gate_up.new_empty((ffn, padded), dtype=E4M3), gate_up.new_empty((padded // FP8_BLOCK, ffn), dtype=torch.float32)
 
 
@@ -99,10 +99,6 @@ def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy):
 def _fp8_transpose_weight_fake(q, scales):
     e, n, k = q.shape
     return q.new_empty((e, k, n)), scales.new_empty((e, k // FP8_BLOCK, n // FP8_BLOCK))
-
-
-def _padded_rows(rows: int) -> int:
-    return -(-rows // FP8_BLOCK) * FP8_BLOCK
 
 
 def kernel_ready(t: Tensor) -> Tensor:
@@ -223,7 +219,7 @@ def fp8_quantize_columns_reference(
         if row_weights is not None:
             gathered[taken] = (gathered[taken].float() * row_weights[taken].unsqueeze(1)).to(x.dtype)
         x = gathered
-    padded = x.new_zeros((_padded_rows(x.shape[0]), x.shape[1]))
+    padded = x.new_zeros((fp8_padded_rows(x.shape[0]), x.shape[1]))
     padded[:end] = x[:end]
     return quantization.quantize_columnwise(padded, pow2)
 
