@@ -30,7 +30,9 @@ quantization of the weight gives, for a read of one byte per element) and, where
 (cache=False, a capture, an inference tensor), from the weight (ops.fp8_quantize_weight). A backward
 over several receive windows holds each transposed copy from its first dgrad to its end
 (copies_held), not one per window; likewise a pass over several windows without the cache
-(cache=False) quantizes each weight's forward copy once for all of them.
+(cache=False) quantizes each weight's forward copy once for all of them. A backward of one window
+makes the dgrads' transposed copies range of experts by range (transposed_experts), each range's
+copy freed after its GEMM, so that only a fraction of a transposed copy exists at a time.
 Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
 replay.
 """
@@ -155,6 +157,31 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
         if entry.transposed is None:
             entry.transposed = QuantizedWeight(*transpose_weight(entry.weight.values, entry.weight.scales))
         return entry.transposed
+
+
+def transposed_experts(
+    weight: Tensor, first: int, end: int, pow2: bool = False, *, cache: bool = True
+) -> QuantizedWeight:
+    """The kernel maker's transposed copy of experts [first, end) of weight (E, N, K) alone: bitwise
+    quantized_transposed(weight, kernels=True)'s experts first .. end - 1 ((end - first, K, N) e4m3 and
+    (end - first, K/128, N/128) fp32), from the cached forward copy's experts where there is one, else
+    from the weight's. Never held: a dgrad that multiplies expert range by expert range makes and
+    frees one range's copy at a time, so no more than that range's bytes exist at once."""
+    if not 0 <= first < end <= weight.shape[0]:
+        raise ValueError(f"transposed_experts: need 0 <= first < end <= E = {weight.shape[0]}, got [{first}, {end})")
+    forward = _valid_entry(weight, pow2, True) if cache else None
+    with torch.no_grad():
+        if forward is not None:
+            copy = forward.weight
+            return QuantizedWeight(*ops.fp8_transpose_weight(copy.values[first:end], copy.scales[first:end]))
+        _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()[first:end]), pow2=pow2,
+                                                      forward_copy=False)
+    return QuantizedWeight(q_t, scales_t)
+
+
+def holding() -> bool:
+    """Whether a copies_held block that holds is open in this thread (a pass over several windows)."""
+    return getattr(_HELD, "copies", None) is not None
 
 
 def _held_or_made(key: tuple, make) -> QuantizedWeight:

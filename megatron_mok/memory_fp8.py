@@ -27,11 +27,14 @@ Terms, per rank and per layer call:
                held for the pass and, without the cache, fc1's forward copy + the largest of a
                window's stages (functional._backward_window's order):
                  down dgrad          dY rows Q(W, H) + their GEMM-A scales + d act s*W*F
-                                     (+ at M = 1 fc2's transposed copy, which dies with the GEMM)
+                                     (+ at M = 1 one expert range's share of fc2's transposed copy:
+                                     Wq over ceil(E / tuning.FP8_DGRAD_EXPERT_RANGES) experts, made,
+                                     multiplied and freed range by range)
                  SwiGLU backward     dY rows + d act + d gate_up s*W*2F + its rows A(W, 2F);
                                      then dY rows + d gate_up + its rows + its columns V(W, 2F)
                  fc2 weight gradient d gate_up's two copies + the w * dY rows + V(W, H) + act's V(W, F)
-                 gate/up dgrad       d gate_up's two copies (+ at M = 1 fc1's transposed copy)
+                 gate/up dgrad       d gate_up's two copies (+ at M = 1 a range's share of fc1's
+                                     transposed copy)
                                      + d rows s*W*H
                  fc1 weight gradient V(W, 2F) + the rows + V(W, H)
                where the w * dY rows and the x rows are s*W*H pulled from the peers' regions over
@@ -53,6 +56,7 @@ import math
 
 import torch
 
+from megatron_mok.backends import tuning
 from megatron_mok.config import MoKConfig
 from megatron_mok.limits import FP8_BLOCK, NUM_EXCHANGE_PHASES, fp8_padded_rows, fp8_scale_rows
 from megatron_mok.receive import receive_plan
@@ -135,7 +139,10 @@ def fp8_layer_memory_bound(
     # The weight gradients' w * dY and x rows: pulled from peer memory (windowed), else gathered by the
     # column kernel from one tensor (int64 row index and its temporaries, fp32 weights).
     wgrad_rows = s * w * h if windowed else 32 * w
-    transposed_per_stage = (fc2_transposed, fc1_transposed) if m == 1 else (0, 0)
+    # At M = 1 a dgrad makes its transposed copy one expert range at a time, each freed after its GEMM
+    # (kernel_fp8._dgrad): at most `span` experts' copy exists at once.
+    span = -(-e // tuning.FP8_DGRAD_EXPERT_RANGES)
+    transposed_per_stage = (weight_copy_bytes(span, f, h), weight_copy_bytes(span, h, 2 * f)) if m == 1 else (0, 0)
     # At M > 1 a window after the first makes its gate/up again from the dispatched rows (no act:
     # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run.
     recomputed = s * w * 2 * f if m > 1 else 0

@@ -121,7 +121,7 @@ def mok_layer(config):
 
 
 @contextlib.contextmanager
-def tuning_set(name: str, choice: str):
+def tuning_set(name: str, choice):
     """backends.tuning's `name` set to choice inside the block (forward and backward both read it at
     call time), so a choice and the one tuning makes run side by side in one process."""
     from megatron_mok.backends import tuning
@@ -134,7 +134,7 @@ def tuning_set(name: str, choice: str):
         setattr(tuning, name, chosen)
 
 
-def with_tuning(name: str, choice: str, run):
+def with_tuning(name: str, choice, run):
     """run, marked to be timed (forward, and forward with backward) under tuning_set(name, choice)."""
     run.tuning = (name, choice)
     return run
@@ -145,8 +145,13 @@ def fp8_alternatives() -> dict:
     label -> run."""
     from megatron_mok.backends import tuning
 
-    return {"mok_kernel_fp8_act_" + choice: with_tuning("FP8_ACT_QUANTIZE", choice, mok_layer(FP8_KERNEL))
+    runs = {"mok_kernel_fp8_act_" + choice: with_tuning("FP8_ACT_QUANTIZE", choice, mok_layer(FP8_KERNEL))
             for choice in tuning.FP8_ACT_QUANTIZE_CHOICES if choice != tuning.FP8_ACT_QUANTIZE}
+    # The dgrads over the whole transposed weight copies at once (one launch each), beside the ranges
+    # tuning.FP8_DGRAD_EXPERT_RANGES makes them in: what the ranges cost, and what they save in peak.
+    if tuning.FP8_DGRAD_EXPERT_RANGES != 1:
+        runs["mok_kernel_fp8_dgrad_whole_copy"] = with_tuning("FP8_DGRAD_EXPERT_RANGES", 1, mok_layer(FP8_KERNEL))
+    return runs
 
 
 def megatron_alltoall_layer(shape, expert_parallel: int = 1):
@@ -365,8 +370,9 @@ def main() -> None:
         base = row["pytorch"]
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
-            if r is None and label.startswith("mok_kernel_fp8_act_"):
-                continue  # (the act quantization tuning chooses: the mok_kernel_fp8 row)
+            tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label == "mok_kernel_fp8_dgrad_whole_copy"
+            if r is None and tuning_alternative:
+                continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
                 why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
                 print(f"{row['shape']:<12} {label:<23} {'n/a: ' + str(why):>40}")
@@ -387,7 +393,7 @@ METHOD_LABELS = (
 )
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
 FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_bf16_wgrad",
-              "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel")
+              "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy")
 
 
 def _print_queued(results):

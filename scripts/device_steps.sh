@@ -62,6 +62,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_memory) echo 200 "$PYTEST -s tests/comm/test_gpu_fp8_memory.py tests/comm/test_gpu_emulation.py -k memory" ;;
         # Per-rank memory at the DeepSeek-V3 shape, EP 1, 2 and 8 (emulated ranks): FP8 without and with the weight cache, BF16 beside.
         ep_memory_fp8) echo 300 "python3 scripts/ep_memory.py --ranks 1,2,8 --precision fp8_blockwise --no-fp8-weight-cache --json \$OUT/ep_memory_fp8_uncached.json && python3 scripts/ep_memory.py --ranks 1,8 --precision fp8_blockwise && python3 scripts/ep_memory.py --ranks 1,2,8" ;;
+        # Where the one-rank layer's memory peaks, stage by stage (DeepSeek-V3 shape): FP8 with and without the weight cache, BF16.
+        memory_stages) echo 200 "python3 scripts/memory_stages.py --precision fp8_blockwise && python3 scripts/memory_stages.py --precision fp8_blockwise --no-fp8-weight-cache && python3 scripts/memory_stages.py" ;;
         fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;

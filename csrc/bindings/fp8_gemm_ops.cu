@@ -1,5 +1,6 @@
 // Torch bindings of the FP8 blockwise grouped GEMM (gemm/fp8_gemm_sm90.cuh): ops fp8_expert_gemm
-// (bf16 out) and fp8_expert_gemm_swiglu (gate_up bf16, act E4M3 with its 1x128 scales) of the
+// (bf16 out; fp8_expert_gemm_into writes the caller's) and fp8_expert_gemm_swiglu (gate_up bf16, act
+// E4M3 with its 1x128 scales) of the
 // `megatron_mok` library (validated wrappers, fake implementations and references in
 // megatron_mok/ops/fp8_gemm.py, which raise ValueError before these run; the checks here are the
 // same, for callers of torch.ops directly). Each fills Fp8ExpertGemmParams (mok_params.h) once and
@@ -179,22 +180,27 @@ Fp8ExpertGemmParams<EpilogueParams> fp8_params(const at::Tensor& a, const at::Te
   return p;
 }
 
-// out (rows, N) bf16 = per expert segment e, a[r] (E4M3, K) times weight[e]^T (E4M3 (N, K)) with
-// blockwise scales (mok_params.h Fp8ExpertGemmParams); rows past the last segment not written.
+// Writes out (rows, N) bf16 = per expert segment e, a[r] (E4M3, K) times weight[e]^T (E4M3 (N, K))
+// with blockwise scales (mok_params.h Fp8ExpertGemmParams); rows outside the segments not written.
+// The segments are [expert_offsets[e], expert_offsets[e + 1]) of a's rows: a slice of a schedule's
+// offsets with the matching experts' weights multiplies those experts' rows alone.
 // variant: the consumers' mainloop (Fp8Mainloop), every one bitwise the same output.
-at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
-                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
-                           int64_t group_m, int64_t variant) {
-  constexpr const char* kOp = "fp8_expert_gemm: ";
-  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
-  TORCH_CHECK(variant >= 0 && variant < kFp8MainloopCount, kOp, "variant must be in [0, ",
+void fp8_expert_gemm_launch(const char* op, const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                            const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
+                            int64_t group_m, int64_t variant, const at::Tensor& out) {
+  TORCH_CHECK(a.is_cuda(), op, "a must be a CUDA tensor");
+  TORCH_CHECK(variant >= 0 && variant < kFp8MainloopCount, op, "variant must be in [0, ",
               std::to_string(kFp8MainloopCount), "), got ", std::to_string(variant));
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, n, k, scale_rows] =
-      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+      check_fp8_operands(op, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
   const int64_t rows = a.size(0);
-  auto out = at::empty({rows, n}, a.options().dtype(at::kBFloat16));
-  if (rows == 0) return out;
+  TORCH_CHECK(out.is_cuda() && out.device() == a.device() && out.is_contiguous() &&
+                  out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == rows && out.size(1) == n,
+              op, "out must be a contiguous bfloat16 (rows, N) = (", std::to_string(rows), ", ", std::to_string(n),
+              ") tensor on a's device, got ", sizes_str(out));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0, op, "out must start 16-byte aligned");
+  if (rows == 0) return;
   auto p = fp8_params<StoreEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, n, n, k, scale_rows,
                                            group_m);
   p.epilogue = StoreEpilogueParams{out.data_ptr()};
@@ -202,7 +208,28 @@ at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, cons
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
   launch_with_variant<Fp8StoreEpilogue>(variant, cluster_m, p, a_map, b_map, out_map);
+}
+
+// out (rows, N) bf16, fp8_expert_gemm_launch's product; rows outside the segments not written.
+at::Tensor fp8_expert_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
+                           int64_t group_m, int64_t variant) {
+  TORCH_CHECK(a.dim() == 2 && weight.dim() == 3,
+              "fp8_expert_gemm: a must be (rows, K) and weight (experts, N, K), got ", sizes_str(a), " and ",
+              sizes_str(weight));
+  auto out = at::empty({a.size(0), weight.size(1)}, a.options().dtype(at::kBFloat16));
+  fp8_expert_gemm_launch("fp8_expert_gemm: ", a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
+                         variant, out);
   return out;
+}
+
+// The same product written into the caller's out (the rows of the segments only), so that launches
+// over disjoint expert ranges fill one output.
+void fp8_expert_gemm_into(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                          const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
+                          int64_t group_m, int64_t variant, const at::Tensor& out) {
+  fp8_expert_gemm_launch("fp8_expert_gemm_into: ", a, a_scales, weight, weight_scales, expert_offsets, cluster_m,
+                         group_m, variant, out);
 }
 
 // The gate/up projection with SwiGLU, act quantized 1x128 along F: weight (E, 2F, K) gate rows then
@@ -250,12 +277,16 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_expert_gemm(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m, int variant=0) -> Tensor");
   m.def(
+      "fp8_expert_gemm_into(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
+      "int cluster_m, int group_m, int variant, Tensor(a!) out) -> ()");
+  m.def(
       "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m, int variant=0) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_expert_gemm", &fp8_expert_gemm);
+  m.impl("fp8_expert_gemm_into", &fp8_expert_gemm_into);
   m.impl("fp8_expert_gemm_swiglu", &fp8_expert_gemm_swiglu);
 }
 

@@ -22,13 +22,15 @@ dtype is bf16 (the kernel backend's). Per stage:
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
                        reference's); from a bf16 source, bf16's
-    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) -> d act bf16 -> with FP8
+    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) (one window: expert range by
+                       range, each range's copy freed after its GEMM) -> d act bf16 -> with FP8
                        weight gradients ops.fp8_quantize_swiglu_backward: d gate_up bf16 and its
                        quantization 1x128 along 2F in one pass, then its quantization 1x128 along the
                        rows, the bf16 values freed (GradGateUp: both FP8 copies); with BF16 ones the
                        SwiGLU backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
     dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
-                       ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) -> d rows bf16 (pushed back
+                       ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) (as dgrad_swiglu: by expert
+                       range at one window) -> d rows bf16 (pushed back
                        as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
                        bf16 values (fc1's rows straight from the source x and fc2's w * dY straight
@@ -84,11 +86,34 @@ class GemmOperand:
 _LAUNCH = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
 
 
-def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWeight, offsets: Tensor) -> Tensor:
-    """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16."""
+def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWeight, offsets: Tensor,
+          out: Optional[Tensor] = None) -> Tensor:
+    """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16 (into out)."""
     return ops.fp8_expert_gemm(
-        values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH, variant=FP8_EXPERT_GEMM_VARIANT
+        values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH, variant=FP8_EXPERT_GEMM_VARIANT,
+        out=out,
     )
+
+
+def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+    """(capacity, N) e4m3 rows times weight (E, N, K) bf16 per segment -> (capacity, K) bf16, through the
+    weight's transposed FP8 copy (E, K, N). A backward of one window multiplies the experts range by
+    range (tuning.FP8_DGRAD_EXPERT_RANGES ranges): each range's transposed copy is made, multiplied on the
+    range's offsets into the one output and freed, so at most a range's share of the copy exists at
+    once (bitwise one launch over the whole copy: every row's sums are its own). A backward over
+    several windows (fp8_weights.copies_held) takes the whole copy, made once and held for its windows."""
+    experts = weight.shape[0]
+    span = -(-experts // tuning.FP8_DGRAD_EXPERT_RANGES)
+    if fp8_weights.holding() or span >= experts:
+        copy = fp8_weights.quantized_transposed(weight, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+        return _gemm(values, gemm_a_scales, copy, offsets)
+    out = torch.empty((values.shape[0], weight.shape[2]), dtype=torch.bfloat16, device=values.device)
+    for first in range(0, experts, span):
+        end = min(experts, first + span)
+        copy = fp8_weights.transposed_experts(weight, first, end, recipe.pow2_scales, cache=recipe.cache_weights)
+        _gemm(values, gemm_a_scales, copy, offsets[first:end + 1], out=out)
+        del copy  # (before the next range's copy is made)
+    return out
 
 
 def _gather_values(values_all: Tensor, schedule: Schedule) -> Tensor:
@@ -224,9 +249,7 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
     FP8 weight gradients a GradGateUp (both copies are made even where no weight gradient, or no input
     gradient, is wanted: the stage cannot tell; an untaken copy lives as long as the GradGateUp);
     with BF16 ones the bf16 tensor, which the BF16 weight gradient reads as it is."""
-    weight = fp8_weights.quantized_transposed(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
-    grad_act = _gemm(grad_out.values, gemm_a_layout(grad_out.scales), weight, offsets)
-    del weight  # (one window: the copy dies here, before the SwiGLU backward's buffers exist)
+    grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
     if not recipe.weight_grad:
         return ops.swiglu_backward(gate_up, grad_act, offsets)
     values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
@@ -245,8 +268,7 @@ def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe)
         values, scales = operand.values, operand.scales
     else:
         values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
-    weight = fp8_weights.quantized_transposed(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
-    return _gemm(values, scales, weight, offsets)
+    return _dgrad(values, scales, fc1, offsets, recipe=recipe)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ The references are the `*_reference` functions beside the ops (quantization.fp8_
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_mok import quantization
@@ -36,6 +38,11 @@ def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cl
     return a.new_empty((a.shape[0], weight.shape[1]), dtype=torch.bfloat16)
 
 
+@register_fake("fp8_expert_gemm_into")
+def _fp8_expert_gemm_into_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant, out):
+    return None  # writes out in place
+
+
 @register_fake("fp8_expert_gemm_swiglu")
 def _fp8_expert_gemm_swiglu_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant=0):
     rows, ffn = a.shape[0], weight.shape[1] // 2
@@ -55,21 +62,29 @@ def fp8_expert_gemm(
     cluster_m: int,
     group_m: int,
     variant: str = "default",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(R, N) bf16: for the rows r of segment e, out[r, n] = sum over K blocks b ascending of
     a_scales[b, r] * weight_scales[e, n // 128, b] * (the fp32 sum of a[r, k] * weight[e, n, k] over
-    block b), rounded once to bf16. Rows at or past expert_offsets[-1] are not written. Segments need
-    not be aligned (a tile's rows past its segment are computed and not stored); the FP8 recipe pads
-    them to 128 rows with zero rows. cluster_m (1 or 2: CTAs sharing a weight slice through TMA
-    multicast) and group_m (m-tiles per raster group) are the launch shape: backends/tuning.py
-    FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M. variant: one of FP8_GEMM_VARIANTS (the
-    kernel's mainloop; the same output bit for bit). Ref: fp8_expert_gemm_reference."""
+    block b), rounded once to bf16. Segment e is rows [expert_offsets[e], expert_offsets[e + 1]) of a;
+    rows outside the segments (at or past expert_offsets[-1], or before expert_offsets[0]) are not
+    written. So a slice expert_offsets[e0:e1 + 1] of a schedule's offsets with weight[e0:e1] multiplies
+    experts e0 .. e1 - 1's rows alone, and with `out` (a (R, N) bf16 tensor, written in place and
+    returned) launches over disjoint expert ranges fill one output, bitwise one launch over all of
+    them (each row's sums are its own). Segments need not be aligned (a tile's rows past its segment
+    are computed and not stored); the FP8 recipe pads them to 128 rows with zero rows. cluster_m (1 or
+    2: CTAs sharing a weight slice through TMA multicast) and group_m (m-tiles per raster group) are the
+    launch shape: backends/tuning.py FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M. variant: one
+    of FP8_GEMM_VARIANTS (the kernel's mainloop; the same output bit for bit).
+    Ref: fp8_expert_gemm_reference."""
     if variant not in FP8_GEMM_VARIANTS:
         raise ValueError(f"fp8_expert_gemm: variant must be one of {FP8_GEMM_VARIANTS}, got {variant!r}")
-    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m)
-    return torch.ops.megatron_mok.fp8_expert_gemm(
-        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant)
-    )
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, out=out)
+    launch = (a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant))
+    if out is None:
+        return torch.ops.megatron_mok.fp8_expert_gemm(*launch)
+    torch.ops.megatron_mok.fp8_expert_gemm_into(*launch, out)
+    return out
 
 
 def fp8_expert_gemm_reference(
@@ -139,11 +154,11 @@ def quantize_swiglu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_fp8_expert_gemm_args(
     a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op: str = "fp8_expert_gemm",
-    gated: bool = False,
+    gated: bool = False, out=None,
 ) -> None:
     """ValueErrors naming the argument: types, dtypes, shapes and multiples first, contiguity, then
     devices (so everything but the device is checkable with CPU tensors). gated: weight holds F gate
-    then F up rows, F a multiple of 128."""
+    then F up rows, F a multiple of 128. out: None, or the (R, N) bf16 output to write into."""
 
     def fail(message: str) -> None:
         raise ValueError(f"{op}: {message}")
@@ -189,9 +204,17 @@ def check_fp8_expert_gemm_args(
         fail(f"group_m must be a multiple of cluster_m in [cluster_m, 1024], got {group_m!r}")
     if fp8_scale_rows(rows) >= 1 << 31 or experts * n >= 1 << 31:
         fail(f"more than 2^31 rows (a {tuple(a.shape)}, weight {tuple(weight.shape)})")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            fail(f"out must be a tensor or None, got {type(out).__name__}")
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n):
+            fail(f"out must be torch.bfloat16 (R, N) = {(rows, n)}, got {out.dtype} {tuple(out.shape)}")
+        tensors["out"] = out
     for name, t in tensors.items():
         if not t.is_contiguous():
             fail(f"{name} must be contiguous")
+    if out is not None and out.data_ptr() % 16:
+        fail("out must start 16-byte aligned")
     for name, t in tensors.items():
         if t.device.type != "cuda" or t.device != a.device:
             fail(f"{name} must be a CUDA tensor on a's device ({a.device}), got {t.device}")

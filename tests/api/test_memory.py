@@ -75,5 +75,23 @@ def test_fp8_bound_is_below_bf16s_without_the_cache_and_does_not_grow_with_ep():
 
 
 def test_fp8_windows_bound_one_window_at_a_time():
-    one = layer_memory_bound(**DSV3, config=dataclasses.replace(FP8, receive_capacity_factor=0.25), windowed=True)
-    assert one.num_windows > 1 and one.peak < layer_memory_bound(**DSV3, config=FP8).peak
+    """Smaller receive windows, a smaller bound: the stages are bounded one window at a time."""
+    bounds = [layer_memory_bound(**DSV3, config=dataclasses.replace(FP8, receive_capacity_factor=factor), windowed=True)
+              for factor in (0.25, 0.5)]
+    assert 1 < bounds[1].num_windows < bounds[0].num_windows and bounds[0].peak < bounds[1].peak
+
+
+def test_fp8_one_window_bound_holds_one_expert_range_of_each_transposed_copy(monkeypatch):
+    """At one window the dgrads' transposed copies are made range by range (tuning.FP8_DGRAD_EXPERT_RANGES):
+    the bound falls with more ranges, by the gate/up dgrad stage's share of fc1's copy, and with the
+    DeepSeek-V3 shape's 4 ranges the FP8 layer's bound is below BF16's with the weight cache too."""
+    from megatron_mok.backends import tuning
+
+    e, h, f = DSV3["num_local_experts"], DSV3["hidden"], DSV3["ffn_hidden"]
+    peaks = {}
+    for ranges in (1, 2, 4):
+        monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", ranges)
+        peaks[ranges] = layer_memory_bound(**DSV3, config=FP8).peak
+    fc1_copy = e * 2 * f * h + 4 * e * (h // 128) * (2 * f // 128)
+    assert peaks[1] - peaks[2] == fc1_copy // 2 and peaks[2] - peaks[4] == fc1_copy // 4
+    assert peaks[4] < layer_memory_bound(**DSV3).peak

@@ -70,13 +70,20 @@ def _sim_pull_grad_rows(grad_y_all, weights_all, slot_to_route, topk, expert_off
     return _unwritten(_gather(grad_y_all, slot_to_route, topk, weights_all), expert_offsets)
 
 
-def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant="default"):
+def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant="default",
+                         out=None):
     # Every mainloop variant gives the default's bits (tests/ops/test_gpu_fp8_gemm.py): one simulation.
     assert variant in fp8_gemm.FP8_GEMM_VARIANTS, variant
     _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_args, a, a_scales, weight, weight_scales, expert_offsets,
                            cluster_m, group_m)
-    out = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
-    return _unwritten(out, expert_offsets)
+    product = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
+    if out is None:
+        return _unwritten(product, expert_offsets)
+    # Only the rows of the given segments are written (an expert range's launch into a shared output).
+    assert out.dtype == torch.bfloat16 and out.shape == product.shape, (out.dtype, out.shape)
+    begin, end = int(expert_offsets[0]), int(expert_offsets[-1])
+    out[begin:end] = product[begin:end]
+    return out
 
 
 def _sim_fp8_expert_gemm_swiglu(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant="default"):
@@ -372,6 +379,44 @@ def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_ker
     fused, separate = {"fp8_quantize_swiglu_backward"}, {"swiglu_backward", "d gate_up rows"}
     wanted, unwanted = (fused, separate) if weight_grad else (separate, fused)
     assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
+
+
+@pytest.mark.parametrize("ranges", [1, 2, 3, 4, 9])
+def test_one_window_dgrads_hold_one_expert_range_of_the_transposed_copy_at_a_time(simulated_kernels, monkeypatch,
+                                                                                   ranges):
+    """A one-window backward multiplies each dgrad expert range by expert range (tuning.
+    FP8_DGRAD_EXPERT_RANGES): the ranges' transposed copies tile the experts in order, each of
+    ceil(E / ranges) experts at most, and each is freed before the next range's is made; the layer is
+    bitwise the reference backend's whatever the number of ranges (4 experts here: 1 range is the whole
+    copy, 9 is one expert per range)."""
+    import weakref
+
+    made, alive_at_make = [], []
+    original = fp8_weights.transposed_experts
+
+    def transposed_experts(weight, first, end, *args, **kwargs):
+        alive_at_make.append(sum(ref() is not None for ref in made))
+        copy = original(weight, first, end, *args, **kwargs)
+        made.append(weakref.ref(copy.values))
+        ranges_seen.append((tuple(weight.shape), first, end))
+        return copy
+
+    ranges_seen = []
+    monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", ranges)
+    monkeypatch.setattr(fp8_weights, "transposed_experts", transposed_experts)
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=11)
+    kernel_config, reference_config = _configs()
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "ranges")
+    experts = SHAPES["small"].num_experts
+    span = -(-experts // ranges)
+    if span >= experts:
+        assert not ranges_seen  # one range: the whole copy, as without ranges
+        return
+    for shape in {n for n, _, _ in ranges_seen}:  # each weight's dgrad (fc1 (E, 2F, H), fc2 (E, H, F))
+        bounds = [(first, end) for n, first, end in ranges_seen if n == shape]
+        assert bounds == [(e, min(experts, e + span)) for e in range(0, experts, span)], bounds
+    assert len({n for n, _, _ in ranges_seen}) == 2
+    assert max(alive_at_make) == 0, "a range's transposed copy was alive when the next was made"
 
 
 def test_d_gate_up_lives_as_its_two_fp8_copies_and_the_dgrad_takes_the_row_wise_one(simulated_kernels, monkeypatch):

@@ -23,7 +23,7 @@ OPS = (
     "dispatch_expert_gemm_swiglu_from_peers", "expert_gemm_dgrad", "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad",
     "expert_gemm_wgrad_window", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
     "exchange_begin", "exchange_signal", "exchange_wait_ready", "push_rows", "gather_peer_regions", "fp8_expert_wgrad",
-    "fp8_quantize_swiglu_backward",
+    "fp8_quantize_swiglu_backward", "fp8_expert_gemm_into",
 )
 
 

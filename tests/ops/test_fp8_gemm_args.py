@@ -79,6 +79,17 @@ def test_bad_argument_is_a_value_error_naming_it(case):
         ops.fp8_expert_gemm(**gemm_args(**changes))
 
 
+@pytest.mark.parametrize("out,words", [
+    (torch.zeros(R, N, dtype=torch.float32), r"out must be torch.bfloat16 \(R, N\)"),
+    (torch.zeros(R + 1, N, dtype=torch.bfloat16), r"out must be torch.bfloat16 \(R, N\) = \(10, 384\)"),
+    (torch.zeros(N, R, dtype=torch.bfloat16).t(), "out must be contiguous"),
+    ("out", "out must be a tensor or None"),
+])
+def test_bad_out_is_a_value_error_naming_it(out, words):
+    with pytest.raises(ValueError, match=f"fp8_expert_gemm: {words}"):
+        ops.fp8_expert_gemm(**gemm_args(out=out))
+
+
 def test_reference_is_the_promoted_block_formula():
     """The reference on CPU tensors, against the formula written out in float64 (E4M3 products and
     their 128-term sums are exact in fp32 when the values are small integers, so the fp32 reference

@@ -329,6 +329,47 @@ def test_no_rows_anywhere():
     assert ops.last_failure() is None
 
 
+@pytest.mark.parametrize("case,span", [("deepseek_v3_dgrad_fc1", 1), ("deepseek_v3_dgrad_fc1", 3),
+                                       ("qwen3_30b_dgrad_fc1", 8), ("odd_segments_unpadded", 2),
+                                       ("many_small_experts", 7)])
+def test_expert_ranges_into_one_output_equal_one_launch(case, span):
+    """The dgrads' form (backends/kernel_fp8.py _dgrad): launches over consecutive expert ranges, each
+    with its slice of the offsets and its experts' weights, writing into one `out`, give one launch's
+    output bit for bit, and write no row outside their segments (the rows past the schedule keep the
+    sentinel); a range of empty experts writes nothing."""
+    args, _, end = case_args(case)
+    qa, sa, qw, sw, offsets = args
+    want = ops.fp8_expert_gemm(*args, *LAUNCH)
+    out = torch.full((qa.shape[0], qw.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    experts = qw.shape[0]
+    for first in range(0, experts, span):
+        last = min(experts, first + span)
+        got = ops.fp8_expert_gemm(qa, sa, qw[first:last].contiguous(), sw[first:last].contiguous(),
+                                  offsets[first:last + 1], *LAUNCH, out=out)
+        assert got is out
+        # nothing at or past the range's last segment written yet (a host read: the test's bookkeeping)
+        assert torch.isnan(out[int(offsets[last]):].float()).all(), f"range [{first}, {last}) wrote past its rows"
+    assert torch.equal(out[:end], want[:end])
+    assert torch.isnan(out[end:].float()).all(), "a row past the last segment was written"
+    assert ops.last_failure() is None
+
+
+def test_fp8_expert_gemm_into_registration():
+    args, _, end = case_args("odd_segments_unpadded")
+    out = torch.zeros(args[0].shape[0], args[2].shape[1], dtype=torch.bfloat16, device="cuda")
+    op = torch.ops.megatron_mok.fp8_expert_gemm_into.default
+    # (test_faketensor only: the schema check's mutation test compares tensors with an op float8 lacks)
+    torch.library.opcheck(op, (*args, *LAUNCH, 0, out), test_utils=("test_faketensor",))
+    before = [a.clone() for a in args]
+    out.zero_()
+    op(*args, *LAUNCH, 0, out)
+    assert torch.equal(out[:end], ops.fp8_expert_gemm(*args, *LAUNCH)[:end])
+    assert not out[end:].view(torch.int16).any(), "a row past the last segment was written"
+    for was, now in zip(before, args):
+        assert torch.equal(was.view(torch.uint8) if was.dtype == E4M3 else was,
+                           now.view(torch.uint8) if now.dtype == E4M3 else now), "an input was written"
+
+
 def test_fp8_expert_gemm_op_registration():
     args, _, end = case_args("odd_segments_unpadded")
     op = torch.ops.megatron_mok.fp8_expert_gemm.default

@@ -1,0 +1,95 @@
+"""Where the one-rank layer's memory peaks: each stage of a forward and backward (megatron_mok/backends/
+stages.py, as functional runs them) with the memory allocated when it starts, the most allocated while
+it runs and what it leaves, in MB above what was allocated before the forward (the inputs, weights
+and weight cache of a warm-up call excluded, as scripts/ep_memory.py counts them).
+
+    python3 scripts/memory_stages.py [--shape deepseek_v3] [--precision fp8_blockwise]
+                                     [--no-fp8-weight-cache] [--routing uniform]
+
+A weight gradient's stages (weight_grad_window, weight_grad_into, segment_weight_grad) include the
+result they write into; the layer's own peak is the largest "peak" of the table. One GPU, EP = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "comm"))
+from test_emulation import make_problem  # noqa: E402
+
+from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe  # noqa: E402
+from ep_memory import SHAPES  # noqa: E402
+
+MB = 1 << 20
+
+
+def recorded_stages(stages, records: list, base: int):
+    """stages with each callable field wrapped: (name, MB at entry, peak MB during, MB at exit) appended
+    to records per call."""
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            result = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            records.append((name, (before - base) / MB, (torch.cuda.max_memory_allocated() - base) / MB,
+                            (torch.cuda.memory_allocated() - base) / MB))
+            return result
+        return run
+
+    changes = {field.name: wrap(field.name, getattr(stages, field.name)) for field in dataclasses.fields(stages)
+               if callable(getattr(stages, field.name))}
+    return dataclasses.replace(stages, **changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="deepseek_v3", choices=sorted(SHAPES))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
+    parser.add_argument("--no-fp8-weight-cache", action="store_true")
+    parser.add_argument("--routing", default="uniform")
+    args = parser.parse_args()
+    t, h, f, e, k = SHAPES[args.shape]
+    config = MoKConfig(backend="kernel", precision=args.precision, fp8_cache_weights=not args.no_fp8_weight_cache)
+    x, ids, weights, fc1, fc2, grad = make_problem(1, t, h, f, e, k, args.routing, "cuda", torch.bfloat16, 31)
+    x, ids, weights, grad = x[0], ids[0], weights[0], grad[0]
+    leaves = [v.detach().requires_grad_() for v in (x, weights, fc1, fc2)]
+
+    def call():
+        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)
+        y.backward(grad)
+        for leaf in leaves:
+            leaf.grad = None
+
+    call()  # warm-up: the weight cache (if any) made, the kernels loaded
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    records: list = []
+    original = functional.stages_for
+    functional.stages_for = lambda *a, **kw: recorded_stages(original(*a, **kw), records, base)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        whole = (torch.cuda.max_memory_allocated() - base) / MB
+    finally:
+        functional.stages_for = original
+    cached = fp8_weights.cached_count()
+    print(f"{args.shape} (T, H, F, E, K) = {(t, h, f, e, k)}, {args.precision}, routing {args.routing}, "
+          f"weight cache {'on' if config.fp8_cache_weights else 'off'} ({cached} weights cached, not counted)")
+    print(f"{'stage':<24} {'at entry MB':>12} {'peak MB':>9} {'at exit MB':>11}")
+    for name, before, peak, after in records:
+        print(f"{name:<24} {before:12.0f} {peak:9.0f} {after:11.0f}")
+    print(f"the call's peak: {whole:.0f} MB above what was allocated before it")
+
+
+if __name__ == "__main__":
+    main()
