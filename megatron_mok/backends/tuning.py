@@ -80,9 +80,10 @@ FP8_ACT_QUANTIZE = "swiglu_kernel"
 # How many expert ranges a one-window FP8 backward multiplies each dgrad in (backends/kernel_fp8.py
 # _dgrad): each range's transposed weight copy is made, used by one GEMM launch over the range's
 # segments and freed, so a backward holds at most ceil(E / this) experts' transposed copy at a time
-# (the gate/up dgrad's fc1 copy is the FP8 layer's largest backward term at DeepSeek-V3 size). The
-# launches give one launch's bits; what they cost (a launch's tail per range) is measured in
-# docs/performance.md ("Peak memory of the FP8 layer"). 1 makes the whole copy at once.
+# (fc1's whole copy is 0.9 GB at DeepSeek-V3 size, in the gate/up dgrad's stage). The launches give
+# one launch's bits; what they cost (a launch's tail per range: nothing measurable at 4) is in
+# docs/performance.md ("The FP8 layer's memory stage by stage, and its dgrads by expert range").
+# 1 makes the whole copy at once.
 FP8_DGRAD_EXPERT_RANGES = 4
 
 # The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS), chosen by its time on the
