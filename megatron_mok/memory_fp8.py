@@ -141,7 +141,7 @@ def fp8_layer_memory_bound(
     wgrad_rows = s * w * h if windowed else 32 * w
     # At M = 1 a dgrad makes its transposed copy one expert range at a time, each freed after its GEMM
     # (kernel_fp8._dgrad): at most `span` experts' copy exists at once.
-    span = -(-e // tuning.FP8_DGRAD_EXPERT_RANGES)
+    span = tuning.fp8_dgrad_expert_span(e)
     transposed_per_stage = (weight_copy_bytes(span, f, h), weight_copy_bytes(span, h, 2 * f)) if m == 1 else (0, 0)
     # At M > 1 a window after the first makes its gate/up again from the dispatched rows (no act:
     # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run.

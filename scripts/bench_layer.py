@@ -365,7 +365,7 @@ def main() -> None:
     _print_details(results)
     _print_queued(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print(f"{'shape':<12} {'method':<23} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
+    print(f"{'shape':<12} {'method':<33} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
@@ -375,10 +375,10 @@ def main() -> None:
                 continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
                 why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
-                print(f"{row['shape']:<12} {label:<23} {'n/a: ' + str(why):>40}")
+                print(f"{row['shape']:<12} {label:<33} {'n/a: ' + str(why):>40}")
                 continue
             print(
-                f"{row['shape']:<12} {label:<23} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
+                f"{row['shape']:<12} {label:<33} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
                 f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {r.get('held_mb', float('nan')):8.0f} "
                 f"{base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
             )

@@ -29,14 +29,16 @@ from ep_memory import SHAPES  # noqa: E402
 MB = 1 << 20
 
 
-def recorded_stages(stages, records: list, base: int):
+def recorded_stages(stages, records: list, base: int, overall: list):
     """stages with each callable field wrapped: (name, MB at entry, peak MB during, MB at exit) appended
-    to records per call."""
+    to records per call; overall[0] keeps the most allocated before each stage's peak counter is reset,
+    so that the call's peak is its largest (between the stages too)."""
     def wrap(name, fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
+            overall[0] = max(overall[0], torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
             result = fn(*args, **kwargs)
             torch.cuda.synchronize()
@@ -73,13 +75,14 @@ def main() -> None:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     records: list = []
+    overall = [0]
     original = functional.stages_for
-    functional.stages_for = lambda *a, **kw: recorded_stages(original(*a, **kw), records, base)
+    functional.stages_for = lambda *a, **kw: recorded_stages(original(*a, **kw), records, base, overall)
     try:
         torch.cuda.reset_peak_memory_stats()
         call()
         torch.cuda.synchronize()
-        whole = (torch.cuda.max_memory_allocated() - base) / MB
+        whole = (max(overall[0], torch.cuda.max_memory_allocated()) - base) / MB
     finally:
         functional.stages_for = original
     cached = fp8_weights.cached_count()

@@ -26,4 +26,12 @@ inline void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
 }
 
+// Whether two contiguous tensors share bytes (each covers [data_ptr, data_ptr + nbytes)): an output a
+// kernel writes while it reads the other.
+inline bool contiguous_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a.numel() > 0 && b.numel() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
 }  // namespace mok

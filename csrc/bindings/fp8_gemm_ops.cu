@@ -200,6 +200,9 @@ void fp8_expert_gemm_launch(const char* op, const at::Tensor& a, const at::Tenso
               op, "out must be a contiguous bfloat16 (rows, N) = (", std::to_string(rows), ", ", std::to_string(n),
               ") tensor on a's device, got ", sizes_str(out));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0, op, "out must start 16-byte aligned");
+  TORCH_CHECK(!contiguous_overlap(out, a) && !contiguous_overlap(out, a_scales) && !contiguous_overlap(out, weight) &&
+                  !contiguous_overlap(out, weight_scales) && !contiguous_overlap(out, expert_offsets),
+              op, "out must not overlap an input in memory (the kernel reads them while it writes out)");
   if (rows == 0) return;
   auto p = fp8_params<StoreEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, n, n, k, scale_rows,
                                            group_m);

@@ -156,14 +156,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
                 c10::toString(carry.scalar_type()), " ", sizes_str(carry));
   }
   if (windowed) {
-    // (all contiguous: each covers [data_ptr, data_ptr + nbytes))
-    const auto overlap = [](const at::Tensor& a, const at::Tensor& b) {
-      const auto* a0 = static_cast<const char*>(a.data_ptr());
-      const auto* b0 = static_cast<const char*>(b.data_ptr());
-      return a.numel() > 0 && b.numel() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-    };
-    TORCH_CHECK(!overlap(*carry_in, *carry_out) && !overlap(*carry_in, *rounded_out) &&
-                    !overlap(*carry_out, *rounded_out),
+    // (all contiguous)
+    TORCH_CHECK(!contiguous_overlap(*carry_in, *carry_out) && !contiguous_overlap(*carry_in, *rounded_out) &&
+                    !contiguous_overlap(*carry_out, *rounded_out),
                 kOp, "carry_in, carry_out and rounded_out must not overlap in memory (a window reads one carry while "
                 "it writes the other and the result)");
   }

@@ -103,7 +103,7 @@ def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tenso
     once (bitwise one launch over the whole copy: every row's sums are its own). A backward over
     several windows (fp8_weights.copies_held) takes the whole copy, made once and held for its windows."""
     experts = weight.shape[0]
-    span = -(-experts // tuning.FP8_DGRAD_EXPERT_RANGES)
+    span = tuning.fp8_dgrad_expert_span(experts)
     if fp8_weights.holding() or span >= experts:
         copy = fp8_weights.quantized_transposed(weight, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
         return _gemm(values, gemm_a_scales, copy, offsets)

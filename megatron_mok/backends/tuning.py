@@ -86,6 +86,15 @@ FP8_ACT_QUANTIZE = "swiglu_kernel"
 # 1 makes the whole copy at once.
 FP8_DGRAD_EXPERT_RANGES = 4
 
+
+def fp8_dgrad_expert_span(num_experts: int) -> int:
+    """The experts of one FP8_DGRAD_EXPERT_RANGES range: ceil(num_experts / ranges). A setting that is
+    not a positive int is a ValueError naming it (a dgrad must never skip experts)."""
+    ranges = FP8_DGRAD_EXPERT_RANGES
+    if isinstance(ranges, bool) or not isinstance(ranges, int) or ranges < 1:
+        raise ValueError(f"backends.tuning.FP8_DGRAD_EXPERT_RANGES must be a positive int, got {ranges!r}")
+    return -(-num_experts // ranges)
+
 # The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS), chosen by its time on the
 # H200 (docs/performance.md, "The FP8 weight gradient"): "overlap" issues block k + 1's wgmmas before
 # block k is promoted (two partial sums per warpgroup); both give the same bits.

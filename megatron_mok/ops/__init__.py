@@ -20,6 +20,7 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          gate_up's row-wise quantization), fp8_quantize_weight (128x128 and its transposed copy),
                          fp8_transpose_weight (the transposed copy from the 128x128 one); their
                          references beside them
+    tensor_checks.py     overlap (whether two tensors share bytes: the wrappers' aliasing checks)
     exchange.py          exchange_phase_names, exchange_begin, exchange_signal, exchange_wait_ready,
                          push_rows, gather_peer_regions (the in-kernel exchange, comm/symmetric.py)
 

@@ -21,6 +21,7 @@ import torch
 from megatron_mok import quantization
 from megatron_mok.limits import FP8_BLOCK, fp8_scale_rows
 from megatron_mok.ops.extension import register_fake
+from megatron_mok.ops.tensor_checks import overlap
 
 E4M3 = torch.float8_e4m3fn
 
@@ -209,6 +210,9 @@ def check_fp8_expert_gemm_args(
             fail(f"out must be a tensor or None, got {type(out).__name__}")
         if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n):
             fail(f"out must be torch.bfloat16 (R, N) = {(rows, n)}, got {out.dtype} {tuple(out.shape)}")
+        for name, t in tensors.items():  # (the kernel reads every input while it writes out)
+            if overlap(out, t):
+                fail(f"out must not overlap {name} in memory")
         tensors["out"] = out
     for name, t in tensors.items():
         if not t.is_contiguous():

@@ -28,6 +28,7 @@ import torch
 from megatron_mok import quantization
 from megatron_mok.limits import FP8_BLOCK
 from megatron_mok.ops.extension import register_fake
+from megatron_mok.ops.tensor_checks import overlap
 
 E4M3 = torch.float8_e4m3fn
 
@@ -122,16 +123,6 @@ def fp8_expert_wgrad_reference(
     return quantization.fp8_segment_weight_grad(grad, grad_scales, inputs, inputs_scales, local)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes of two tensors (each contiguous or not) share an address range."""
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) + 1
-        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
-
-
 def check_fp8_expert_wgrad_args(
     grad, grad_scales, inputs, inputs_scales, expert_offsets, out, accumulate, window_begin, rounded=None,
     variant="default", carry=None,
@@ -200,12 +191,12 @@ def check_fp8_expert_wgrad_args(
         named = [("carry_in", tensors["carry_in"]), ("carry_out", tensors["carry_out"]), ("rounded", rounded)]
         for i, (a_name, a) in enumerate(named):
             for b_name, b in named[i + 1:]:
-                if _overlap(a, b):
+                if overlap(a, b):
                     fail(f"{a_name} and {b_name} must not overlap in memory (a window reads one carry while it "
                          "writes the other and the result)")
     if variant not in FP8_WGRAD_VARIANTS:
         fail(f"variant must be one of {FP8_WGRAD_VARIANTS}, got {variant!r}")
-    if out is not None and rounded is not None and _overlap(out, rounded):
+    if out is not None and rounded is not None and overlap(out, rounded):
         fail("out and rounded must not overlap in memory (out is read while rounded is written)")
     if isinstance(window_begin, bool) or not isinstance(window_begin, int):
         fail(f"window_begin must be an int, got {type(window_begin).__name__}")

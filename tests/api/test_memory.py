@@ -95,3 +95,14 @@ def test_fp8_one_window_bound_holds_one_expert_range_of_each_transposed_copy(mon
     fc1_copy = e * 2 * f * h + 4 * e * (h // 128) * (2 * f // 128)
     assert peaks[1] - peaks[2] == fc1_copy // 2 and peaks[2] - peaks[4] == fc1_copy // 4
     assert peaks[4] < layer_memory_bound(**DSV3).peak
+
+
+@pytest.mark.parametrize("ranges", [0, -1, 2.0, True])
+def test_a_bad_expert_range_setting_is_a_value_error_naming_it(monkeypatch, ranges):
+    """tuning.FP8_DGRAD_EXPERT_RANGES that is not a positive int would skip experts in the dgrads (or
+    divide by zero): the bound, like the dgrads (tuning.fp8_dgrad_expert_span), refuses it."""
+    from megatron_mok.backends import tuning
+
+    monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", ranges)
+    with pytest.raises(ValueError, match="FP8_DGRAD_EXPERT_RANGES must be a positive int"):
+        layer_memory_bound(**DSV3, config=FP8)

@@ -75,13 +75,15 @@ def _sim_fp8_expert_gemm(a, a_scales, weight, weight_scales, expert_offsets, clu
     # Every mainloop variant gives the default's bits (tests/ops/test_gpu_fp8_gemm.py): one simulation.
     assert variant in fp8_gemm.FP8_GEMM_VARIANTS, variant
     _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_args, a, a_scales, weight, weight_scales, expert_offsets,
-                           cluster_m, group_m)
+                           cluster_m, group_m, "fp8_expert_gemm", False, out)
     product = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
     if out is None:
         return _unwritten(product, expert_offsets)
-    # Only the rows of the given segments are written (an expert range's launch into a shared output).
-    assert out.dtype == torch.bfloat16 and out.shape == product.shape, (out.dtype, out.shape)
+    # Only the rows of the given segments are written (an expert range's launch into a shared output);
+    # the rows past them hold NaN, as _unwritten leaves them, until a later range writes its own (the
+    # ranges run in ascending order), so a stage that reads past the schedule's end is caught.
     begin, end = int(expert_offsets[0]), int(expert_offsets[-1])
+    out[end:] = float("nan")
     out[begin:end] = product[begin:end]
     return out
 

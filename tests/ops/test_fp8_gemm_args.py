@@ -90,6 +90,18 @@ def test_bad_out_is_a_value_error_naming_it(out, words):
         ops.fp8_expert_gemm(**gemm_args(out=out))
 
 
+def test_misaligned_or_overlapping_out_is_a_value_error():
+    """out starting off a 16-byte boundary, or sharing bytes with an input the kernel reads while it
+    writes out (here the weight's), is refused before any kernel runs."""
+    misaligned = torch.zeros(R * N + 1, dtype=torch.bfloat16)[1:].view(R, N)
+    with pytest.raises(ValueError, match="fp8_expert_gemm: out must start 16-byte aligned"):
+        ops.fp8_expert_gemm(**gemm_args(out=misaligned))
+    args = gemm_args()
+    aliased = args["weight"].view(torch.uint8).view(-1)[: R * N * 2].view(torch.bfloat16).view(R, N)
+    with pytest.raises(ValueError, match="fp8_expert_gemm: out must not overlap weight in memory"):
+        ops.fp8_expert_gemm(**dict(args, out=aliased))
+
+
 def test_reference_is_the_promoted_block_formula():
     """The reference on CPU tensors, against the formula written out in float64 (E4M3 products and
     their 128-term sums are exact in fp32 when the values are small integers, so the fp32 reference

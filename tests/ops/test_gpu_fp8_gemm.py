@@ -354,6 +354,13 @@ def test_expert_ranges_into_one_output_equal_one_launch(case, span):
     assert ops.last_failure() is None
 
 
+def test_out_off_the_inputs_device_is_a_value_error():
+    args, _, _ = case_args("one_tile")
+    out = torch.zeros(args[0].shape[0], args[2].shape[1], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8_expert_gemm: out must be a CUDA tensor on a's device"):
+        ops.fp8_expert_gemm(*args, *LAUNCH, out=out)
+
+
 def test_fp8_expert_gemm_into_registration():
     args, _, end = case_args("odd_segments_unpadded")
     out = torch.zeros(args[0].shape[0], args[2].shape[1], dtype=torch.bfloat16, device="cuda")
