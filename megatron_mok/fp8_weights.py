@@ -140,15 +140,8 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
     is one, else from the weight. cache=False: as quantized's, nothing cached or read from the cache
     (the reference makes it from a fresh forward copy, the kernels from the weight)."""
     if kernels:
-        def make() -> QuantizedWeight:
-            forward = _valid_entry(weight, pow2, kernels) if cache else None
-            with torch.no_grad():
-                if forward is not None:  # the cached forward copy's bytes, moved: the same bits
-                    return QuantizedWeight(*ops.fp8_transpose_weight(forward.weight.values, forward.weight.scales))
-                _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()), pow2=pow2, forward_copy=False)
-            return QuantizedWeight(q_t, scales_t)
-
-        return _held_or_made((id(weight), pow2, kernels, "transposed"), make)
+        return _held_or_made((id(weight), pow2, kernels, "transposed"),
+                             lambda: transposed_experts(weight, 0, weight.shape[0], pow2, cache=cache))
     entry = _entry(weight, pow2, kernels) if cache else None
     if entry is None:
         copy = quantized(weight, pow2, cache=False)
@@ -162,11 +155,12 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
 def transposed_experts(
     weight: Tensor, first: int, end: int, pow2: bool = False, *, cache: bool = True
 ) -> QuantizedWeight:
-    """The kernel maker's transposed copy of experts [first, end) of weight (E, N, K) alone: bitwise
-    quantized_transposed(weight, kernels=True)'s experts first .. end - 1 ((end - first, K, N) e4m3 and
-    (end - first, K/128, N/128) fp32), from the cached forward copy's experts where there is one, else
-    from the weight's. Never held: a dgrad that multiplies expert range by expert range makes and
-    frees one range's copy at a time, so no more than that range's bytes exist at once."""
+    """The kernel maker's transposed copy of experts [first, end) of weight (E, N, K) alone ((end - first,
+    K, N) e4m3 and (end - first, K/128, N/128) fp32): the cached forward copy's bytes of those experts,
+    moved (a 128x128 block transposes exactly: the bits a quantization of the weight gives), where one
+    is cached, else quantized from the weight's. Not held here: a dgrad that multiplies expert range by
+    expert range makes and frees one range's copy at a time, so no more than that range's bytes exist at
+    once (quantized_transposed, kernels=True, takes all E experts and holds them inside copies_held)."""
     if not 0 <= first < end <= weight.shape[0]:
         raise ValueError(f"transposed_experts: need 0 <= first < end <= E = {weight.shape[0]}, got [{first}, {end})")
     forward = _valid_entry(weight, pow2, True) if cache else None

@@ -95,6 +95,7 @@ def fp8_dgrad_expert_span(num_experts: int) -> int:
         raise ValueError(f"backends.tuning.FP8_DGRAD_EXPERT_RANGES must be a positive int, got {ranges!r}")
     return -(-num_experts // ranges)
 
+
 # The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS), chosen by its time on the
 # H200 (docs/performance.md, "The FP8 weight gradient"): "overlap" issues block k + 1's wgmmas before
 # block k is promoted (two partial sums per warpgroup); both give the same bits.

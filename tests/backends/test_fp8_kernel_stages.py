@@ -411,8 +411,8 @@ def test_one_window_dgrads_hold_one_expert_range_of_the_transposed_copy_at_a_tim
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "ranges")
     experts = SHAPES["small"].num_experts
     span = -(-experts // ranges)
-    if span >= experts:
-        assert not ranges_seen  # one range: the whole copy, as without ranges
+    if span >= experts:  # one range: each weight's whole copy, made once
+        assert sorted((first, end) for _, first, end in ranges_seen) == [(0, experts)] * 2, ranges_seen
         return
     for shape in {n for n, _, _ in ranges_seen}:  # each weight's dgrad (fc1 (E, 2F, H), fc2 (E, H, F))
         bounds = [(first, end) for n, first, end in ranges_seen if n == shape]
