@@ -259,17 +259,28 @@ def backward(
     *,
     need_input_grads: bool = True,
     need_weight_grads: bool = True,
+    release_route_table: bool = False,
 ) -> Grads:
     """The routed experts' backward.
 
     Args:
         grad_y: (num_tokens, hidden) gradient of y, in y's dtype.
+        release_route_table: free ctx.route_table as soon as its one reader (d topk_weights) ran,
+            before anything else of backward is allocated, and drop it from ctx: the context then
+            serves no further backward. The caller says the table is held nowhere else (`mok_moe`'s
+            autograd function, whose saved tensors would otherwise keep it to backward's end).
+            memory.py's bound counts it freed.
     Returns:
         Grads; d x and d topk_weights when need_input_grads, d fc1 and d fc2 when
         need_weight_grads (None otherwise). Each reduction has a fixed order, so the gradients are
         bitwise reproducible.
     """
     schedule, exchange = ctx.schedule, ctx.exchange
+    if ctx.route_table is None:
+        raise ValueError(
+            "ctx: its route table was released by an earlier backward (release_route_table=True); a context "
+            "serves one backward then (mok_moe: backward through one call twice, retain_graph=True, is not supported)"
+        )
     if grad_y.shape != ctx.x.shape:
         raise ValueError(f"grad_y must be {tuple(ctx.x.shape)}, got {tuple(grad_y.shape)}")
     grad_y = grad_y.to(ctx.x.dtype).contiguous()
@@ -282,6 +293,8 @@ def backward(
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
+    if release_route_table:
+        _release_route_table(ctx)
     sources = _backward_sources(exchange, ctx, grad_y, len(passes) > 1, need_weight_grads, stages)
     # The dX rows go back to their sources (the push reverse-dispatch).
     returned = exchange.open_return(schedule, ctx.x.shape[1], ctx.x.dtype) if (need_input_grads or crosses_ranks) else None
@@ -311,6 +324,23 @@ def backward(
         fc1=d_fc1.result() if need_weight_grads else None,
         fc2=d_fc2.result() if need_weight_grads else None,
     )
+
+
+def _release_route_table(ctx: ForwardContext) -> None:
+    """Drops ctx's route table and frees its memory now (backward's release_route_table).
+
+    Its storage is freed by resizing it to nothing, since autograd's saved tensors hold the tensor
+    itself to backward's end. Only a table that covers its storage exactly is freed so (the
+    exchanges' `ReturnedRows.table(keep=True)` returns a tensor of its own); a table that shares
+    its storage with other data is only dropped. Inside torch.compile the compiled graph owns the
+    saved tensors' lifetimes, and the table is only dropped too."""
+    table, ctx.route_table = ctx.route_table, None
+    if torch.compiler.is_compiling():
+        return
+    storage = table.untyped_storage()
+    if table.storage_offset() == 0 and table.is_contiguous() and storage.nbytes() == table.numel() * table.element_size():
+        # The caching allocator takes the block back ordered after the reader's kernel on this stream.
+        storage.resize_(0)
 
 
 @dataclasses.dataclass(frozen=True)

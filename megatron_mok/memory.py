@@ -13,7 +13,11 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
     forward peak                 held + one window's rows (or the ring), second gate/up, act and
                                  down outputs s*W*(2H + 3F) + the gathered routing, the gathers'
                                  route scratch and the windows' route view 8*(2*R*T*K + M*W)
-    backward peak                held + dY and d x 2*s*T*H + the weight gradients s*E*3F*H (and,
+    backward peak                the larger of: held + dY s*T*H + d topk_weights 4*T*K, while
+                                 d topk_weights reads the route table, its one reader in backward;
+                                 then, the table freed (functional.backward's release_route_table,
+                                 as mok_moe runs it), held without the route table
+                                 + dY and d x 2*s*T*H + the weight gradients s*E*3F*H (and,
                                  over several windows, their carries 8*(pad(2F)*pad(H) +
                                  pad(H)*pad(F)) with sm90 weight gradients, or fp32 sums
                                  4*E*3F*H with the other families) + d topk_weights 4*T*K + one
@@ -51,6 +55,9 @@ from megatron_mok.receive import receive_plan
 # every buffer may count up to that much more than its size; the bound allows it per buffer.
 ALLOCATOR_BLOCK_SLACK = 1 << 20
 HELD_BUFFERS, FORWARD_BUFFERS, BACKWARD_BUFFERS = 10, 8, 16
+# What backward allocates while the route table is still held: dY in the activation dtype and
+# d topk_weights.
+ROUTE_READER_BUFFERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +128,11 @@ def layer_memory_bound(
     ring = config.dispatch_ring_minibatches
 
     rows_kept = EXPERT_GEMM_CHOICES[config.expert_gemm].gate_up == "grouped_mm" or dispatch_ring_holds_every_row(c, ring)
-    held = s * t * h + s * w * 2 * f + 8 * (c + routes + t * k) + HELD_BUFFERS * ALLOCATOR_BLOCK_SLACK
+    # The route table: the down outputs on one rank in one window, else every route's returned row.
+    route_table = s * c * h if one_window_one_rank else s * t * k * h
+    held = s * t * h + route_table + s * w * 2 * f + 8 * (c + routes + t * k) + HELD_BUFFERS * ALLOCATOR_BLOCK_SLACK
     if one_window_one_rank:
-        held += s * c * h + s * c * f + (s * c * h if rows_kept else 0)
-    else:
-        held += s * t * k * h
+        held += s * c * f + (s * c * h if rows_kept else 0)
     # Over the in-kernel exchange the sm90 gate/up pulls a window's rows whole before its GEMM (no ring).
     rows_buffer = w if rows_kept or r > 1 else dispatch_ring_buffer_rows(w, ring)
     forward_peak = (
@@ -143,9 +150,11 @@ def layer_memory_bound(
     # (H + 6F, d act inside grouped_mm's SwiGLU-backward dgrad); later only d gate/up with the dX
     # rows or with the rows pulled again (H + 2F).
     window_live = s * w * (h + 6 * f)
-    backward_peak = (
-        held + 2 * s * t * h + weight_grads + 4 * t * k + window_live + 8 * (2 * routes + m * w)
-        + BACKWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK
+    route_reader = held + s * t * h + 4 * t * k + ROUTE_READER_BUFFERS * ALLOCATOR_BLOCK_SLACK
+    backward_peak = max(
+        route_reader,
+        held - route_table + 2 * s * t * h + weight_grads + 4 * t * k + window_live + 8 * (2 * routes + m * w)
+        + BACKWARD_BUFFERS * ALLOCATOR_BLOCK_SLACK,
     )
     symmetric = symmetric_bytes_per_rank(t, h, k, dtype, r, NUM_EXCHANGE_PHASES) if r > 1 and windowed else 0
     return LayerMemoryBound(held, forward_peak, backward_peak, symmetric, w, m)

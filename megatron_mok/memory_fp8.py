@@ -21,7 +21,11 @@ Terms, per rank and per layer call:
     forward    held + x published Q(T, H) + without the cache both forward copies + the largest of
                a window's stages: the dispatched rows Q(W, H) and their GEMM-A scales with gate/up;
                gate/up, act A(W, F) and the down outputs s*W*H
-    backward   held + dY published Q(T, H) (+ at M > 1 x again, for the recomputed gate/up) + dY and
+    backward   the larger of: held + dY s*T*H + d topk_weights 4*T*K while d topk_weights reads
+               the route table (its one reader in backward; then it is freed: functional.backward's
+               release_route_table, as mok_moe runs it), and
+               held without the route table
+               + dY published Q(T, H) (+ at M > 1 x again, for the recomputed gate/up) + dY and
                d x 2*s*T*H + d topk_weights 4*T*K + the weight gradients s*E*3F*H + at M > 1 two fp32
                carries per weight 8*(2F*H + H*F), both transposed weight copies Wq(F, H) + Wq(2F, H)
                held for the pass and, without the cache, fc1's forward copy + the largest of a
@@ -102,7 +106,7 @@ def fp8_layer_memory_bound(
 ):
     """The bound of one FP8 layer call (the module docstring's terms) as a memory.LayerMemoryBound."""
     from megatron_mok.comm.symmetric import symmetric_bytes_per_rank
-    from megatron_mok.memory import ALLOCATOR_BLOCK_SLACK, LayerMemoryBound
+    from megatron_mok.memory import ALLOCATOR_BLOCK_SLACK, ROUTE_READER_BUFFERS, LayerMemoryBound
 
     t, h, f, e, k, r = num_tokens, hidden, ffn_hidden, num_local_experts, topk, num_ranks
     for name, value in (("hidden", h), ("ffn_hidden", f)):
@@ -162,9 +166,11 @@ def fp8_layer_memory_bound(
         pass_terms += quantized_rows_bytes(t, h)  # x published again, for the recomputed gate/up
         if not config.fp8_cache_weights:
             pass_terms += weight_copy_bytes(e, 2 * f, h)
-    backward_peak = (
-        held + quantized_rows_bytes(t, h) + 2 * s * t * h + 4 * t * k + s * e * 3 * f * h + pass_terms
-        + max(stages) + tables + FP8_BACKWARD_BUFFERS * slack
+    route_reader = held + s * t * h + 4 * t * k + ROUTE_READER_BUFFERS * slack
+    backward_peak = max(
+        route_reader,
+        held - route_table + quantized_rows_bytes(t, h) + 2 * s * t * h + 4 * t * k + s * e * 3 * f * h + pass_terms
+        + max(stages) + tables + FP8_BACKWARD_BUFFERS * slack,
     )
     symmetric = symmetric_bytes_per_rank(t, h, k, torch.bfloat16, r, NUM_EXCHANGE_PHASES, fp8=True) if r > 1 and windowed else 0
     return LayerMemoryBound(held, forward_peak, backward_peak, symmetric, w, m)

@@ -26,6 +26,11 @@ class _RoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        if ctx.fctx is None:
+            raise RuntimeError(
+                "mok_moe: backward through one call ran already; backward twice (retain_graph=True) is not "
+                "supported: backward frees the call's saved route table once read"
+            )
         fc1, fc2, *saved = ctx.saved_tensors
         fctx = ctx.fctx.with_tensors(tuple(saved))
         need_x, _, need_w, need_fc1, need_fc2, _, _ = ctx.needs_input_grad
@@ -36,6 +41,7 @@ class _RoutedExperts(torch.autograd.Function):
             fc2,
             need_input_grads=need_x or need_w,
             need_weight_grads=need_fc1 or need_fc2,
+            release_route_table=True,  # held by nothing but the saved tensors
         )
         ctx.fctx = None
         return grads.x, None, grads.topk_weights, grads.fc1, grads.fc2, None, None

@@ -151,6 +151,10 @@ def fp8_alternatives() -> dict:
     # tuning.FP8_DGRAD_EXPERT_RANGES makes them in: what the ranges cost, and what they save in peak.
     if tuning.FP8_DGRAD_EXPERT_RANGES != 1:
         runs["mok_kernel_fp8_dgrad_whole_copy"] = with_tuning("FP8_DGRAD_EXPERT_RANGES", 1, mok_layer(FP8_KERNEL))
+    # The weight gradients in the overlap mainloop that waits for a tile's epilogue before its next
+    # tile's first block, beside tuning's overlap_across_tiles.
+    if tuning.FP8_WGRAD_VARIANT != "overlap":
+        runs["mok_kernel_fp8_wgrad_overlap"] = with_tuning("FP8_WGRAD_VARIANT", "overlap", mok_layer(FP8_KERNEL))
     return runs
 
 
@@ -370,7 +374,8 @@ def main() -> None:
         base = row["pytorch"]
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
-            tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label == "mok_kernel_fp8_dgrad_whole_copy"
+            tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label in (
+                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap")
             if r is None and tuning_alternative:
                 continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
@@ -393,7 +398,8 @@ METHOD_LABELS = (
 )
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
 FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_bf16_wgrad",
-              "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy")
+              "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
+              "mok_kernel_fp8_wgrad_overlap")
 
 
 def _print_queued(results):

@@ -47,6 +47,8 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider --no-header -rfE ${PYTEST_ARGS:
 step_command() {  # prints "BOUND COMMAND" for a step name
     case "$1" in
         tol) echo 200 "$PYTEST tests/backends/test_gpu_kernels.py tests/backends/test_gpu_reference.py tests/ops/test_gpu_expert_gemm.py tests/megatron/test_grouped_mm_experts.py" ;;
+        # The Megatron experts' part of tol alone (carry .whl: it needs megatron-core).
+        megatron_experts) echo 120 "$PYTEST tests/megatron/test_grouped_mm_experts.py" ;;
         digests) echo 100 "python3 scripts/digests.py --compare docs/log/digests_2026-12-01_before_restructure.json" ;;
         emul) echo 130 "$PYTEST tests/comm/test_gpu_emulation.py" ;;
         procs_layer) echo 150 "$PYTEST -s tests/comm/test_gpu_processes.py -k equals_ep1" ;;
@@ -67,6 +69,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
+        # The FP8 weight gradient in every mainloop (overlap_across_tiles: the next tile's first block issued before the epilogue).
+        fp8_across_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
         # The FP8 weight gradients in every mainloop, and the gate/up GEMM with and without its SwiGLU
         # epilogue (the layer's overlap mainloop), beside torch's.
         fp8_wgrad_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-projections fc1,fc1+swiglu,wgrad_fc1,wgrad_fc2" ;;

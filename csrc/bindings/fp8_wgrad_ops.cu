@@ -204,7 +204,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
     p.chain_expert_stride = m * n;
   }
   p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
-  if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
+  if (variant == int64_t(Fp8WgradMainloop::kOverlapAcrossTiles)) {
+    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlapAcrossTiles>(p, grad, inputs);
+  } else if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
     launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs);
   } else {
     launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs);

@@ -204,8 +204,11 @@ enum class Fp8WgradMainloop : int {
   // block is promoted (a warpgroup holds two stages at a time). 3 x 64 fp32 registers per thread for
   // the sums: the consumers' setmaxnreg budget, not the 168 of the whole launch.
   kOverlap = 1,
+  // kOverlap, with the next tile's block 0 issued before this tile's epilogue instead of after it,
+  // so the tensor cores run it while the warpgroup stores.
+  kOverlapAcrossTiles = 2,
 };
-constexpr int kFp8WgradMainloopCount = 2;  // the op checks 0 <= variant < this
+constexpr int kFp8WgradMainloopCount = 3;  // the op checks 0 <= variant < this
 
 // Launched through gemm_kernel_sm90<Fp8ExpertWgradKernel<...>, Fp8ExpertWgradMaps, Fp8ExpertWgradParams,
 // CUtensorMap, CUtensorMap> without clusters.
@@ -244,7 +247,7 @@ struct Fp8ExpertWgradKernel {
     }
     sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
     const int consumer = warpgroup - 1, thread = threadIdx.x % kNumThreadsPerWarpGroup;
-    if constexpr (kMainloop == Fp8WgradMainloop::kOverlap) {
+    if constexpr (kMainloop != Fp8WgradMainloop::kDefault) {
       consume_overlap(maps, p, scheduler, shared, consumer, thread);
     } else {
       consume(maps, p, scheduler, shared, consumer, thread);
@@ -406,11 +409,14 @@ struct Fp8ExpertWgradKernel {
     if (thread == 0) sm90::mark_finished(watch);
   }
 
-  // kOverlap. Per tile of k_blocks blocks: block 0 issued into p0, then for each block k, block k + 1
-  // issued into the other partial (once its stage landed), wait_group 1 (block k's wgmmas done,
-  // k + 1's may run), promote k with its stage's scales, release k's stage. The partials alternate by
-  // the parity of k, so the block loop is unrolled by two and every register index is static
-  // (wgmma accumulators must be). Stage s's descriptors, barrier and scales are stage 0's plus s
+  // kOverlap and kOverlapAcrossTiles. Per tile of k_blocks blocks: block 0 issued into p0, then for
+  // each block k, block k + 1 issued into the other partial (once its stage landed), wait_group 1
+  // (block k's wgmmas done, k + 1's may run), promote k with its stage's scales, release k's stage.
+  // The partials alternate by the parity of k, so the block loop is unrolled by two and every
+  // register index is static (wgmma accumulators must be). kOverlapAcrossTiles issues the next
+  // tile's block 0 into p0 before this tile's epilogue, so the tensor cores run it while the
+  // warpgroup stores (both consumer warpgroups reach their epilogues together), kOverlap after it;
+  // either way each tile's sums start from its chain or zero and add its blocks in ascending order. Stage s's descriptors, barrier and scales are stage 0's plus s
   // stages of bytes, formed once per launch (registers are the constraint here); the bounded waits
   // trap out of line.
   static __device__ __forceinline__ void consume_overlap(const Maps& maps, const Params& p, const Scheduler& scheduler,
@@ -454,14 +460,30 @@ struct Fp8ExpertWgradKernel {
       __syncwarp();
       if (lane == 0) sm90::mbarrier_arrive(&shared.empty[oldest]);
     };
+    // The CTA's tiles in order. A skipped tile is neither loaded nor stored; a tile without blocks
+    // (its sums are its start: zero, or its chain) is stored on the way, with p1 for its sums (no
+    // block is in flight in p1 then), so the loop below sees only tiles with blocks.
+    int64_t tile = scheduler.first_tile();
+    const auto next_tile_with_blocks = [&](Fp8WgradTileCoord& c) {
+      for (; scheduler.at(tile, c); tile += scheduler.tile_step()) {
+        if (c.skip) continue;
+        if (c.k_blocks > 0) return true;
+        const int64_t offset = tile_offset(p, c, f);
+        start_chain(p, c, offset, p1);
+        store_tile(maps, p, shared, c, offset, p1, consumer, thread);
+      }
+      return false;
+    };
     Fp8WgradTileCoord c;
-    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
-      if (c.skip) continue;
-      const int64_t offset = tile_offset(p, c, f);
-      start_chain(p, c, offset, acc);
-      const int k_blocks = c.k_blocks;
-      if (k_blocks > 0) {
-        issue(p0);
+    if (next_tile_with_blocks(c)) {
+      // Block 0 of the first tile; every later tile's is issued beside the epilogue of the one before.
+      // (No wgmma is issued on a path that may skip it: with one issued inside `if (more)` ahead of the
+      // epilogue, ptxas serialized the kernel's wgmmas (C7518).)
+      issue(p0);
+      while (true) {  // c has blocks, and its block 0 is in flight in p0
+        const int64_t offset = tile_offset(p, c, f);
+        start_chain(p, c, offset, acc);
+        const int k_blocks = c.k_blocks;
         int kb = 0;  // the oldest block in flight, in p0
 #pragma unroll 1
         for (; kb + 2 < k_blocks; kb += 2) {
@@ -482,8 +504,22 @@ struct Fp8ExpertWgradKernel {
           sm90::wgmma_wait_group<0>();
           retire(p0, 1);
         }
+        const Fp8WgradTileCoord done = c;
+        tile += scheduler.tile_step();
+        if (!next_tile_with_blocks(c)) {
+          store_tile(maps, p, shared, done, offset, acc, consumer, thread);
+          break;
+        }
+        // kOverlapAcrossTiles: the next tile's block 0 goes to the tensor cores before this tile's
+        // epilogue (p0 is free: every block of this tile retired), kOverlap after it.
+        if constexpr (kMainloop == Fp8WgradMainloop::kOverlapAcrossTiles) {
+          issue(p0);
+          store_tile(maps, p, shared, done, offset, acc, consumer, thread);
+        } else {
+          store_tile(maps, p, shared, done, offset, acc, consumer, thread);
+          issue(p0);
+        }
       }
-      store_tile(maps, p, shared, c, offset, acc, consumer, thread);
     }
     if (thread == 0) sm90::mark_finished(watch);
   }

@@ -65,7 +65,6 @@ from megatron_mok.backends.tuning import (
     FP8_EXPERT_GEMM_GROUP_M,
     FP8_EXPERT_GEMM_SWIGLU_VARIANT,
     FP8_EXPERT_GEMM_VARIANT,
-    FP8_WGRAD_VARIANT,
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
@@ -383,13 +382,13 @@ def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeigh
     result = dict(dtype=torch.bfloat16 if isinstance(grad_out, GradGateUp) else grad_out.dtype, device=grad.device)
     if window.num_windows == 1:
         rounded = torch.empty((num_experts, m, n), **result)
-        return ops.fp8_expert_wgrad(*operands, rounded=rounded, variant=FP8_WGRAD_VARIANT)
+        return ops.fp8_expert_wgrad(*operands, rounded=rounded, variant=tuning.FP8_WGRAD_VARIANT)
     if carried is None:
         carries = tuple(torch.empty((m, n), dtype=torch.float32, device=grad.device) for _ in range(2))
         carried = WindowedWeightGrad(torch.empty((num_experts, m, n), **result), carries)
     carry = (carried.carries[window.index % 2], carried.carries[(window.index + 1) % 2])
     ops.fp8_expert_wgrad(*operands, window_begin=window.begin, rounded=carried.rounded, carry=carry,
-                         variant=FP8_WGRAD_VARIANT)
+                         variant=tuning.FP8_WGRAD_VARIANT)
     return carried.rounded if window.last else carried
 
 

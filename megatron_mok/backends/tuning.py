@@ -98,5 +98,7 @@ def fp8_dgrad_expert_span(num_experts: int) -> int:
 
 # The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS), chosen by its time on the
 # H200 (docs/performance.md, "The FP8 weight gradient"): "overlap" issues block k + 1's wgmmas before
-# block k is promoted (two partial sums per warpgroup); both give the same bits.
-FP8_WGRAD_VARIANT = "overlap"
+# block k is promoted (two partial sums per warpgroup); "overlap_across_tiles" also issues the next
+# tile's first block before a tile's epilogue (its tiles are short: 4 to 16 blocks at the Qwen3-30B and
+# DeepSeek-V3 shapes). All give the same bits.
+FP8_WGRAD_VARIANT = "overlap_across_tiles"

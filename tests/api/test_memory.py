@@ -106,3 +106,21 @@ def test_a_bad_expert_range_setting_is_a_value_error_naming_it(monkeypatch, rang
     monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", ranges)
     with pytest.raises(ValueError, match="FP8_DGRAD_EXPERT_RANGES must be a positive int"):
         layer_memory_bound(**DSV3, config=FP8)
+
+
+def test_ep1_backward_peak_is_the_designs_count_with_the_route_table_freed():
+    """Backward frees the route table once d topk_weights has read it (functional.backward's
+    release_route_table, as mok_moe runs it): the bound's backward is the larger of that reader's moment
+    (held + dY + d topk_weights) and the rest without the table (docs/design.md §8)."""
+    from megatron_mok.memory import BACKWARD_BUFFERS, ROUTE_READER_BUFFERS
+
+    t, h, f, e, k = 8192, 7168, 2048, 32, 8
+    c = w = t * k
+    slack = ALLOCATOR_BLOCK_SLACK
+    bound = layer_memory_bound(**DSV3)
+    route_table = 2 * c * h
+    reader = bound.held + 2 * t * h + 4 * t * k + ROUTE_READER_BUFFERS * slack
+    rest = (bound.held - route_table + 2 * 2 * t * h + 2 * e * 3 * f * h + 4 * t * k + 2 * w * (h + 6 * f)
+            + 8 * (2 * c + w) + BACKWARD_BUFFERS * slack)
+    assert bound.backward_peak == max(reader, rest) == rest
+

@@ -78,7 +78,7 @@ BAD_ARGS = {
     "rounded_fp32": (dict(rounded=torch.zeros(E, M, N)), "rounded must be torch.bfloat16"),
     "rounded_wrong_shape": (dict(rounded=torch.zeros(E, N, M, dtype=torch.bfloat16)),
                             r"rounded must be \(E, m, n\) = \(3, 256, 384\)"),
-    "variant_unknown": (dict(variant="pingpong"), r"variant must be one of \('default', 'overlap'\)"),
+    "variant_unknown": (dict(variant="pingpong"), r"variant must be one of \('default', 'overlap', 'overlap_across_tiles'\)"),
     "carry_not_a_pair": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16), carry=torch.zeros(M, N)),
                          r"carry must be a pair \(carry_in, carry_out\)"),
     "carry_bf16": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16),
@@ -169,9 +169,10 @@ HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not N
 
 @pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
 def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
-    """ptxas's verdict on the kernel's two mainloops (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py
-    does): no spill (default: the promoted sums and the block's partial; overlap: the sums and two
-    partials, 3 x 64 registers, inside the consumers' setmaxnreg budget), and none of the silent losses
+    """ptxas's verdict on the kernel's mainloops (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py
+    does): no spill (default: the promoted sums and the block's partial; overlap and
+    overlap_across_tiles: the sums and two partials, 3 x 64 registers, inside the consumers' setmaxnreg
+    budget), and none of the silent losses
     test_extension.py lists for the BF16 kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515
     wgmma serialized)."""
     from cuda_checks import ptxas_report
