@@ -368,7 +368,7 @@ class _EmulatedRoutedExperts(torch.autograd.Function):
                 fc2s[k],
                 need_input_grads=need_x or need_w,
                 need_weight_grads=need_fc1 or need_fc2,
-                release_route_table=True,  # each rank's table is held by its context alone
+                release_saved=True,  # each rank's activations are held by its context alone
             )
         )
         ctx.fctxs = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -60,6 +61,9 @@ class ForwardContext:
     rows: Optional[torch.Tensor]  # (capacity, hidden) dispatched rows
     act: Optional[torch.Tensor]  # (capacity, ffn_hidden) SwiGLU output
     fp8: Optional[Fp8Recipe] = None  # MoKConfig.fp8_recipe(): backward runs the same recipe
+    # The activations backward may free (release_saved), as forward made them: weak references, so
+    # that a tensor handed back by anything else (a saved-tensor hook's copy or buffer) is never freed.
+    made: dict = dataclasses.field(default_factory=dict)
 
     TENSOR_FIELDS = ("topk_ids", "topk_weights", "x", "gate_up", "route_table", "route_index", "rows", "act")
 
@@ -224,6 +228,8 @@ def forward(
         act=act,
         fp8=fp8,
     )
+    if not torch.compiler.is_compiling():  # (inside torch.compile nothing is freed: _release_saved)
+        ctx.made = {name: weakref.ref(t) for name in RELEASED_FIELDS if (t := getattr(ctx, name)) is not None}
     return y, ctx
 
 
@@ -259,28 +265,35 @@ def backward(
     *,
     need_input_grads: bool = True,
     need_weight_grads: bool = True,
-    release_route_table: bool = False,
+    release_saved: bool = False,
 ) -> Grads:
     """The routed experts' backward.
 
     Args:
         grad_y: (num_tokens, hidden) gradient of y, in y's dtype.
-        release_route_table: free ctx.route_table as soon as its one reader (d topk_weights) ran,
-            before anything else of backward is allocated, and drop it from ctx: the context then
-            serves no further backward. The caller says the table is held nowhere else (`mok_moe`'s
-            autograd function, whose saved tensors would otherwise keep it to backward's end).
-            memory.py's bound counts it freed.
+        release_saved: free each activation forward kept in ctx as soon as its last reader has
+            run, and drop it from ctx: the route table once d topk_weights has read it (before
+            anything else of backward is allocated), the first window's gate/up and act once the fc2
+            weight gradient has read them. The context then serves no further backward. The caller
+            says they are held nowhere else (`mok_moe`'s autograd function, whose saved tensors
+            would otherwise keep them to backward's end). memory.py's bound counts the route table
+            freed.
     Returns:
         Grads; d x and d topk_weights when need_input_grads, d fc1 and d fc2 when
         need_weight_grads (None otherwise). Each reduction has a fixed order, so the gradients are
         bitwise reproducible.
     """
     schedule, exchange = ctx.schedule, ctx.exchange
-    if ctx.route_table is None:
-        raise ValueError(
-            "ctx: its route table was released by an earlier backward (release_route_table=True); a context "
-            "serves one backward then (mok_moe: backward through one call twice, retain_graph=True, is not supported)"
-        )
+    for name in RELEASED_FIELDS:
+        tensor = getattr(ctx, name)
+        freed = (tensor is not None and not torch.compiler.is_compiling() and tensor.numel() > 0
+                 and tensor.untyped_storage().nbytes() == 0)
+        if (name == "route_table" and tensor is None) or freed:
+            raise ValueError(
+                f"ctx: its {name} was released by an earlier backward (release_saved=True); a context serves "
+                "one backward then (mok_moe: backward twice through one call, retain_graph=True, or again after "
+                "a backward that failed, is not supported)"
+            )
     if grad_y.shape != ctx.x.shape:
         raise ValueError(f"grad_y must be {tuple(ctx.x.shape)}, got {tuple(grad_y.shape)}")
     grad_y = grad_y.to(ctx.x.dtype).contiguous()
@@ -293,8 +306,8 @@ def backward(
     d_weights = None
     if need_input_grads:
         d_weights = stages.route_weight_grads(grad_y, ctx.route_table, ctx.route_index, topk)
-    if release_route_table:
-        _release_route_table(ctx)
+    if release_saved:
+        _release_saved(ctx, "route_table")
     sources = _backward_sources(exchange, ctx, grad_y, len(passes) > 1, need_weight_grads, stages)
     # The dX rows go back to their sources (the push reverse-dispatch).
     returned = exchange.open_return(schedule, ctx.x.shape[1], ctx.x.dtype) if (need_input_grads or crosses_ranks) else None
@@ -312,7 +325,7 @@ def backward(
             # (One call per window: its buffers are freed before the next window's are allocated.)
             window_d_x = _backward_window(
                 stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
-                need_input_grads, need_weight_grads, grad_y.dtype,
+                need_input_grads, need_weight_grads, grad_y.dtype, release_saved,
             )
             if window.last:
                 d_x = window_d_x
@@ -326,20 +339,28 @@ def backward(
     )
 
 
-def _release_route_table(ctx: ForwardContext) -> None:
-    """Drops ctx's route table and frees its memory now (backward's release_route_table).
+# The activations forward keeps that backward frees after their last readers (release_saved).
+RELEASED_FIELDS = ("route_table", "gate_up", "act")
+
+
+def _release_saved(ctx: ForwardContext, name: str) -> None:
+    """Drops ctx's tensor `name` (of RELEASED_FIELDS) and frees its memory now (backward's
+    release_saved).
 
     Its storage is freed by resizing it to nothing, since autograd's saved tensors hold the tensor
-    itself to backward's end. Only a table that covers its storage exactly is freed so (the
-    exchanges' `ReturnedRows.table(keep=True)` returns a tensor of its own); a table that shares
-    its storage with other data is only dropped. Inside torch.compile the compiled graph owns the
-    saved tensors' lifetimes, and the table is only dropped too."""
-    table, ctx.route_table = ctx.route_table, None
-    if torch.compiler.is_compiling():
+    itself to backward's end. Only the tensor forward made (ctx.made: not a saved-tensor hook's copy
+    or buffer, which its hook may still use) and only one that covers its storage exactly (the
+    exchanges' `ReturnedRows.table(keep=True)` returns a table of its own; the stages return fresh
+    tensors) is freed so; any other is only dropped. Inside torch.compile the compiled graph owns the
+    saved tensors' lifetimes, and the tensor is only dropped too."""
+    tensor = getattr(ctx, name)
+    setattr(ctx, name, None)
+    made = ctx.made.get(name)
+    if tensor is None or made is None or made() is not tensor or torch.compiler.is_compiling():
         return
-    storage = table.untyped_storage()
-    if table.storage_offset() == 0 and table.is_contiguous() and storage.nbytes() == table.numel() * table.element_size():
-        # The caching allocator takes the block back ordered after the reader's kernel on this stream.
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and tensor.is_contiguous() and storage.nbytes() == tensor.numel() * tensor.element_size():
+        # The caching allocator takes the block back ordered after its readers' kernels on this stream.
         storage.resize_(0)
 
 
@@ -387,7 +408,7 @@ def _backward_sources(
 
 def _backward_window(
     stages, ctx: ForwardContext, window, sources: _BackwardSources, returned, fc1, fc2, d_fc1, d_fc2,
-    need_input_grads: bool, need_weight_grads: bool, dtype: torch.dtype,
+    need_input_grads: bool, need_weight_grads: bool, dtype: torch.dtype, release_saved: bool,
 ) -> Optional[torch.Tensor]:
     """One window of backward: pull dY, the down dgrad with the SwiGLU backward, the fc2 weight
     gradient's share, the gate/up dgrad and its push, the fc1 weight gradient's share. -> d x after
@@ -411,6 +432,9 @@ def _backward_window(
             act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
         d_fc2.add(grad_slot_out, act, window)
     del grad_slot_out, gate_up, act
+    if release_saved and window.index == 0:  # their last readers, the SwiGLU backward and d fc2, ran
+        _release_saved(ctx, "gate_up")
+        _release_saved(ctx, "act")
     d_x = None
     if returned is not None:
         returned.push(stages.dgrad_rows(grad_gate_up, fc1, offsets), window)

@@ -15,8 +15,10 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
                                  route scratch and the windows' route view 8*(2*R*T*K + M*W)
     backward peak                the larger of: held + dY s*T*H + d topk_weights 4*T*K, while
                                  d topk_weights reads the route table, its one reader in backward;
-                                 then, the table freed (functional.backward's release_route_table,
+                                 then, the table freed (functional.backward's release_saved,
                                  as mok_moe runs it), held without the route table
+                                 (it frees the first window's gate/up and act after the fc2 weight
+                                 gradient too; the bound counts them held)
                                  + dY and d x 2*s*T*H + the weight gradients s*E*3F*H (and,
                                  over several windows, their carries 8*(pad(2F)*pad(H) +
                                  pad(H)*pad(F)) with sm90 weight gradients, or fp32 sums
@@ -31,6 +33,12 @@ hidden, E local experts, K topk, R ranks; W the window rows, M the windows, C th
 
 FP8 blockwise (MoKConfig.precision="fp8_blockwise", FP8 weight gradients) has terms of its own:
 memory_fp8.py.
+
+The backward terms are mok_moe's backward, which frees the route table once read
+(functional.backward(release_saved=True)). Where it is not freed (functional.backward without
+release_saved; a saved-tensor hook that hands back a tensor of its own; torch.compile, whose graph
+frees saved tensors itself) it stays to backward's end: add it (s*C*H at R = 1 and M = 1, else
+s*T*K*H) to the backward peak.
 
 Tables of 8 bytes per group route (R*T*K) are the only terms that grow with EP: 4 MB each at the
 DeepSeek-V3 shape at EP = 8, against about 2 GB of activations. Over the collective exchange a pass

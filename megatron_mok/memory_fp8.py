@@ -23,8 +23,9 @@ Terms, per rank and per layer call:
                gate/up, act A(W, F) and the down outputs s*W*H
     backward   the larger of: held + dY s*T*H + d topk_weights 4*T*K while d topk_weights reads
                the route table (its one reader in backward; then it is freed: functional.backward's
-               release_route_table, as mok_moe runs it), and
-               held without the route table
+               release_saved, as mok_moe runs it), and
+               held without the route table (the first window's gate/up, freed after the fc2 weight
+               gradient, still counted)
                + dY published Q(T, H) (+ at M > 1 x again, for the recomputed gate/up) + dY and
                d x 2*s*T*H + d topk_weights 4*T*K + the weight gradients s*E*3F*H + at M > 1 two fp32
                carries per weight 8*(2F*H + H*F), both transposed weight copies Wq(F, H) + Wq(2F, H)

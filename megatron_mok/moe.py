@@ -28,11 +28,13 @@ class _RoutedExperts(torch.autograd.Function):
     def backward(ctx, grad_y):
         if ctx.fctx is None:
             raise RuntimeError(
-                "mok_moe: backward through one call ran already; backward twice (retain_graph=True) is not "
-                "supported: backward frees the call's saved route table once read"
+                "mok_moe: backward through this call began already; backward twice (retain_graph=True), or again "
+                "after a backward that failed, is not supported: backward frees the call's saved activations as "
+                "it goes"
             )
         fc1, fc2, *saved = ctx.saved_tensors
         fctx = ctx.fctx.with_tensors(tuple(saved))
+        ctx.fctx = None  # (before anything is freed, so that no later backward reads what was)
         need_x, _, need_w, need_fc1, need_fc2, _, _ = ctx.needs_input_grad
         grads = functional.backward(
             fctx,
@@ -41,9 +43,8 @@ class _RoutedExperts(torch.autograd.Function):
             fc2,
             need_input_grads=need_x or need_w,
             need_weight_grads=need_fc1 or need_fc2,
-            release_route_table=True,  # held by nothing but the saved tensors
+            release_saved=True,  # held by nothing but the saved tensors
         )
-        ctx.fctx = None
         return grads.x, None, grads.topk_weights, grads.fc1, grads.fc2, None, None
 
 

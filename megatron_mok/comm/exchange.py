@@ -143,7 +143,7 @@ class ReturnedRows(Protocol):
         """After the last push: the table this rank's routes find their rows in at `route_index`.
         keep: the table must outlive the call (forward's, read again in backward): a tensor of the
         caller's own, sharing its memory with nothing the exchange or a stage still uses (backward
-        may free it once read: functional._release_route_table); else the caller reads it and then
+        may free it once read: functional._release_saved); else the caller reads it and then
         calls `release()`."""
         ...
 

@@ -110,7 +110,7 @@ def test_a_bad_expert_range_setting_is_a_value_error_naming_it(monkeypatch, rang
 
 def test_ep1_backward_peak_is_the_designs_count_with_the_route_table_freed():
     """Backward frees the route table once d topk_weights has read it (functional.backward's
-    release_route_table, as mok_moe runs it): the bound's backward is the larger of that reader's moment
+    release_saved, as mok_moe runs it): the bound's backward is the larger of that reader's moment
     (held + dY + d topk_weights) and the rest without the table (docs/design.md §8)."""
     from megatron_mok.memory import BACKWARD_BUFFERS, ROUTE_READER_BUFFERS
 

@@ -44,7 +44,7 @@ def per_rank_memory(group, problem, local_experts, config, fresh_weight_copies: 
 
     def backward(r, outs):
         _, _, _, f1, f2, dy = args[r]
-        grads, bwd_peak, _ = _measure(lambda: functional.backward(outs[r][1], dy, f1, f2, release_route_table=True))
+        grads, bwd_peak, _ = _measure(lambda: functional.backward(outs[r][1], dy, f1, f2, release_saved=True))
         stats[r].update(bwd_peak=bwd_peak, peak=max(stats[r]["fwd_peak"], stats[r]["held"] + bwd_peak))
         return grads
 
