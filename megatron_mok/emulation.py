@@ -360,6 +360,9 @@ class _EmulatedRoutedExperts(torch.autograd.Function):
         fc1s, fc2s = saved[:r], saved[r:]
         needs = ctx.needs_input_grad[2:]
         need_x, need_w, need_fc1, need_fc2 = (any(needs[i * r:(i + 1) * r]) for i in (0, 2, 3, 4))
+        # Each rank's activations are held by its context alone; kept under create_graph (grad mode on
+        # here: _RoutedExperts.backward says why). Read on this thread: the ranks may run on others.
+        release_saved = not torch.is_grad_enabled()
         grads = group.run(
             lambda k: functional.backward(
                 ctx.fctxs[k],
@@ -368,7 +371,7 @@ class _EmulatedRoutedExperts(torch.autograd.Function):
                 fc2s[k],
                 need_input_grads=need_x or need_w,
                 need_weight_grads=need_fc1 or need_fc2,
-                release_saved=True,  # each rank's activations are held by its context alone
+                release_saved=release_saved,
             )
         )
         ctx.fctxs = None

@@ -37,8 +37,8 @@ memory_fp8.py.
 The backward terms are mok_moe's backward, which frees the route table once read
 (functional.backward(release_saved=True)). Where it is not freed (functional.backward without
 release_saved; a saved-tensor hook that hands back a tensor of its own; torch.compile, whose graph
-frees saved tensors itself) it stays to backward's end: add it (s*C*H at R = 1 and M = 1, else
-s*T*K*H) to the backward peak.
+frees saved tensors itself; a backward with create_graph) it stays to backward's end: add it (s*C*H
+at R = 1 and M = 1, else s*T*K*H) to the backward peak.
 
 Tables of 8 bytes per group route (R*T*K) are the only terms that grow with EP: 4 MB each at the
 DeepSeek-V3 shape at EP = 8, against about 2 GB of activations. Over the collective exchange a pass

@@ -43,7 +43,9 @@ class _RoutedExperts(torch.autograd.Function):
             fc2,
             need_input_grads=need_x or need_w,
             need_weight_grads=need_fc1 or need_fc2,
-            release_saved=True,  # held by nothing but the saved tensors
+            # Held by nothing but the saved tensors; under create_graph (grad mode on here) the
+            # reference's backward ops save gate/up and act for the next backward: kept then.
+            release_saved=not torch.is_grad_enabled(),
         )
         return grads.x, None, grads.topk_weights, grads.fc1, grads.fc2, None, None
 

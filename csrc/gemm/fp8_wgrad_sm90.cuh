@@ -416,9 +416,9 @@ struct Fp8ExpertWgradKernel {
   // register index is static (wgmma accumulators must be). kOverlapAcrossTiles issues the next
   // tile's block 0 into p0 before this tile's epilogue, so the tensor cores run it while the
   // warpgroup stores (both consumer warpgroups reach their epilogues together), kOverlap after it;
-  // either way each tile's sums start from its chain or zero and add its blocks in ascending order. Stage s's descriptors, barrier and scales are stage 0's plus s
-  // stages of bytes, formed once per launch (registers are the constraint here); the bounded waits
-  // trap out of line.
+  // either way each tile's sums start from its chain or zero and add its blocks in ascending order.
+  // Stage s's descriptors, barrier and scales are stage 0's plus s stages of bytes, formed once per
+  // launch (registers are the constraint here); the bounded waits trap out of line.
   static __device__ __forceinline__ void consume_overlap(const Maps& maps, const Params& p, const Scheduler& scheduler,
                                                          const SharedStorage& shared, int consumer, int thread) {
     sm90::WaitWatch* watch = shared.watch;
@@ -477,8 +477,9 @@ struct Fp8ExpertWgradKernel {
     Fp8WgradTileCoord c;
     if (next_tile_with_blocks(c)) {
       // Block 0 of the first tile; every later tile's is issued beside the epilogue of the one before.
-      // (No wgmma is issued on a path that may skip it: with one issued inside `if (more)` ahead of the
-      // epilogue, ptxas serialized the kernel's wgmmas (C7518).)
+      // (No wgmma is issued on a path that may skip it: with this block issued under a condition
+      // (another tile, with blocks), ptxas injected waits for the accumulators (C7514, C7517), and in
+      // the FP8 GEMM's form of this mainloop serialized its wgmmas (C7518).)
       issue(p0);
       while (true) {  // c has blocks, and its block 0 is in flight in p0
         const int64_t offset = tile_offset(p, c, f);

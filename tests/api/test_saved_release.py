@@ -8,7 +8,7 @@ scripts/memory_stages.py)."""
 
 from __future__ import annotations
 
-import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -32,39 +32,65 @@ def _saved_by_autograd(run):
         return run(), saved
 
 
-def _kept(ctx: functional.ForwardContext) -> dict:
-    """The activations a context keeps that backward releases, by name: (shape, dtype) each."""
-    return {name: (tuple(t.shape), t.dtype) for name in ("route_table", "gate_up", "act")
-            if (t := getattr(ctx, name)) is not None}
+def _forward_storages(monkeypatch) -> list:
+    """The storage of every tensor in each ForwardContext functional.forward returns from here on, by
+    field name (the storages only: the test holds no tensor, so the saved tensors are forward's alone)."""
+    made = []
+    forward = functional.forward
+
+    def recording(*args, **kwargs):
+        y, ctx = forward(*args, **kwargs)
+        made.append({name: t.untyped_storage() for name in ctx.TENSOR_FIELDS if (t := getattr(ctx, name)) is not None})
+        return y, ctx
+
+    monkeypatch.setattr(functional, "forward", recording)
+    return made
 
 
+@pytest.mark.parametrize("hooks", [False, True])
 @pytest.mark.parametrize("precision", ["bf16", "fp8_blockwise"])
-def test_mok_moe_backward_frees_the_kept_activations_alone(precision):
+def test_mok_moe_backward_frees_the_kept_activations_alone(monkeypatch, precision, hooks):
+    """Without saved-tensor hooks (the tensors autograd hands back are forward's own objects, kept alive
+    by autograd alone) and with identity hooks: exactly the route table, gate/up and (BF16) act are
+    freed, and nothing else forward kept or autograd saved."""
     # (FP8: H and F multiples of 128.)
     shape = SHAPES["tiny_model"] if precision == "bf16" else FP8_SHAPES["small"]
     x, ids, weights, fc1, fc2, grad = make_inputs(shape, "dropped", torch.float32, seed=5)
     config = MoKConfig(precision=precision)
-    y_kept, ctx = functional.forward(x, ids, weights, fc1, fc2, config=config)
-    kept = _kept(ctx)
-    # BF16 at EP = 1 keeps act too; FP8 keeps gate/up only (design.md §12.4).
-    assert set(kept) == ({"route_table", "gate_up", "act"} if precision == "bf16" else {"route_table", "gate_up"})
+    _, ctx = functional.forward(x, ids, weights, fc1, fc2, config=config)
     grads_kept = functional.backward(ctx, grad, fc1, fc2)
-    assert all(getattr(ctx, name).untyped_storage().nbytes() > 0 for name in kept)  # (without the flag)
-
+    storages = _forward_storages(monkeypatch)
     leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
-    y, saved = _saved_by_autograd(lambda: mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config))
-    sizes = [t.untyped_storage().nbytes() for t in saved]
+    run = lambda: mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)  # noqa: E731
+    if hooks:
+        y, saved = _saved_by_autograd(run)
+        saved_storages = [t.untyped_storage() for t in saved]
+        del saved
+    else:
+        y, saved_storages = run(), []
     y.backward(grad)
-    freed = sorted((tuple(t.shape), t.dtype) for i, t in enumerate(saved)
-                   if t.untyped_storage().nbytes() == 0 and sizes[i] > 0)
-    # Exactly the kept activations, and nothing else autograd saved (x, the routing, the weights,
-    # the rows, the route index).
-    assert freed == sorted(kept.values()), (freed, kept)
+    (kept,) = storages
+    freed = {name for name, storage in kept.items() if storage.nbytes() == 0}
+    # BF16 at EP = 1 keeps act too; FP8 keeps gate/up only (design.md §12.4).
+    assert freed == ({"route_table", "gate_up", "act"} if precision == "bf16" else {"route_table", "gate_up"})
+    released = {kept[name]._cdata for name in freed}
+    assert all(storage.nbytes() > 0 for storage in saved_storages if storage._cdata not in released)
     # The gradients are those of a backward that keeps them.
     for name, got, want in (("x", leaves[0].grad, grads_kept.x), ("topk_weights", leaves[1].grad, grads_kept.topk_weights),
                             ("fc1", leaves[2].grad, grads_kept.fc1), ("fc2", leaves[3].grad, grads_kept.fc2)):
         assert torch.equal(got, want), f"d{name} with the activations released vs kept"
-    assert torch.equal(y.detach(), y_kept)
+
+
+def test_double_backward_keeps_them():
+    """Under create_graph the reference's backward ops save gate/up and act for the next backward, so
+    nothing is freed then, and a second-order backward runs (it read freed memory when they were)."""
+    x, ids, weights, fc1, fc2, grad = make_inputs(SHAPES["tiny_model"], "uniform", torch.float32, seed=13)
+    leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
+    y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    grad_y = grad.clone().requires_grad_()
+    (d_fc2,) = torch.autograd.grad(y, leaves[3], grad_outputs=grad_y, create_graph=True)
+    (d_fc2 * d_fc2).sum().backward()
+    assert grad_y.grad is not None and torch.isfinite(grad_y.grad).all() and grad_y.grad.abs().sum() > 0
 
 
 def test_a_released_context_serves_no_second_backward():
@@ -95,36 +121,13 @@ def test_a_tensor_sharing_its_storage_is_dropped_not_freed():
     for name in ("route_table", "gate_up"):
         tensor = getattr(ctx, name)
         buffers[name] = torch.cat((tensor, torch.randn(3, tensor.shape[1])))
-        setattr(ctx, name, buffers[name][:tensor.shape[0]])
+        view = buffers[name][:tensor.shape[0]]
+        setattr(ctx, name, view)
+        ctx.made[name] = weakref.ref(view)  # (as if forward had made it: only the storage check refuses)
     functional.backward(ctx, grad, fc1, fc2, release_saved=True)
     for name, buffer in buffers.items():
         assert getattr(ctx, name) is None
         assert buffer.untyped_storage().nbytes() == buffer.numel() * buffer.element_size(), name
-
-
-def _forward_contexts(monkeypatch) -> list:
-    """Every ForwardContext functional.forward returns from here on, as it returned it."""
-    made = []
-    forward = functional.forward
-
-    def recording(*args, **kwargs):
-        y, ctx = forward(*args, **kwargs)
-        made.append(dataclasses.replace(ctx))  # (a copy of the fields: backward empties ctx's own)
-        return y, ctx
-
-    monkeypatch.setattr(functional, "forward", recording)
-    return made
-
-
-def test_without_hooks_the_saved_tensors_are_forwards_own_and_are_freed(monkeypatch):
-    x, ids, weights, fc1, fc2, grad = make_inputs(SHAPES["tiny_model"], "uniform", torch.float32, seed=9)
-    contexts = _forward_contexts(monkeypatch)
-    leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
-    mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3]).backward(grad)
-    (ctx,) = contexts
-    for name in ("route_table", "gate_up", "act"):
-        assert getattr(ctx, name).untyped_storage().nbytes() == 0, name
-    assert ctx.x.untyped_storage().nbytes() > 0 and ctx.route_index.untyped_storage().nbytes() > 0
 
 
 def test_a_hooks_own_tensors_are_never_freed():
