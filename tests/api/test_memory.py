@@ -123,4 +123,3 @@ def test_ep1_backward_peak_is_the_designs_count_with_the_route_table_freed():
     rest = (bound.held - route_table + 2 * 2 * t * h + 2 * e * 3 * f * h + 4 * t * k + 2 * w * (h + 6 * f)
             + 8 * (2 * c + w) + BACKWARD_BUFFERS * slack)
     assert bound.backward_peak == max(reader, rest) == rest
-
