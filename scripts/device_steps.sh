@@ -71,6 +71,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
         # The FP8 weight gradient in every mainloop (overlap_across_tiles: the next tile's first block issued before the epilogue).
         fp8_across_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
+        # The FP8 GEMM's raster: the overlap mainloop at every group_m (m-tiles per raster group), fc1, fc2 and the dgrads.
+        fp8_group_m_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-group-m 1,4,8,16,32,64 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
         # The FP8 weight gradients in every mainloop, and the gate/up GEMM with and without its SwiGLU
         # epilogue (the layer's overlap mainloop), beside torch's.
         fp8_wgrad_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-projections fc1,fc1+swiglu,wgrad_fc1,wgrad_fc2" ;;

@@ -42,7 +42,7 @@ from megatron_mok.backends.tuning import (  # noqa: E402
 FP8_VARIANTS = ("default", "pingpong", "overlap")
 
 
-def profile_fp8(shape: str, projection: str) -> None:
+def profile_fp8(shape: str, projection: str, variants=FP8_VARIANTS) -> None:
     """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM and
     ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, in each variant it has,
     then our plain fc1 in the layer's variant beside it: what the epilogue costs)."""
@@ -58,7 +58,7 @@ def profile_fp8(shape: str, projection: str) -> None:
             ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch,
                                 variant=FP8_EXPERT_GEMM_VARIANT)
             continue
-        for variant in FP8_VARIANTS:
+        for variant in variants:
             ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch, variant=variant)
     torch.cuda.synchronize()
 
@@ -84,6 +84,8 @@ def main() -> None:
                         help="down or gate_up (default down); with --fp8 one of "
                         + ", ".join([*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]) + " (default fc1)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise GEMM's variants and torch's FP8 rowwise")
+    parser.add_argument("--fp8-variants", default=",".join(FP8_VARIANTS),
+                        help="with --fp8: comma-separated ops.fp8_gemm.FP8_GEMM_VARIANTS to launch, in order")
     args = parser.parse_args()
     if args.fp8:
         projection = args.projection or "fc1"
@@ -92,7 +94,7 @@ def main() -> None:
             return
         if projection not in FP8_PROJECTIONS:
             parser.error(f"--projection {projection}: with --fp8 one of {[*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]}")
-        profile_fp8(args.shape, projection)
+        profile_fp8(args.shape, projection, tuple(args.fp8_variants.split(",")))
         return
     args.projection = args.projection or "down"
     if args.projection not in ("down", "gate_up"):

@@ -64,7 +64,6 @@ from megatron_mok.backends.tuning import (
     FP8_EXPERT_GEMM_CLUSTER_M,
     FP8_EXPERT_GEMM_GROUP_M,
     FP8_EXPERT_GEMM_SWIGLU_VARIANT,
-    FP8_EXPERT_GEMM_VARIANT,
 )
 from megatron_mok.comm.exchange import GradSource, RowSource
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
@@ -89,8 +88,8 @@ def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWe
           out: Optional[Tensor] = None) -> Tensor:
     """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16 (into out)."""
     return ops.fp8_expert_gemm(
-        values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH, variant=FP8_EXPERT_GEMM_VARIANT,
-        out=out,
+        values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH,
+        variant=tuning.FP8_EXPERT_GEMM_VARIANT, out=out,
     )
 
 
