@@ -155,6 +155,11 @@ def fp8_alternatives() -> dict:
     # tile's first block, beside tuning's overlap_across_tiles.
     if tuning.FP8_WGRAD_VARIANT != "overlap":
         runs["mok_kernel_fp8_wgrad_overlap"] = with_tuning("FP8_WGRAD_VARIANT", "overlap", mok_layer(FP8_KERNEL))
+    # The plain FP8 GEMMs (fc2, the dgrads; fc1 with the act kernel) with their scale products made
+    # after each block's wait (ops.fp8_gemm's overlap_late_scales), beside tuning's mainloop.
+    if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
+        runs["mok_kernel_fp8_gemm_late_scales"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "overlap_late_scales",
+                                                              mok_layer(FP8_KERNEL))
     return runs
 
 
@@ -375,7 +380,7 @@ def main() -> None:
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
             tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label in (
-                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap")
+                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales")
             if r is None and tuning_alternative:
                 continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
@@ -399,7 +404,7 @@ METHOD_LABELS = (
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
 FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_bf16_wgrad",
               "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
-              "mok_kernel_fp8_wgrad_overlap")
+              "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales")
 
 
 def _print_queued(results):

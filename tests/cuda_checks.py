@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -178,3 +179,39 @@ def ptxas_report(binding: str, out_dir) -> tuple[str, list[tuple[str, int]]]:
     assert result.returncode == 0, log[-4000:]
     found = re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores", log, re.S)
     return log, [(name, int(spill)) for name, spill in found]
+
+
+def cuobjdump_path() -> str:
+    """cuobjdump: on PATH, in CUDA_HOME, or from the nvidia-cuda-cuobjdump wheel (requirements.txt:
+    machines with nvcc but without the rest of the toolkit). Fails, rather than skips, when none is
+    found: every machine that compiles the kernels can read their SASS."""
+    toolkit = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates = [shutil.which("cuobjdump"), os.path.join(toolkit, "bin", "cuobjdump")]
+    try:
+        import nvidia.cu13  # the wheel's namespace package
+
+        candidates += [os.path.join(path, "bin", "cuobjdump") for path in nvidia.cu13.__path__]
+    except ImportError:
+        pass
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    pytest.fail("no cuobjdump: install nvidia-cuda-cuobjdump (requirements.txt) or put the CUDA toolkit's on PATH")
+
+
+def sass_by_function(object_path: str) -> dict[str, list[str]]:
+    """The SASS of every function in a compiled object (cuobjdump -sass): mangled name -> its
+    instructions in order, each as "OPCODE operands" without address or encoding."""
+    result = subprocess.run([cuobjdump_path(), "-sass", object_path], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    functions: dict[str, list[str]] = {}
+    current = None
+    for line in result.stdout.splitlines():
+        header = re.match(r"\s*Function : (\S+)", line)
+        if header:
+            current = functions.setdefault(header.group(1), [])
+            continue
+        instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if current is not None and instruction:
+            current.append(instruction.group(1))
+    return functions

@@ -106,7 +106,7 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
 }
 
 // variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller. kWithPingpong false: the
-// epilogue has no kPingpong instance (the caller refuses that variant).
+// epilogue has no kPingpong or kOverlapLateScales instance (the caller refuses those variants).
 template <class Epilogue, bool kWithPingpong = true, class... Maps>
 void launch_with_variant(int64_t variant, int64_t cluster_m,
                          const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const Maps&... maps) {
@@ -116,6 +116,9 @@ void launch_with_variant(int64_t variant, int64_t cluster_m,
       break;
     case Fp8Mainloop::kOverlap:
       launch_with_cluster<Epilogue, Fp8Mainloop::kOverlap>(cluster_m, params, maps...);
+      break;
+    case Fp8Mainloop::kOverlapLateScales:
+      if constexpr (kWithPingpong) launch_with_cluster<Epilogue, Fp8Mainloop::kOverlapLateScales>(cluster_m, params, maps...);
       break;
     default:
       launch_with_cluster<Epilogue>(cluster_m, params, maps...);

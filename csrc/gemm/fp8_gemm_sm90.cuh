@@ -296,8 +296,26 @@ enum class Fp8Mainloop : int {
   // runs. The scales are loaded two K blocks ahead; stage descriptors and barrier addresses are
   // formed once per launch. 3 x 64 fp32 registers per thread for the sums.
   kOverlap = 2,
+  // kOverlap with each block's scale products made after the wait that retires the block. In
+  // kOverlap ptxas is free to form block k's products sa * sb anywhere after their loads, and it
+  // places them among block k + 1's wgmma issues: an FMUL whose scale load is still in flight then
+  // holds back the MMAs issued after it (PC sampling, docs/log/gpu_2026-12-04_fp8_gemm_scale_stall.log).
+  // Here the A scales pass through after_wait_identity(., partial[0]) first: the same bits, but a
+  // value ptxas must take as depending on a register the wait defines.
+  kOverlapLateScales = 3,
 };
-constexpr int kFp8MainloopCount = 3;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 4;  // the op checks 0 <= variant < this
+
+// x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
+// the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the
+// PRMT and its operand (the SASS of kOverlapLateScales reads PRMT R, R_x, 0x3210, R_anchor), so it
+// cannot schedule the result before anchor is defined; an empty asm, by contrast, orders only the
+// compiler's IR, and ptxas schedules the SASS afresh.
+__device__ __forceinline__ float after_wait_identity(float x, float anchor) {
+  uint32_t out;
+  asm volatile("prmt.b32 %0, %1, %2, 0x3210;" : "=r"(out) : "r"(__float_as_uint(x)), "r"(__float_as_uint(anchor)));
+  return __uint_as_float(out);
+}
 
 // kPingpong's turns: mbarrier turn[w] (Fp8GemmSharedStorage) completes a phase when each of the
 // 128 threads of warpgroup 1 - w has arrived, after issuing its block's wgmmas: it hands warpgroup w
@@ -319,6 +337,8 @@ struct Fp8ExpertGemmKernel {
   using Maps = Fp8ExpertGemmMaps<typename Epilogue::Maps>;
   using Params = Fp8ExpertGemmParams<typename Epilogue::Params>;
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
+  static constexpr bool kLateScales = kMainloop == Fp8Mainloop::kOverlapLateScales;
+  static constexpr bool kOverlapMainloop = kMainloop == Fp8Mainloop::kOverlap || kLateScales;
   static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
   static constexpr uint32_t kBHalfBytes = Tile::kBBytes / 2;  // one 64-row half of a stage's B
   // kOverlap's scales per K block held in registers: two A rows, then one B scale per B half or one
@@ -349,7 +369,7 @@ struct Fp8ExpertGemmKernel {
     // Every CTA's barriers exist before a peer multicasts into or arrives on them.
     sm90::cluster_sync();
 
-    if constexpr (kMainloop == Fp8Mainloop::kOverlap) {
+    if constexpr (kOverlapMainloop) {
       run_roles_overlap(maps, p, shared);
       return;
     }
@@ -519,11 +539,11 @@ struct Fp8ExpertGemmKernel {
     consume_overlap(maps, p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
   }
 
-  // kOverlap. Per pass of k_blocks K blocks: block 0 issued into p0, then for each block k, block
-  // k + 1 issued into the other partial (once its stage landed), wait_group 1 (block k's wgmmas
-  // done, k + 1's may run), release k's stage, promote k. The partials alternate by the parity of
-  // k, so the K loop is unrolled by two and every register index is static (wgmma accumulators
-  // must be); a warpgroup holds two stages at a time.
+  // kOverlap and kOverlapLateScales. Per pass of k_blocks K blocks: block 0 issued into p0, then
+  // for each block k, block k + 1 issued into the other partial (once its stage landed),
+  // wait_group 1 (block k's wgmmas done, k + 1's may run), release k's stage, promote k. The
+  // partials alternate by the parity of k, so the K loop is unrolled by two and every register
+  // index is static (wgmma accumulators must be); a warpgroup holds two stages at a time.
   static __device__ __forceinline__ void consume_overlap(const Maps& maps, const Params& p, Scheduler& scheduler,
                                                          const SharedStorage& shared, int consumer, int thread) {
     sm90::WaitWatch* watch = shared.watch;
@@ -627,14 +647,19 @@ struct Fp8ExpertGemmKernel {
 
   // acc += (scale_a[row] * scale_b[half]) * partial, s = {scale_a of the thread's two rows, scale_b
   // of the B halves (one if they share it)}: the products and their rounding as kDefault forms them.
+  // kLateScales: the A scales (a factor of every product) taken through after_wait_identity first
+  // (with the B scales instead, ptxas spilled 16 bytes around the loop).
   static __device__ __forceinline__ void promote_block(float (&acc)[Tile::kAccumulators],
                                                        const float (&partial)[Tile::kAccumulators],
                                                        const float (&s)[kScales]) {
+    float a[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) a[h] = kLateScales ? after_wait_identity(s[h], partial[0]) : s[h];
     float scale[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) scale[h][half] = s[h] * s[2 + (kBScales == 1 ? 0 : half)];
+      for (int half = 0; half < 2; ++half) scale[h][half] = a[h] * s[2 + (kBScales == 1 ? 0 : half)];
     }
 #pragma unroll
     for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = fmaf(scale[(i / 2) % 2][i / 32], partial[i], acc[i]);

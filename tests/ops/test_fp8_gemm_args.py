@@ -145,24 +145,79 @@ REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
 HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
 
 
+@pytest.fixture(scope="module")
+def compiled_bindings(tmp_path_factory):
+    """(ptxas's log, its (kernel, spill bytes) list, the object's path) of csrc/bindings/fp8_gemm_ops.cu
+    compiled once for this module's tests."""
+    from cuda_checks import ptxas_report
+
+    out_dir = tmp_path_factory.mktemp("fp8_gemm_ops")
+    log, found = ptxas_report("fp8_gemm_ops.cu", out_dir)
+    return log, found, str(out_dir / "fp8_gemm_ops.cu.o")
+
+
 @pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
-def test_kernels_compile_without_spills_or_wgmma_serialization(tmp_path):
+def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings):
     """ptxas's verdict on every FP8 GEMM kernel the bindings instantiate (csrc/bindings/fp8_gemm_ops.cu
     compiled as setup.py does): both epilogues in the default and overlap mainloops and the store
-    epilogue in the pingpong one, at both cluster sizes, all without a spill (the promoted sums,
-    the partials and the scales fit the consumers' registers; the pingpong turns' bounded waits
-    too), and none of the silent losses tests/ops/test_extension.py lists for the BF16 kernels
-    (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized), nor C7514 / C7517
+    epilogue in the pingpong and overlap_late_scales ones, at both cluster sizes, all without a
+    spill (the promoted sums, the partials and the scales fit the consumers' registers; the pingpong
+    turns' bounded waits too), and none of the silent losses tests/ops/test_extension.py lists for
+    the BF16 kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized), nor C7514 / C7517
     (accumulators read while ptxas cannot prove their wgmmas done: it serializes every wgmma of the
     kernel; a K loop whose wgmma groups ptxas could not follow did that to a 128 x 192 tile tried on
     2026-12-04, docs/log/changes_2026-12-04.md)."""
-    from cuda_checks import ptxas_report
-
-    log, found = ptxas_report("fp8_gemm_ops.cu", tmp_path)
+    log, found, _ = compiled_bindings
     for warning in ("C7510", "C7507", "C7518", "C7515", "C7514", "C7517"):
         assert warning not in log, log
     kernels = [(name, spill) for name, spill in found if "Fp8ExpertGemmKernel" in name]
-    # (cluster 1 and 2) x (SwiGLU default, SwiGLU overlap, store default, store pingpong, store overlap)
-    assert len(kernels) == 10, [name for name, _ in kernels] or log[-4000:]
+    # (cluster 1 and 2) x (SwiGLU default, SwiGLU overlap, store default, store pingpong, store overlap,
+    # store overlap_late_scales)
+    assert len(kernels) == 12, [name for name, _ in kernels] or log[-4000:]
     for name, spill in kernels:
         assert spill == 0, f"{spill} bytes spilled in {name}"
+
+
+def _opcode(instruction: str) -> str:
+    """The opcode of a SASS instruction, without its predicate (@P0, @!P1)."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
+@pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+def test_late_scales_mainloop_issues_each_block_without_a_promotion_in_between(compiled_bindings):
+    """overlap_late_scales's one difference from overlap is where ptxas may put the promotion's
+    arithmetic (csrc/gemm/fp8_gemm_sm90.cuh kOverlapLateScales). In its SASS, at both cluster sizes:
+    every K block's four QGMMAs (from the one that starts a fresh partial to the one that closes the
+    group, gsb0) are issued with no FMUL or FFMA among them; and every wait that retires a block
+    (WARPGROUP.DEPBAR) has its two A scales through the identity PRMT (selector 0x3210). ptxas puts
+    overlap's products among the QGMMAs (docs/log/gpu_2026-12-04_fp8_gemm_scale_stall.log); should
+    it learn to fold the PRMT (the identity it is), this fails instead of the variant silently
+    becoming overlap again."""
+    from cuda_checks import sass_by_function
+
+    _, _, object_path = compiled_bindings
+    functions = {name: code for name, code in sass_by_function(object_path).items()
+                 if "Fp8ExpertGemmKernel" in name and "Fp8StoreEpilogue" in name and "Fp8MainloopE3" in name}
+    assert len(functions) == 2, list(functions)  # cluster 1 and 2
+    for name, code in functions.items():
+        opcodes = [_opcode(instruction) for instruction in code]
+        blocks = 0
+        start = None  # the index of the QGMMA that began the block being issued
+        for i, instruction in enumerate(code):
+            if not opcodes[i].startswith("QGMMA"):
+                continue
+            if start is None:
+                assert "RZ, !UPT" in instruction, (name, i, instruction)  # a fresh partial
+                start = i
+            if "gsb0" in instruction:
+                issued = opcodes[start:i + 1]
+                assert sum(op.startswith("QGMMA") for op in issued) == 4, (name, start, code[start:i + 1])
+                assert not {"FMUL", "FFMA"} & set(issued), (name, start, code[start:i + 1])
+                blocks += 1
+                start = None
+        # The unrolled K loop's issue sites: block 0, the loop's two, the two-blocks-left tail's.
+        assert blocks >= 4, (name, blocks)
+        waits = sum(op.startswith("WARPGROUP.DEPBAR") for op in opcodes)
+        identities = sum(op == "PRMT" and "0x3210" in ins for op, ins in zip(opcodes, code))
+        assert waits >= 4 and identities == 2 * waits, (name, waits, identities)
