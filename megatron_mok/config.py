@@ -85,7 +85,9 @@ class MoKConfig:
         fp8_weight_grad: with fp8_blockwise, the expert weight gradients in FP8 (both operands
             quantized 1x128 along tokens from the high-precision values); False: in the activation
             dtype, as with bf16.
-        fp8_pow2_scales: with fp8_blockwise, every scale rounded up to a power of two.
+        fp8_pow2_scales: with fp8_blockwise, every scale a quantization makes rounded up to a power
+            of two (the down dgrad's rows w * dY carry dY's scale times the route weight w, which
+            is not one: docs/design.md §12.4).
         fp8_cache_weights: with fp8_blockwise, each expert weight's forward FP8 copy (half the
             weight's bf16 bytes) is kept from one forward to the next until the weight changes, so
             the microbatches of one optimizer step quantize it once (True, the default); False

@@ -42,7 +42,9 @@ _GATHER_BYTES = 1 << 28
 class Fp8Recipe:
     """The options of the FP8 blockwise recipe a call runs (MoKConfig.precision="fp8_blockwise").
 
-    pow2_scales: every scale a power of two (block_scale's pow2).
+    pow2_scales: every scale a quantization makes a power of two (block_scale's pow2). The down
+        dgrad's rows w * dY carry dY's scale times the route weight w (docs/design.md §12.4), which
+        is not one.
     weight_grad: the weight gradients in FP8 (both operands 1x128 along tokens); False: in the
         activation dtype, as without FP8.
     cache_weights: each weight's forward FP8 copy kept until the weight changes
@@ -107,7 +109,10 @@ def _pow2_at_least(scale: Tensor) -> Tensor:
 
 def block_scale(amax: Tensor, pow2: bool = False) -> Tensor:
     """amax (...) fp32, each block's max |v| -> scale (...) fp32: amax / 448 (1 for an all-zero block).
-    pow2: the smallest power of two >= amax / 448. A NaN or inf amax gives a NaN or inf scale."""
+    pow2: the smallest power of two >= amax / 448. A NaN or inf amax gives a NaN or inf scale. A
+    block whose amax / 448 underflows fp32 to 0 (amax below about 3.1e-43: fp32 values only, every
+    bf16 value is larger) gets fp32's least subnormal, 2^-149, instead (a power of two): its values
+    then quantize to their multiples of 2^-149 (at most 224) rather than 0 / 0 = NaN and +-448."""
     amax = amax.float()
     # A tensor divisor, never the Python number: torch computes `cuda_tensor / python_number` as a
     # multiplication by the number's rounded reciprocal (1/448 is inexact in fp32), which differs
@@ -117,6 +122,7 @@ def block_scale(amax: Tensor, pow2: bool = False) -> Tensor:
     if pow2:
         regular = torch.isfinite(scale) & (scale > 0)
         scale = torch.where(regular, _pow2_at_least(torch.where(regular, scale, torch.ones_like(scale))), scale)
+    scale = torch.where((amax > 0) & (scale == 0), torch.full_like(scale, 2.0**-149), scale)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 

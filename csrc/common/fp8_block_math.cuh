@@ -2,7 +2,8 @@
 // (quant/) and the GEMM epilogues that quantize (gemm/fp8_gemm_sm90.cuh), so all of them give
 // megatron_mok/quantization.py's q and scale bit for bit (docs/design.md §12.1):
 //   amax  = max |v| over the block (a NaN anywhere makes it NaN)
-//   scale = amax / 448, IEEE division; 1 for amax == 0; pow2: the smallest power of two >= it
+//   scale = amax / 448, IEEE division; 1 for amax == 0; pow2: the smallest power of two >= it;
+//           2^-149 (fp32's least subnormal) where amax / 448 underflows to 0 (fp32 values only)
 //   q     = e4m3(v / scale): IEEE division, round to nearest even, saturating to +-448
 // Compiled without flush-to-zero (setup.py passes no --ftz): subnormal values and scales are exact.
 #pragma once
@@ -46,6 +47,9 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2) {
   if (amax == 0.f) return 1.f;
   float scale = __fdiv_rn(amax, kFp8E4m3Max);
   if (pow2 && isfinite(scale) && scale > 0.f) scale = pow2_at_least(scale);
+  // amax below ~3.1e-43 (an fp32 block; every bf16 value is larger): a zero scale would make 0 / 0 =
+  // NaN of the block's zeros. v / 2^-149 is then v's multiple of 2^-149, at most 224.
+  if (scale == 0.f) scale = 0x1p-149f;
   return scale;
 }
 
@@ -71,8 +75,8 @@ constexpr float kReciprocalMaxScale = 0x1p120f;
 //                there), which E4M3 rounds to a zero of v's sign either way. fp32 values (an fp32
 //                weight) are not covered and divide;
 //   kDivide      any other positive finite scale: IEEE division per value;
-//   kSpecial     a NaN, inf or zero scale (a block holding NaN or inf, or an fp32 block whose amax / 448
-//                underflows): IEEE division, and a NaN quotient becomes 0x7F with the quotient's sign
+//   kSpecial     a NaN or inf scale (a block holding NaN or inf; fp8_block_scale gives no zero scale):
+//                IEEE division, and a NaN quotient becomes 0x7F with the quotient's sign
 //                bit, as torch's float -> float8_e4m3fn conversion makes it (cvt's NaN is not relied on).
 struct Fp8BlockQuantizer {
   enum Mode : int { kMultiply = 0, kReciprocal = 1, kDivide = 2, kSpecial = 3 };

@@ -54,6 +54,19 @@ def expert_precision(config: TransformerConfig) -> str:
     return "fp8_blockwise" if megatron_fp8_blockwise(config) else "bf16"
 
 
+def expert_ffn_size(config: TransformerConfig) -> tuple[str, Optional[int]]:
+    """(the flag that sets it, the experts' FFN size F) as Megatron's __post_init__ will settle it from
+    the fields as set: moe_ffn_hidden_size, else ffn_hidden_size, else 4 * hidden_size."""
+    if config.moe_ffn_hidden_size is not None:
+        return "--moe-ffn-hidden-size", config.moe_ffn_hidden_size
+    if config.ffn_hidden_size is not None:
+        return "--ffn-hidden-size (the experts' FFN size when --moe-ffn-hidden-size is unset)", config.ffn_hidden_size
+    hidden = config.hidden_size
+    return "--hidden-size (4 x it is the experts' FFN size when neither FFN size is set)", (
+        None if hidden is None else 4 * hidden
+    )
+
+
 def _unsupported(config: TransformerConfig) -> list[str]:
     problems = []
 
@@ -95,7 +108,7 @@ def _unsupported(config: TransformerConfig) -> list[str]:
         f"recipe ({FP8_FLAGS}, or --mok-precision fp8_blockwise for the experts alone)",
     )
     if expert_precision(config) == "fp8_blockwise":
-        for name, size in (("--hidden-size", config.hidden_size), ("--moe-ffn-hidden-size", config.moe_ffn_hidden_size)):
+        for name, size in (("--hidden-size", config.hidden_size), expert_ffn_size(config)):
             flag(
                 size is not None and size % FP8_BLOCK != 0,
                 f"{name} {size} must be a multiple of {FP8_BLOCK} for the experts' FP8 blockwise recipe",

@@ -65,6 +65,7 @@ def test_pow2_scale_is_the_smallest_power_of_two_at_least_the_quotient():
     ])
     quotient = (amax.double() / 448).float().double()
     want = 2.0 ** torch.ceil(torch.log2(quotient))  # exact in float64 for these powers of two
+    want = torch.where(quotient == 0, 2.0**-149, want)  # amax / 448 underflowed: the least subnormal
     got = fq.block_scale(amax, pow2=True)
     assert torch.equal(got.double(), want), f"first miss at amax {float(amax[(got.double() != want).nonzero()[0]]):.9g}"
     special = torch.tensor([0.0, float("inf"), float("nan")])
@@ -90,6 +91,29 @@ def test_all_zero_block_quantizes_to_zeros_scale_one():
     assert torch.equal(q[0].float(), torch.zeros(2 * FP8_BLOCK)) and torch.equal(scale[0], torch.ones(2))
     assert torch.equal(q[1, :FP8_BLOCK].float(), torch.zeros(FP8_BLOCK)) and scale[1, 0] == 1
     assert not torch.isnan(q.float()).any()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_block_whose_scale_underflows_quantizes_finitely(pow2):
+    """fp32 blocks whose amax / 448 underflows to 0 (amax below ~3.1e-43): scale 2^-149, fp32's least
+    subnormal, and each value its multiple of 2^-149 rounded to E4M3; never 0 / 0 = NaN or a 448 of a
+    zero scale. A block with amax just above the underflow keeps amax / 448."""
+    x = torch.zeros(3, 2 * FP8_BLOCK, dtype=torch.float32)
+    x[0, 5] = 1e-44  # 7 * 2^-149
+    x[1, :FP8_BLOCK] = -(2.0**-145)  # 16 * 2^-149
+    x[1, 3] = 0.0
+    x[2, FP8_BLOCK:] = 2.0**-140
+    x[2, FP8_BLOCK + 1] = 2.0**-149 * 3000  # the block's amax: amax / 448 ~ 6.7 * 2^-149, subnormal, kept
+    q, scale = fq.quantize_rowwise(x, pow2)
+    assert not torch.isnan(q.float()).any() and torch.isfinite(scale).all()
+    tiny = torch.tensor(2.0**-149)
+    assert scale[0, 0] == tiny and q[0, 5].float() == 7 and (q[0, :5].float() == 0).all()
+    assert scale[1, 0] == tiny and (q[1, :FP8_BLOCK].float() == torch.where(torch.arange(FP8_BLOCK) == 3, 0.0, -16.0)).all()
+    assert scale[0, 1] == 1 and scale[1, 1] == 1 and scale[2, 0] == 1  # all-zero blocks
+    want = fq.block_scale(torch.tensor([2.0**-149 * 3000]), pow2)
+    assert scale[2, 1] == want and want > tiny
+    back = fq.dequantize_rowwise(q, scale)
+    assert back[0, 5] == 7 * tiny and back[1, 0] == -16 * tiny
 
 
 def test_non_finite_value_makes_its_block_scale_non_finite():

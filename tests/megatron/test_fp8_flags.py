@@ -58,6 +58,19 @@ CONFIG_CASES = [
         "--hidden-size 32 must be a multiple of 128",
     ),
     ("mok-precision, 128", dict(hidden_size=128, moe_ffn_hidden_size=128), ["--mok-precision", "fp8_blockwise"], None),
+    # moe_ffn_hidden_size unset: Megatron's __post_init__ gives the experts ffn_hidden_size, after the check.
+    (
+        "mok-precision, ffn_hidden 192, moe ffn unset",
+        dict(hidden_size=128, moe_ffn_hidden_size=None, ffn_hidden_size=192),
+        ["--mok-precision", "fp8_blockwise"],
+        "--ffn-hidden-size (the experts' FFN size when --moe-ffn-hidden-size is unset) 192 must be a multiple of 128",
+    ),
+    (
+        "mok-precision, ffn_hidden 256, moe ffn unset",
+        dict(hidden_size=128, moe_ffn_hidden_size=None, ffn_hidden_size=256),
+        ["--mok-precision", "fp8_blockwise"],
+        None,
+    ),
 ]
 
 

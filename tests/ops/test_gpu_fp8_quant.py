@@ -11,7 +11,7 @@ NaN scales may carry any payload; only their places must agree (the kernels writ
 quotient's sign, torch keeps the sign its NaN has; neither sign is part of the contract).
 
 The data: Gaussian rows of a wide dynamic range, all-zero blocks (with -0.0), NaN and +-inf, bf16's
-subnormal range (and fp32's for weights, down to a scale that underflows to 0), amax near bf16's max
+subnormal range (and fp32's for weights, down to an amax / 448 that underflows to 0), amax near bf16's max
 beside tiny values, E4M3 rounding ties at scale 1, and amax / 448 an exact power of two (the
 kernels' multiply path without pow2); each with and without pow2 scales; odd and zero row counts.
 """
@@ -471,8 +471,9 @@ def weight_values(kind, shape, dtype, seed):
         w[:, :128, :128] = 0.0
         w[:, 128:256, 128:256] = -0.0
     if kind == "subnormal" and dtype == torch.float32:
-        # A block of +-2^-145 and zeros: amax / 448 underflows to a zero scale, so v / 0 saturates
-        # to +-448 and 0 / 0 is NaN, in the kernel as in the reference.
+        # A block of +-2^-145 and zeros: amax / 448 underflows to 0, so the scale is fp32's least
+        # subnormal 2^-149 and the values quantize to +-16 and 0 (no NaN), in the kernel as in the
+        # reference.
         block = w[:, :128, :128]
         block.copy_(torch.sign(block) * 2.0**-145)
         block[:, ::7] = 0.0
