@@ -217,8 +217,9 @@ def check_fp8_expert_gemm_args(
     for name, t in tensors.items():
         if not t.is_contiguous():
             fail(f"{name} must be contiguous")
-    if out is not None and out.data_ptr() % 16:
-        fail("out must start 16-byte aligned")
+    for name in ("a", "weight", "out"):  # (the TMA boxes' global addresses)
+        if name in tensors and tensors[name].data_ptr() % 16:
+            fail(f"{name} must start 16-byte aligned")
     for name, t in tensors.items():
         if t.device.type != "cuda" or t.device != a.device:
             fail(f"{name} must be a CUDA tensor on a's device ({a.device}), got {t.device}")

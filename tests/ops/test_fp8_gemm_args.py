@@ -90,6 +90,19 @@ def test_bad_out_is_a_value_error_naming_it(out, words):
         ops.fp8_expert_gemm(**gemm_args(out=out))
 
 
+@pytest.mark.parametrize("name,shape", [("a", (R, K)), ("weight", (E, N, K))])
+def test_misaligned_operand_is_a_value_error(name, shape):
+    """a and weight are read through TMA, whose global address must be 16-byte aligned: a view that
+    starts one byte in is refused before any kernel runs (the kernel's tensor map would refuse it
+    as a RuntimeError)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    misaligned = torch.zeros(numel + 1, dtype=E4M3)[1:].view(shape)
+    with pytest.raises(ValueError, match=f"fp8_expert_gemm: {name} must start 16-byte aligned"):
+        ops.fp8_expert_gemm(**gemm_args(**{name: misaligned}))
+
+
 def test_misaligned_or_overlapping_out_is_a_value_error():
     """out starting off a 16-byte boundary, or sharing bytes with an input the kernel reads while it
     writes out (here the weight's), is refused before any kernel runs."""
