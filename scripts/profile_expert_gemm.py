@@ -28,7 +28,7 @@ from bench_expert_gemm import (  # noqa: E402
 )
 
 from megatron_mok import ops  # noqa: E402
-from megatron_mok.ops.fp8_gemm import FP8_SWIGLU_GEMM_VARIANTS  # noqa: E402
+from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS  # noqa: E402
 from megatron_mok.ops.fp8_wgrad import FP8_WGRAD_VARIANTS  # noqa: E402
 from megatron_mok.backends.kernel import segment_matmul  # noqa: E402
 from megatron_mok.backends.tuning import (  # noqa: E402
@@ -39,10 +39,8 @@ from megatron_mok.backends.tuning import (  # noqa: E402
     FP8_EXPERT_GEMM_VARIANT,
 )
 
-FP8_VARIANTS = ("default", "pingpong", "overlap")
 
-
-def profile_fp8(shape: str, projection: str, variants=FP8_VARIANTS) -> None:
+def profile_fp8(shape: str, projection: str, variants=FP8_GEMM_VARIANTS) -> None:
     """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM and
     ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, in each variant it has,
     then our plain fc1 in the layer's variant beside it: what the epilogue costs)."""
@@ -84,7 +82,7 @@ def main() -> None:
                         help="down or gate_up (default down); with --fp8 one of "
                         + ", ".join([*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]) + " (default fc1)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise GEMM's variants and torch's FP8 rowwise")
-    parser.add_argument("--fp8-variants", default=",".join(FP8_VARIANTS),
+    parser.add_argument("--fp8-variants", default=",".join(FP8_GEMM_VARIANTS),
                         help="with --fp8: comma-separated ops.fp8_gemm.FP8_GEMM_VARIANTS to launch, in order")
     args = parser.parse_args()
     if args.fp8:
@@ -94,7 +92,11 @@ def main() -> None:
             return
         if projection not in FP8_PROJECTIONS:
             parser.error(f"--projection {projection}: with --fp8 one of {[*FP8_PROJECTIONS, *FP8_WGRAD_PROJECTIONS]}")
-        profile_fp8(args.shape, projection, tuple(args.fp8_variants.split(",")))
+        variants = tuple(args.fp8_variants.split(","))
+        unknown = [v for v in variants if v not in FP8_GEMM_VARIANTS]
+        if unknown:
+            parser.error(f"--fp8-variants: {unknown} not in {FP8_GEMM_VARIANTS}")
+        profile_fp8(args.shape, projection, variants)
         return
     args.projection = args.projection or "down"
     if args.projection not in ("down", "gate_up"):
