@@ -92,9 +92,26 @@ def _worker(
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        _stop_children()
         # Leave without tearing gloo down: its C++ threads have aborted interpreter shutdown after
         # fully successful runs ("terminate called without an active exception", exit -6).
         os._exit(0 if passed else 1)
+
+
+def _stop_children(wait_s: float = 5.0) -> None:
+    """Stops the processes this rank started through multiprocessing (e.g. the Manager server behind
+    Megatron's checkpoint writer's results queue): os._exit skips the atexit handler that would, and
+    they would outlive the test, reparented to init, each holding a Python with torch imported."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + wait_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
 
 
 def spawn_ranks(
