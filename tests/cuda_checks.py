@@ -29,6 +29,14 @@ def require_extension() -> None:
         pytest.fail(f"the megatron_mok CUDA extension did not load: {ops.extension_error()}")
 
 
+# The tests that compile the kernels (ptxas's verdicts, their SASS) need nvcc and a CUDA build of
+# torch; they skip without them unless the run demands them (CI sets MEGATRON_MOK_REQUIRE_EXTENSION=1,
+# and then a missing toolchain fails them instead).
+TOOLCHAIN_REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
+TOOLCHAIN_PRESENT = shutil.which("nvcc") is not None and torch.version.cuda is not None
+NEEDS_TOOLCHAIN = pytest.mark.skipif(not (TOOLCHAIN_REQUIRED or TOOLCHAIN_PRESENT), reason="no CUDA toolchain")
+
+
 # pytestmark of the test modules that run the kernels: skipped without a Hopper GPU; on one, the
 # `hopper_extension` fixture (tests/conftest.py) fails every test of the module if the extension
 # cannot load.

@@ -5,17 +5,11 @@ compile checks."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from megatron_mok import limits
-
-REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
-HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
-needs_toolchain = pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+from cuda_checks import NEEDS_TOOLCHAIN, TOOLCHAIN_PRESENT
 
 OPS = (
     "build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward",
@@ -27,12 +21,12 @@ OPS = (
 )
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 def test_toolchain_is_present_where_required():
-    assert HAS_TOOLCHAIN, "MEGATRON_MOK_REQUIRE_EXTENSION=1 but nvcc or a CUDA build of torch is missing"
+    assert TOOLCHAIN_PRESENT, "MEGATRON_MOK_REQUIRE_EXTENSION=1 but nvcc or a CUDA build of torch is missing"
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 @pytest.mark.parametrize("name", OPS)
 def test_cuda_extension_is_built_and_registers_a_cuda_kernel(name):
     from megatron_mok.ops import extension_error
@@ -43,7 +37,7 @@ def test_cuda_extension_is_built_and_registers_a_cuda_kernel(name):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_mok::{name}", "Meta"), name
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 def test_extension_was_compiled_with_the_limits_python_uses():
     from megatron_mok.ops import compiled_limits, last_failure
 
@@ -51,7 +45,7 @@ def test_extension_was_compiled_with_the_limits_python_uses():
     assert last_failure() is None
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 def test_exchange_phases_come_from_the_extension_in_the_order_the_pad_uses():
     """comm/symmetric_exchange.py names these phases; their index is the pad's first dimension."""
     from megatron_mok import ops
@@ -59,7 +53,7 @@ def test_exchange_phases_come_from_the_extension_in_the_order_the_pad_uses():
     assert ops.exchange_phase_names() == ("routing", "tokens", "grad_tokens", "combine", "fp8_tokens", "fp8_grad_tokens")
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 def test_exchange_fakes_give_the_shapes_without_a_device():
     """The fake implementations on meta tensors (torch.compile traces with them): no kernel runs."""
     from megatron_mok import ops
@@ -79,7 +73,7 @@ def test_exchange_fakes_give_the_shapes_without_a_device():
     ops.push_rows(own.new_empty(40, 64), slot_to_route, 2, 9, own.new_empty(18, 64), [16, 32])
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 def test_wgrad_window_fake_writes_in_place_without_a_device():
     """The windowed weight gradient's fake on meta tensors: no result, out and carry_out mutated."""
     meta = torch.device("meta")
@@ -102,7 +96,7 @@ def test_kernel_backend_is_not_chosen_for_cpu_tensors():
     assert reason is not None and "CUDA" in reason
 
 
-@needs_toolchain
+@NEEDS_TOOLCHAIN
 def test_expert_gemm_compiles_without_wgmma_serialization_spills_or_ignored_setmaxnreg(tmp_path):
     """ptxas's verdict on every expert-GEMM kernel the bindings instantiate (the translation unit
     csrc/bindings/expert_gemm_ops.cu, compiled as setup.py does): a function call in a kernel

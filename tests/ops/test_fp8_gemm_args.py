@@ -4,14 +4,12 @@ and before any kernel runs (the kernel's own checks and results: tests/ops/test_
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from megatron_mok import ops
 from megatron_mok.limits import fp8_scale_rows
+from cuda_checks import NEEDS_TOOLCHAIN
 
 E4M3 = torch.float8_e4m3fn
 R, K, N, E = 10, 256, 384, 3  # R = 10 rows: a_scales pads them to fp8_scale_rows(10) = 12
@@ -154,8 +152,6 @@ def test_swiglu_checks_name_their_op_and_f():
         ops.fp8_expert_gemm_swiglu(**gemm_args(weight=weight, weight_scales=torch.ones(E, 2, K // 128), variant="pingpong"))
 
 
-REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
-HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +165,7 @@ def compiled_bindings(tmp_path_factory):
     return log, found, str(out_dir / "fp8_gemm_ops.cu.o")
 
 
-@pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+@NEEDS_TOOLCHAIN
 def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings):
     """ptxas's verdict on every FP8 GEMM kernel the bindings instantiate (csrc/bindings/fp8_gemm_ops.cu
     compiled as setup.py does): both epilogues in the default and overlap mainloops and the store
@@ -197,7 +193,7 @@ def _opcode(instruction: str) -> str:
     return words[1] if words[0].startswith("@") else words[0]
 
 
-@pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+@NEEDS_TOOLCHAIN
 def test_late_scales_mainloop_issues_each_block_without_a_promotion_in_between(compiled_bindings):
     """overlap_late_scales's one difference from overlap is where ptxas may put the promotion's
     arithmetic (csrc/gemm/fp8_gemm_sm90.cuh kOverlapLateScales). In its SASS, at both cluster sizes:

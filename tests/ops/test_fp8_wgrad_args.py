@@ -5,14 +5,12 @@ tests/ops/test_gpu_fp8_wgrad.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from megatron_mok import ops
 from megatron_mok.ops import fp8_wgrad
+from cuda_checks import NEEDS_TOOLCHAIN
 
 E4M3 = torch.float8_e4m3fn
 M, N, R, E = 256, 384, 512, 3
@@ -163,11 +161,9 @@ def test_reference_clamps_every_expert_to_the_window():
     assert torch.equal(got[2], torch.full((128, 128), 128.0))  # rows [384, 512)
 
 
-REQUIRED = os.environ.get("MEGATRON_MOK_REQUIRE_EXTENSION") == "1"
-HAS_TOOLCHAIN = shutil.which("nvcc") is not None and torch.version.cuda is not None
 
 
-@pytest.mark.skipif(not (REQUIRED or HAS_TOOLCHAIN), reason="no CUDA toolchain")
+@NEEDS_TOOLCHAIN
 def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
     """ptxas's verdict on the kernel's mainloops (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py
     does): no spill (default: the promoted sums and the block's partial; overlap and
