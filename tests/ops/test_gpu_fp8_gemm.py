@@ -154,6 +154,22 @@ def test_variants_equal_the_default_bitwise(case, cluster_m, variant):
     assert torch.equal(got[:end], want)
 
 
+@pytest.mark.parametrize("variant", FP8_GEMM_VARIANTS)
+@pytest.mark.parametrize("case", ["minimum", "odd_segments_unpadded", "qwen3_30b_fc2"])
+def test_variants_never_read_the_a_scales_padding_into_a_stored_row(case, variant):
+    """a_scales' columns past R (fp8_scale_rows' padding, 1 as gemm_a_scales makes them) set to NaN:
+    every variant's stored rows are the clean inputs' default output bit for bit, so no mainloop
+    multiplies a stored row by a padding scale. (minimum: 4 rows, no padding; the others: 374 and
+    5123 rows, padded to 376 and 5124.)"""
+    args, _, end = case_args(case)
+    want = ops.fp8_expert_gemm(*args, *LAUNCH)[:end]
+    qa, sa, qw, sw, offsets = args
+    poisoned = sa.clone()
+    poisoned[:, qa.shape[0]:] = float("nan")
+    got = ops.fp8_expert_gemm(qa, poisoned, qw, sw, offsets, *LAUNCH, variant=variant)[:end]
+    assert torch.equal(got, want)
+
+
 def test_kernel_knows_every_variant_name():
     """The op's variant index covers FP8_GEMM_VARIANTS and no more (the kernel's Fp8Mainloop count)."""
     args, _, end = case_args("one_tile")
