@@ -372,6 +372,11 @@ struct Fp8QuantizeWeightParams {
   int64_t n;                  // a multiple of 128
   int64_t k;                  // a multiple of 128
   int32_t pow2;
+  // (num_experts + 1) on the device, or null. Where set, only the experts with rows
+  // (expert_offsets[e] < expert_offsets[e + 1]) are quantized: the copies of a GEMM over those
+  // segments, which reads no block of an expert without rows; the other experts' blocks are left
+  // unwritten (their CTAs return at once: quant/quantize_weight_sm90.cuh).
+  const int32_t* expert_offsets;
 };
 
 // The transposed copy of a weight's 128x128 quantization, from that quantization
@@ -384,6 +389,7 @@ struct Fp8TransposeWeightParams {
   int64_t num_experts;
   int64_t n;                  // a multiple of 128
   int64_t k;                  // a multiple of 128
+  const int32_t* expert_offsets;  // as Fp8QuantizeWeightParams'
 };
 
 // Weight gradients per expert, tokens as the reduction dimension (gemm/expert_wgrad_sm90.cuh):

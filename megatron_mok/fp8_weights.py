@@ -27,12 +27,15 @@ when a dgrad asks for it and dies with that GEMM, so a layer holds one FP8 copy 
 bf16 weight's bytes) between its passes, not two. It is made from the cached forward copy
 (ops.fp8_transpose_weight: 128x128 blocks transpose exactly, so moving the bytes gives the bits a
 quantization of the weight gives, for a read of one byte per element) and, where none is cached
-(cache=False, a capture, an inference tensor), from the weight (ops.fp8_quantize_weight). A backward
-over several receive windows holds each transposed copy from its first dgrad to its end
-(copies_held), not one per window; likewise a pass over several windows without the cache
-(cache=False) quantizes each weight's forward copy once for all of them. A backward of one window
-makes the dgrads' transposed copies range of experts by range (transposed_experts), each range's
-copy freed after its GEMM, so that only a fraction of a transposed copy exists at a time.
+(cache=False, a capture, an inference tensor), from the weight (ops.fp8_quantize_weight). The dgrads
+make their transposed copies range of experts by range (transposed_experts), each range's copy freed
+after its GEMM, so that only a fraction of a transposed copy exists at a time, and of the experts
+with rows in the GEMM's segments only: a backward over several receive windows (each holding a few
+experts' rows) transposes each expert about once in all, and holds no copy between its windows.
+Likewise a backward window's recomputed gate/up takes the cached forward copy, or without one a
+copy of its experts with rows (quantized_for_segments), made for that GEMM alone. A forward over
+several windows without the cache (cache=False) quantizes each weight's forward copy once for all of
+them (copies_held).
 Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
 replay.
 """
@@ -153,24 +156,46 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
 
 
 def transposed_experts(
-    weight: Tensor, first: int, end: int, pow2: bool = False, *, cache: bool = True
+    weight: Tensor, first: int, end: int, pow2: bool = False, *, cache: bool = True,
+    expert_offsets: Optional[Tensor] = None,
 ) -> QuantizedWeight:
     """The kernel maker's transposed copy of experts [first, end) of weight (E, N, K) alone ((end - first,
     K, N) e4m3 and (end - first, K/128, N/128) fp32): the cached forward copy's bytes of those experts,
     moved (a 128x128 block transposes exactly: the bits a quantization of the weight gives), where one
-    is cached, else quantized from the weight's. Not held here: a dgrad that multiplies expert range by
-    expert range makes and frees one range's copy at a time, so no more than that range's bytes exist at
-    once (quantized_transposed, kernels=True, takes all E experts and holds them inside copies_held)."""
+    is cached, else quantized from the weight's. expert_offsets (end - first + 1,) int32, the segments
+    of the GEMM the copy is for: only the experts with rows there are made (the others' parts are left
+    unwritten; that GEMM reads none of them), so the copies for the receive windows of one backward
+    move each expert's blocks about once in all, not once per window. Not held here: a dgrad that
+    multiplies expert range by expert range makes and frees one range's copy at a time, so no more
+    than that range's bytes exist at once (quantized_transposed, kernels=True, takes all E experts and
+    holds them inside copies_held)."""
     if not 0 <= first < end <= weight.shape[0]:
         raise ValueError(f"transposed_experts: need 0 <= first < end <= E = {weight.shape[0]}, got [{first}, {end})")
     forward = _valid_entry(weight, pow2, True) if cache else None
     with torch.no_grad():
         if forward is not None:
             copy = forward.weight
-            return QuantizedWeight(*ops.fp8_transpose_weight(copy.values[first:end], copy.scales[first:end]))
+            return QuantizedWeight(*ops.fp8_transpose_weight(copy.values[first:end], copy.scales[first:end],
+                                                             expert_offsets))
         _, _, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()[first:end]), pow2=pow2,
-                                                      forward_copy=False)
+                                                      forward_copy=False, expert_offsets=expert_offsets)
     return QuantizedWeight(q_t, scales_t)
+
+
+def quantized_for_segments(weight: Tensor, expert_offsets: Tensor, pow2: bool = False, *,
+                           cache: bool = True) -> QuantizedWeight:
+    """The kernel maker's forward copy for a GEMM over expert_offsets' segments ((E + 1,) int32): the
+    cached copy where one is valid (cache), else the experts with rows there alone, quantized from
+    the weight (the other experts' parts left unwritten), neither cached nor held: a backward window's
+    recomputed gate/up, so that without the cache no whole forward copy outlives its GEMM and the
+    windows of one backward quantize each expert about once in all."""
+    entry = _valid_entry(weight, pow2, True) if cache else None
+    if entry is not None:
+        return entry.weight
+    with torch.no_grad():
+        q, scales, _, _ = ops.fp8_quantize_weight(kernel_ready(weight.detach()), transposed=False, pow2=pow2,
+                                                  expert_offsets=expert_offsets)
+    return QuantizedWeight(q, scales)
 
 
 def holding() -> bool:

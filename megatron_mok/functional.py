@@ -318,17 +318,16 @@ def backward(
         )
         for _ in range(2)
     )
-    # FP8 over several windows: each weight's transposed copy (and uncached forward copy, for the
-    # recomputed gate/up) made once for all of them.
-    with fp8_weights.copies_held(fp8 is not None and len(passes) > 1):
-        for window in passes:
-            # (One call per window: its buffers are freed before the next window's are allocated.)
-            window_d_x = _backward_window(
-                stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
-                need_input_grads, need_weight_grads, grad_y.dtype, release_saved,
-            )
-            if window.last:
-                d_x = window_d_x
+    # (FP8: each window's weight copies are of its experts with rows alone, made for their GEMMs and
+    # freed after them; none is held across the windows: fp8_weights.)
+    for window in passes:
+        # (One call per window: its buffers are freed before the next window's are allocated.)
+        window_d_x = _backward_window(
+            stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
+            need_input_grads, need_weight_grads, grad_y.dtype, release_saved,
+        )
+        if window.last:
+            d_x = window_d_x
     sources.release(exchange)
 
     return Grads(

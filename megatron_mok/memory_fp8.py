@@ -28,25 +28,25 @@ Terms, per rank and per layer call:
                gradient, still counted)
                + dY published Q(T, H) (+ at M > 1 x again, for the recomputed gate/up) + dY and
                d x 2*s*T*H + d topk_weights 4*T*K + the weight gradients s*E*3F*H + at M > 1 two fp32
-               carries per weight 8*(2F*H + H*F), both transposed weight copies Wq(F, H) + Wq(2F, H)
-               held for the pass and, without the cache, fc1's forward copy + the largest of a
-               window's stages (functional._backward_window's order):
+               carries per weight 8*(2F*H + H*F) + the largest of a window's stages
+               (functional._backward_window's order; no weight copy is held across the windows):
                  down dgrad          dY rows Q(W, H) + their GEMM-A scales + d act s*W*F
-                                     (+ at M = 1 one expert range's share of fc2's transposed copy:
-                                     Wq over ceil(E / tuning.FP8_DGRAD_EXPERT_RANGES) experts, made,
-                                     multiplied and freed range by range)
+                                     + one expert range's share of fc2's transposed copy: Wq over
+                                     ceil(E / tuning.FP8_DGRAD_EXPERT_RANGES) experts, made (of the
+                                     experts with rows in the window), multiplied and freed range by
+                                     range
                  SwiGLU backward     dY rows + d act + d gate_up s*W*2F + its rows A(W, 2F);
                                      then dY rows + d gate_up + its rows + its columns V(W, 2F)
                  fc2 weight gradient d gate_up's two copies + the w * dY rows + V(W, H) + act's V(W, F)
-                 gate/up dgrad       d gate_up's two copies (+ at M = 1 a range's share of fc1's
-                                     transposed copy)
-                                     + d rows s*W*H
+                 gate/up dgrad       d gate_up's two copies + a range's share of fc1's transposed
+                                     copy + d rows s*W*H
                  fc1 weight gradient V(W, 2F) + the rows + V(W, H)
                where the w * dY rows and the x rows are s*W*H pulled from the peers' regions over
                the in-kernel exchange (windowed), and otherwise gathered by the column kernel
                straight from one tensor: 32*W bytes of row indices and weights (RowsToGather)
                (+ at M > 1 the recomputed gate/up s*W*2F in the stages up to the fc2 weight
-               gradient, and a stage of its own that makes it from the dispatched rows)
+               gradient, and a stage of its own that makes it from the dispatched rows, without
+               the cache through fc1's forward copy Wq(2F, H) made for that GEMM and freed after it)
     every term + 1 MB per buffer (memory.ALLOCATOR_BLOCK_SLACK)
     symmetric  the bf16 regions and the FP8 ones (comm/symmetric.py FP8_REGIONS)
 
@@ -140,19 +140,20 @@ def fp8_layer_memory_bound(
 
     grad_gate_up_rows = w * 2 * f + gemm_a_scale_bytes(w, 2 * f)
     grad_gate_up_columns = quantized_columns_bytes(w, 2 * f)
-    fc2_transposed, fc1_transposed = weight_copy_bytes(e, f, h), weight_copy_bytes(e, h, 2 * f)
     # The weight gradients' w * dY and x rows: pulled from peer memory (windowed), else gathered by the
     # column kernel from one tensor (int64 row index and its temporaries, fp32 weights).
     wgrad_rows = s * w * h if windowed else 32 * w
-    # At M = 1 a dgrad makes its transposed copy one expert range at a time, each freed after its GEMM
-    # (kernel_fp8._dgrad): at most `span` experts' copy exists at once.
+    # A dgrad makes its transposed copy one expert range at a time, each freed after its GEMM
+    # (kernel_fp8._dgrad): at most `span` experts' copy exists at once, in every window.
     span = tuning.fp8_dgrad_expert_span(e)
-    transposed_per_stage = (weight_copy_bytes(span, f, h), weight_copy_bytes(span, h, 2 * f)) if m == 1 else (0, 0)
+    transposed_per_stage = (weight_copy_bytes(span, f, h), weight_copy_bytes(span, h, 2 * f))
     # At M > 1 a window after the first makes its gate/up again from the dispatched rows (no act:
-    # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run.
+    # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run; without the
+    # cache through a copy of fc1 (its experts with rows; allocated whole) made for that GEMM alone.
     recomputed = s * w * 2 * f if m > 1 else 0
+    recompute_copy = weight_copy_bytes(e, 2 * f, h) if m > 1 and not config.fp8_cache_weights else 0
     stages = (
-        recomputed + rows_q,  # the gate/up made again
+        recomputed + rows_q + recompute_copy,  # the gate/up made again
         recomputed + rows_q + s * w * f + transposed_per_stage[0],  # the down dgrad
         recomputed + rows_q + s * w * f + s * w * 2 * f + grad_gate_up_rows,  # the SwiGLU backward's pass
         recomputed + rows_q + s * w * 2 * f + grad_gate_up_rows + grad_gate_up_columns,  # then d gate_up's columns
@@ -163,10 +164,8 @@ def fp8_layer_memory_bound(
     )
     pass_terms = 0
     if m > 1:
-        pass_terms = 2 * FP32_BYTES * (2 * f * h + h * f) + fc2_transposed + fc1_transposed
+        pass_terms = 2 * FP32_BYTES * (2 * f * h + h * f)
         pass_terms += quantized_rows_bytes(t, h)  # x published again, for the recomputed gate/up
-        if not config.fp8_cache_weights:
-            pass_terms += weight_copy_bytes(e, 2 * f, h)
     route_reader = held + s * t * h + 4 * t * k + ROUTE_READER_BUFFERS * slack
     backward_peak = max(
         route_reader,

@@ -25,6 +25,9 @@ Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments p
     fc1 / fc2         ops.fp8_quantize_weight, forward copy (the cache's, once per weight version)
     fc1 / fc2 transposed  the dgrads' copy, from the bf16 weight (forward_copy=False)
     fc1 / fc2 moved   the same copy by ops.fp8_transpose_weight from the forward copy
+    ..., for segments  the same with the schedule's expert_offsets (every expert has rows), and with
+                      offsets where an eighth of the experts have rows (a receive window's at EP 8:
+                      bytes counted for those experts only; the others' CTAs return at once)
 Fresh random data (two sets, alternated), L2 flushed before each rep, medians of 10 after 3 warm-ups
 (scripts/timing.py).
 """
@@ -65,6 +68,10 @@ def make_set(shape, seed):
     s["row_weights"] = s["weights"][s["route"].clamp(min=0)]
     for name in ("fc1", "fc2"):
         s[name + "_fp8"] = ops.fp8_quantize_weight(s[name], transposed=False)[:2]
+    # Segments where only the first eighth of the experts (at least one) have rows.
+    eighth = max(1, e // 8)
+    s["eighth_offsets"] = torch.cat([torch.arange(eighth + 1, device="cuda", dtype=torch.int32) * 128,
+                                     torch.full((e - eighth,), eighth * 128, device="cuda", dtype=torch.int32)])
     return s
 
 
@@ -122,6 +129,15 @@ def cases(s):
         "fc2 transposed": (lambda s: ops.fp8_quantize_weight(s["fc2"], forward_copy=False), weight(s["fc2"])),
         "fc1 moved": (lambda s: ops.fp8_transpose_weight(*s["fc1_fp8"]), moved(s["fc1"])),
         "fc2 moved": (lambda s: ops.fp8_transpose_weight(*s["fc2_fp8"]), moved(s["fc2"])),
+        # The same with expert_offsets (every expert has rows), and with offsets where an eighth of
+        # the experts have rows (a receive window's at EP 8).
+        "fc1 moved, for segments": (lambda s: ops.fp8_transpose_weight(*s["fc1_fp8"], s["offsets"]), moved(s["fc1"])),
+        "fc2 moved, for segments": (lambda s: ops.fp8_transpose_weight(*s["fc2_fp8"], s["offsets"]), moved(s["fc2"])),
+        "fc1 moved, an eighth's segments": (lambda s: ops.fp8_transpose_weight(*s["fc1_fp8"], s["eighth_offsets"]),
+                                            moved(s["fc1"]) // 8),
+        "fc1 transposed, an eighth's segments": (
+            lambda s: ops.fp8_quantize_weight(s["fc1"], forward_copy=False, expert_offsets=s["eighth_offsets"]),
+            weight(s["fc1"]) // 8),
     }
 
 

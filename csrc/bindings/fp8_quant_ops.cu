@@ -60,6 +60,19 @@ void check_bf16_rows(const char* op, const at::Tensor& x) {
 
 uint8_t* e4m3_ptr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
+// The weight copies' optional expert_offsets (num_experts + 1,) int32 on `like`'s device -> its
+// pointer, or null.
+const int32_t* weight_copy_offsets(const char* op, const std::optional<at::Tensor>& expert_offsets, int64_t experts,
+                                   const at::Tensor& like) {
+  if (!expert_offsets.has_value()) return nullptr;
+  const at::Tensor& offsets = *expert_offsets;
+  TORCH_CHECK(offsets.is_cuda() && offsets.device() == like.device() && offsets.is_contiguous() &&
+                  offsets.scalar_type() == at::kInt && offsets.dim() == 1 && offsets.numel() == experts + 1,
+              op, "expert_offsets must be a contiguous int32 (E + 1,) = (", std::to_string(experts + 1),
+              ",) tensor on the weight's device, got ", sizes_str(offsets));
+  return offsets.data_ptr<int32_t>();
+}
+
 at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kFloat)); }
 
 // (q (R, C) e4m3, scales (R, C/128) fp32 or (0,), gemm_a_scales (C/128, fp8_scale_rows(R)) fp32 or
@@ -294,9 +307,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward(cons
 // (q (E, N, K) e4m3 and scales (E, N/128, K/128) fp32, or (0,) each without forward_copy; q_t
 // (E, K, N) e4m3 and scales_t (E, K/128, N/128) fp32, or (0,) each without transposed): weight
 // (E, N, K) bf16 or fp32 quantized 128 x 128, and its transposed copy (at least one of the two).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(const at::Tensor& weight,
-                                                                               bool transposed, bool pow2,
-                                                                               bool forward_copy) {
+// With expert_offsets (E + 1,) int32, only the experts with rows there (offsets[e] < offsets[e + 1]):
+// the other experts' parts of the copies are left unwritten (a GEMM over those segments reads none).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(
+    const at::Tensor& weight, bool transposed, bool pow2, bool forward_copy,
+    const std::optional<at::Tensor>& expert_offsets) {
   constexpr const char* kOp = "fp8_quantize_weight: ";
   TORCH_CHECK(transposed || forward_copy, kOp, "forward_copy or transposed must be set (at least one copy)");
   TORCH_CHECK(weight.is_cuda() && weight.is_contiguous(), kOp, "weight must be a contiguous CUDA tensor");
@@ -328,6 +343,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(c
   p.n = n;
   p.k = k;
   p.pow2 = pow2 ? 1 : 0;
+  p.expert_offsets = weight_copy_offsets(kOp, expert_offsets, experts, weight);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (weight.scalar_type() == at::kBFloat16) {
     quantize_weight_kernel<__nv_bfloat16><<<int(tiles), kWeightThreads, 0, stream>>>(p);
@@ -339,8 +355,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_weight(c
 }
 
 // (q_t (E, K, N) e4m3, scales_t (E, K/128, N/128) fp32): the transposed copy of a weight's 128 x 128
-// quantization q (E, N, K) e4m3 with scales (E, N/128, K/128) fp32, from it.
-std::tuple<at::Tensor, at::Tensor> fp8_transpose_weight(const at::Tensor& q, const at::Tensor& scales) {
+// quantization q (E, N, K) e4m3 with scales (E, N/128, K/128) fp32, from it; with expert_offsets, of
+// the experts with rows there only, as fp8_quantize_weight's.
+std::tuple<at::Tensor, at::Tensor> fp8_transpose_weight(const at::Tensor& q, const at::Tensor& scales,
+                                                        const std::optional<at::Tensor>& expert_offsets) {
   constexpr const char* kOp = "fp8_transpose_weight: ";
   TORCH_CHECK(q.is_cuda() && q.is_contiguous() && q.scalar_type() == at::kFloat8_e4m3fn, kOp,
               "q must be a contiguous float8_e4m3fn CUDA tensor");
@@ -367,6 +385,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_transpose_weight(const at::Tensor& q, con
   p.num_experts = experts;
   p.n = n;
   p.k = k;
+  p.expert_offsets = weight_copy_offsets(kOp, expert_offsets, experts, q);
   transpose_weight_kernel<<<int(tiles), kTransposeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q_t, scales_t};
@@ -384,9 +403,9 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
       "(Tensor, Tensor, Tensor)");
   m.def(
-      "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy) -> "
+      "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy, Tensor? expert_offsets=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
-  m.def("fp8_transpose_weight(Tensor q, Tensor scales) -> (Tensor, Tensor)");
+  m.def("fp8_transpose_weight(Tensor q, Tensor scales, Tensor? expert_offsets=None) -> (Tensor, Tensor)");
   m.def("fp8_quantize_swiglu(Tensor gate_up, Tensor expert_offsets, bool pow2) -> (Tensor, Tensor)");
 }
 

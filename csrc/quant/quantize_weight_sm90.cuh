@@ -2,7 +2,8 @@
 // (mok_params.h Fp8QuantizeWeightParams): quantization.quantize_weight, and
 // quantization.transpose_weight of it, bit for bit. Once per weight version (the weight cache).
 //
-// One CTA per 128x128 block of one expert's (n, k) weight:
+// One CTA per 128x128 block of one expert's (n, k) weight (quantize_weight_block; with expert_offsets
+// only the blocks of the experts with rows are done):
 //   load      thread t holds rows t / 16 + 16 s (s = 0..7), columns 8 (t % 16) .. + 8 (a half-warp
 //             reads a row's 128 values in order);
 //   amax      over its 64 values, then the warp (shuffles) and the CTA (shared memory);
@@ -42,14 +43,15 @@ __device__ __forceinline__ void load8(const float* src, float (&v)[8]) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// Block `block` of the weight ((expert, nb, kb) row-major), by the whole CTA. transposed: 128 rows (n)
+// x 128 bytes (k) of shared memory, swizzled; warp_amax: one float per warp.
 template <typename T>
-__global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const Fp8QuantizeWeightParams p) {
-  __shared__ __align__(16) uint32_t transposed[kFp8Block * kFp8Block / 4];  // 128 rows (n) x 128 bytes (k), swizzled
-  __shared__ float warp_amax[kWeightThreads / 32];
+__device__ __forceinline__ void quantize_weight_block(const Fp8QuantizeWeightParams& p, int64_t block,
+                                                      uint32_t* transposed, float* warp_amax) {
   const int64_t k_blocks = p.k / kFp8Block, n_blocks = p.n / kFp8Block;
-  const int64_t kb = blockIdx.x % k_blocks;
-  const int64_t nb = (blockIdx.x / k_blocks) % n_blocks;
-  const int64_t expert = blockIdx.x / (k_blocks * n_blocks);
+  const int64_t kb = block % k_blocks;
+  const int64_t nb = (block / k_blocks) % n_blocks;
+  const int64_t expert = block / (k_blocks * n_blocks);
   const int piece = threadIdx.x % 16, row_in_step = threadIdx.x / 16;
   // Element (r, c) of the block: expert's row nb * 128 + r, column kb * 128 + c.
   const int64_t block_offset = (expert * p.n + nb * kFp8Block) * p.k + kb * kFp8Block;
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const F
     }
   }
   if (threadIdx.x == 0) {
-    if (p.q != nullptr) p.scales[blockIdx.x] = scale;  // (expert, nb, kb) row-major is the block's index
+    if (p.q != nullptr) p.scales[block] = scale;  // (expert, nb, kb) row-major is the block's index
     if (p.q_t != nullptr) p.scales_t[(expert * k_blocks + kb) * n_blocks + nb] = scale;
   }
   if (p.q_t == nullptr) return;
@@ -94,6 +96,17 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const F
 
   // q_t (expert, k, n): rows kb * 128 .., bytes nb * 128 ..
   store_transposed_tile(transposed, p.q_t + (expert * p.k + kb * kFp8Block) * p.n + nb * kFp8Block, p.n);
+}
+
+// One CTA per block; with expert_offsets the CTAs of an expert without rows there return at once (a
+// copy for a receive window that holds a few of the experts costs about their blocks).
+template <typename T>
+__global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(const Fp8QuantizeWeightParams p) {
+  __shared__ __align__(16) uint32_t transposed[kFp8Block * kFp8Block / 4];  // 128 rows (n) x 128 bytes (k), swizzled
+  __shared__ float warp_amax[kWeightThreads / 32];
+  const int64_t per_expert = (p.n / kFp8Block) * (p.k / kFp8Block);
+  if (!expert_has_rows(p.expert_offsets, blockIdx.x / per_expert)) return;
+  quantize_weight_block<T>(p, blockIdx.x, transposed, warp_amax);
 }
 
 }  // namespace mok

@@ -18,6 +18,11 @@ namespace mok {
 constexpr int kTransposeTileThreads = 256;
 constexpr int kTransposeTileRowWords = 32;
 
+// Whether the GEMM a weight copy is made for has rows of `expert` (always, without expert_offsets).
+__device__ __forceinline__ bool expert_has_rows(const int32_t* expert_offsets, int64_t expert) {
+  return expert_offsets == nullptr || __ldg(expert_offsets + expert) < __ldg(expert_offsets + expert + 1);
+}
+
 // The swizzled 16-byte piece of (row, piece) in the tile.
 __device__ __forceinline__ int transpose_tile_piece(int row, int piece) { return piece ^ ((row / 16) % 8); }
 

@@ -22,15 +22,16 @@ dtype is bf16 (the kernel backend's). Per stage:
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
                        reference's); from a bf16 source, bf16's
-    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) (one window: expert range by
-                       range, each range's copy freed after its GEMM) -> d act bf16 -> with FP8
+    dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) (expert range by range, each
+                       range's copy, of its experts with rows in the window, freed after its GEMM)
+                       -> d act bf16 -> with FP8
                        weight gradients ops.fp8_quantize_swiglu_backward: d gate_up bf16 and its
                        quantization 1x128 along 2F in one pass, then its quantization 1x128 along the
                        rows, the bf16 values freed (GradGateUp: both FP8 copies); with BF16 ones the
                        SwiGLU backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
     dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
                        ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) (as dgrad_swiglu: by expert
-                       range at one window) -> d rows bf16 (pushed back
+                       range) -> d rows bf16 (pushed back
                        as bf16's)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
                        bf16 values (fc1's rows straight from the source x and fc2's w * dY straight
@@ -95,21 +96,24 @@ def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWe
 
 def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """(capacity, N) e4m3 rows times weight (E, N, K) bf16 per segment -> (capacity, K) bf16, through the
-    weight's transposed FP8 copy (E, K, N). A backward of one window multiplies the experts range by
-    range (tuning.FP8_DGRAD_EXPERT_RANGES ranges): each range's transposed copy is made, multiplied on the
-    range's offsets into the one output and freed, so at most a range's share of the copy exists at
-    once (bitwise one launch over the whole copy: every row's sums are its own). A backward over
-    several windows (fp8_weights.copies_held) takes the whole copy, made once and held for its windows."""
+    weight's transposed FP8 copy (E, K, N), multiplied range of experts by range
+    (tuning.FP8_DGRAD_EXPERT_RANGES ranges): each range's copy is made, multiplied on the range's
+    offsets into the one output and freed, so at most a range's share of the copy exists at once
+    (bitwise one launch over the whole copy: every row's sums are its own). A range's copy holds only
+    its experts with rows in `offsets` (fp8_weights.transposed_experts): the windows of a backward over
+    several receive windows transpose each expert about once in all and hold no copy between them."""
     experts = weight.shape[0]
     span = tuning.fp8_dgrad_expert_span(experts)
-    if fp8_weights.holding() or span >= experts:
-        copy = fp8_weights.quantized_transposed(weight, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
-        return _gemm(values, gemm_a_scales, copy, offsets)
+    copy_of = functools.partial(fp8_weights.transposed_experts, weight, pow2=recipe.pow2_scales,
+                                cache=recipe.cache_weights)
+    if span >= experts:
+        return _gemm(values, gemm_a_scales, copy_of(0, experts, expert_offsets=offsets), offsets)
     out = torch.empty((values.shape[0], weight.shape[2]), dtype=torch.bfloat16, device=values.device)
     for first in range(0, experts, span):
         end = min(experts, first + span)
-        copy = fp8_weights.transposed_experts(weight, first, end, recipe.pow2_scales, cache=recipe.cache_weights)
-        _gemm(values, gemm_a_scales, copy, offsets[first:end + 1], out=out)
+        range_offsets = offsets[first:end + 1]
+        copy = copy_of(first, end, expert_offsets=range_offsets)
+        _gemm(values, gemm_a_scales, copy, range_offsets, out=out)
         del copy  # (before the next range's copy is made)
     return out
 
@@ -159,9 +163,15 @@ def dispatch_gate_up(
     """-> (None, gate_up (capacity, 2F) bf16, act (capacity, F) as a GemmOperand). The FP8 rows are not
     returned: backward quantizes its weight gradients from the bf16 rows, and dropping them here frees
     them before the down projection runs. ring_minibatches (the BF16 dispatching GEMM's) does not apply."""
+    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+    return _dispatch_gate_up(source, schedule, weight, recipe)
+
+
+def _dispatch_gate_up(source: RowSource, schedule: Schedule, weight: fp8_weights.QuantizedWeight,
+                      recipe: Fp8Recipe) -> tuple[None, Tensor, GemmOperand]:
+    """dispatch_gate_up with fc1's FP8 copy given."""
     rows = dispatch_rows(source, schedule)
     offsets = schedule.expert_offsets
-    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     rows_scales = gemm_a_layout(rows.scales)
     if _act_in_gemm_epilogue(recipe):
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
@@ -187,11 +197,14 @@ def recompute_gate_up(source: RowSource, schedule: Schedule, fc1: Tensor, *, rec
     GEMM): backward's windows after the first make act again only where they quantize it, from
     gate_up (ActOfGateUp), so the act quantization launch is not run. Where act comes from the GEMM's
     epilogue (no launch of its own) this is dispatch_gate_up itself: the same kernel, so the same bits
-    by construction."""
+    by construction. fc1's copy is the cached one, else one of the window's experts alone
+    (fp8_weights.quantized_for_segments: the same bytes for every block the GEMM reads), made for this
+    GEMM: no whole copy is held across a backward's windows."""
+    weight = fp8_weights.quantized_for_segments(fc1, schedule.expert_offsets, recipe.pow2_scales,
+                                                cache=recipe.cache_weights)
     if _act_in_gemm_epilogue(recipe):
-        return dispatch_gate_up(source, schedule, fc1, 0, recipe=recipe)[1]
+        return _dispatch_gate_up(source, schedule, weight, recipe)[1]
     rows = dispatch_rows(source, schedule)
-    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
     return _gemm(rows.values, gemm_a_layout(rows.scales), weight, schedule.expert_offsets)
 
 

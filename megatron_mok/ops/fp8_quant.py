@@ -84,7 +84,7 @@ def _fp8_quantize_swiglu_backward_fake(gate_up, grad_act, expert_offsets, pow2):
 
 
 @register_fake("fp8_quantize_weight")
-def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy):
+def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy, expert_offsets=None):
     e, n, k = weight.shape
     nothing = weight.new_empty((0,), dtype=torch.float32)
     return (
@@ -96,7 +96,7 @@ def _fp8_quantize_weight_fake(weight, transposed, pow2, forward_copy):
 
 
 @register_fake("fp8_transpose_weight")
-def _fp8_transpose_weight_fake(q, scales):
+def _fp8_transpose_weight_fake(q, scales, expert_offsets=None):
     e, n, k = q.shape
     return q.new_empty((e, k, n)), scales.new_empty((e, k // FP8_BLOCK, n // FP8_BLOCK))
 
@@ -283,14 +283,19 @@ def fp8_quantize_swiglu_backward_reference(
 
 
 def fp8_quantize_weight(
-    weight: Tensor, *, transposed: bool = True, pow2: bool = False, forward_copy: bool = True
+    weight: Tensor, *, transposed: bool = True, pow2: bool = False, forward_copy: bool = True,
+    expert_offsets: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """weight (E, N, K) bf16 or fp32, 128x128 blocks -> (q (E, N, K) e4m3 and scales (E, N/128, K/128)
     fp32, or None without forward_copy; q_t (E, K, N) e4m3 and scales_t (E, K/128, N/128) fp32, or None
     without transposed): the fprop operand and the dgrad operand, each only if asked for (at least
-    one), in one pass. Ref: fp8_quantize_weight_reference."""
-    check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy)
-    q, scales, q_t, scales_t = torch.ops.megatron_mok.fp8_quantize_weight(weight, transposed, pow2, forward_copy)
+    one), in one pass. expert_offsets (E + 1,) int32 (a grouped GEMM's segments): only the experts
+    with rows there (offsets[e] < offsets[e + 1]) are quantized, the other experts' parts of the
+    copies are left unwritten, for a GEMM over those segments alone (it reads no block of an expert
+    without rows). Ref: fp8_quantize_weight_reference."""
+    check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy, expert_offsets)
+    q, scales, q_t, scales_t = torch.ops.megatron_mok.fp8_quantize_weight(weight, transposed, pow2, forward_copy,
+                                                                          expert_offsets)
     return (q if forward_copy else None, scales if forward_copy else None,
             q_t if transposed else None, scales_t if transposed else None)
 
@@ -306,14 +311,15 @@ def fp8_quantize_weight_reference(
             q_t if transposed else None, scales_t if transposed else None)
 
 
-def fp8_transpose_weight(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+def fp8_transpose_weight(q: Tensor, scales: Tensor, expert_offsets: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """A weight's 128x128 quantization, q (E, N, K) e4m3 with scales (E, N/128, K/128) fp32 (from
     fp8_quantize_weight or quantization.quantize_weight) -> its transposed copy (q_t (E, K, N) e4m3,
     scales_t (E, K/128, N/128) fp32): a 128x128 block transposes exactly, so these are the bytes
     fp8_quantize_weight(weight, transposed=True) makes from the weight itself, moved instead of
-    quantized again. Ref: fp8_transpose_weight_reference."""
-    check_fp8_transpose_weight_args(q, scales)
-    return torch.ops.megatron_mok.fp8_transpose_weight(q, scales)
+    quantized again. expert_offsets: as fp8_quantize_weight's (only the experts with rows there).
+    Ref: fp8_transpose_weight_reference."""
+    check_fp8_transpose_weight_args(q, scales, expert_offsets)
+    return torch.ops.megatron_mok.fp8_transpose_weight(q, scales, expert_offsets)
 
 
 def fp8_transpose_weight_reference(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
@@ -439,7 +445,7 @@ def check_fp8_quantize_swiglu_backward_args(gate_up, grad_act, expert_offsets, p
     _check_placement(op, {"gate_up": gate_up, "grad_act": grad_act, "expert_offsets": expert_offsets}, aligned=2)
 
 
-def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True) -> None:
+def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True, expert_offsets=None) -> None:
     """As check_fp8_quantize_rows_args, for fp8_quantize_weight."""
     op = "fp8_quantize_weight"
     if not isinstance(weight, torch.Tensor):
@@ -456,10 +462,11 @@ def check_fp8_quantize_weight_args(weight, transposed, pow2, forward_copy=True) 
     _check_flag(op, "forward_copy", forward_copy)
     if not (transposed or forward_copy):
         _fail(op, "forward_copy or transposed must be True (at least one copy)")
-    _check_placement(op, {"weight": weight})
+    _check_weight_copy_offsets(op, expert_offsets, weight.shape[0])
+    _check_placement(op, {"weight": weight} | ({"expert_offsets": expert_offsets} if expert_offsets is not None else {}))
 
 
-def check_fp8_transpose_weight_args(q, scales) -> None:
+def check_fp8_transpose_weight_args(q, scales, expert_offsets=None) -> None:
     """As check_fp8_quantize_rows_args, for fp8_transpose_weight."""
     op = "fp8_transpose_weight"
     _check_tensor(op, "q", q, E4M3, 3, "(E, N, K)")
@@ -470,4 +477,15 @@ def check_fp8_transpose_weight_args(q, scales) -> None:
     wanted = (q.shape[0], q.shape[1] // FP8_BLOCK, q.shape[2] // FP8_BLOCK)
     if tuple(scales.shape) != wanted:
         _fail(op, f"scales must be (E, N/128, K/128) = {wanted} for q {tuple(q.shape)}, got {tuple(scales.shape)}")
-    _check_placement(op, {"q": q, "scales": scales})
+    _check_weight_copy_offsets(op, expert_offsets, q.shape[0])
+    _check_placement(op, {"q": q, "scales": scales} | ({"expert_offsets": expert_offsets} if expert_offsets is not None else {}))
+
+
+def _check_weight_copy_offsets(op: str, expert_offsets, experts: int) -> None:
+    """None, or a grouped GEMM's segments (E + 1,) int32 (which experts a weight copy is made for)."""
+    if expert_offsets is None:
+        return
+    _check_tensor(op, "expert_offsets", expert_offsets, torch.int32, 1, "(E + 1,)", optional=True)
+    if expert_offsets.shape[0] != experts + 1:
+        _fail(op, f"expert_offsets must be (E + 1,) = ({experts + 1},) for {experts} experts, "
+                  f"got {tuple(expert_offsets.shape)}")

@@ -282,11 +282,12 @@ def _record_weight_quantizations(monkeypatch) -> list:
     "moved" for each transposed copy made from a forward copy."""
     calls = []
 
-    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
+    def quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True, expert_offsets=None):
         calls.append((pow2, forward_copy, transposed))
+        # (every expert quantized: the contract leaves the blocks of experts without rows open)
         return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
 
-    def transpose_weight(q, scales):
+    def transpose_weight(q, scales, expert_offsets=None):
         calls.append("moved")
         return ops.fp8_transpose_weight_reference(q, scales)
 
@@ -331,8 +332,8 @@ def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(mo
 
 
 def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
-    """copies_held(True) (functional's backward over several receive windows): the kernel
-    maker makes each weight's transposed copy once inside the block, per weight and pow2, and per call
+    """copies_held(True) (a pass over several receive windows): the kernel maker's
+    quantized_transposed makes each weight's transposed copy once inside the block, per weight and pow2, and per call
     again after it; copies_held(False) changes nothing."""
     calls = _record_weight_quantizations(monkeypatch)
     fc1, fc2 = (torch.randn(1, 128, 256) / 10).bfloat16(), (torch.randn(1, 256, 128) / 10).bfloat16()

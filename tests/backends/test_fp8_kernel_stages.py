@@ -185,14 +185,34 @@ def _sim_fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, *, pow2
     return ops.fp8_quantize_swiglu_backward_reference(gate_up, grad_act, expert_offsets, pow2)
 
 
-def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True):
-    _meets_the_op_contract(fp8_quant.check_fp8_quantize_weight_args, weight, transposed, pow2, forward_copy)
-    return ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
+def _poison_experts_without_rows(copies, expert_offsets):
+    """The weight copies with expert_offsets: the blocks of experts without rows there are left
+    unwritten by the kernels; here NaN bytes and scales, so a GEMM that read one would show it."""
+    if expert_offsets is None:
+        return copies
+    empty = expert_offsets[1:] == expert_offsets[:-1]
+    poisoned = []
+    for copy in copies:
+        if copy is not None:
+            copy = copy.clone()
+            if copy.dtype == E4M3:
+                copy.view(torch.uint8)[empty] = 0x7F  # E4M3 NaN
+            else:
+                copy[empty] = float("nan")
+        poisoned.append(copy)
+    return tuple(poisoned)
 
 
-def _sim_fp8_transpose_weight(q, scales):
-    _meets_the_op_contract(fp8_quant.check_fp8_transpose_weight_args, q, scales)
-    return ops.fp8_transpose_weight_reference(q, scales)
+def _sim_fp8_quantize_weight(weight, *, transposed=True, pow2=False, forward_copy=True, expert_offsets=None):
+    _meets_the_op_contract(fp8_quant.check_fp8_quantize_weight_args, weight, transposed, pow2, forward_copy,
+                           expert_offsets)
+    copies = ops.fp8_quantize_weight_reference(weight, pow2, transposed=transposed, forward_copy=forward_copy)
+    return _poison_experts_without_rows(copies, expert_offsets)
+
+
+def _sim_fp8_transpose_weight(q, scales, expert_offsets=None):
+    _meets_the_op_contract(fp8_quant.check_fp8_transpose_weight_args, q, scales, expert_offsets)
+    return _poison_experts_without_rows(ops.fp8_transpose_weight_reference(q, scales), expert_offsets)
 
 
 SIMULATED = {

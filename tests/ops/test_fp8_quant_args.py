@@ -187,6 +187,15 @@ BAD_ARGS = {
     "transpose_q_not_contiguous": ("fp8_transpose_weight", transpose_args,
                                    dict(q=torch.zeros(2, 384, 256, dtype=E4M3).transpose(1, 2)), "q must be contiguous"),
     "transpose_cpu": ("fp8_transpose_weight", transpose_args, {}, "q must be a CUDA tensor"),
+    "weight_offsets_int64": ("fp8_quantize_weight", weight_args, dict(expert_offsets=torch.zeros(3, dtype=torch.int64)),
+                             "expert_offsets must be torch.int32"),
+    "weight_offsets_length": ("fp8_quantize_weight", weight_args, dict(expert_offsets=torch.zeros(2, dtype=torch.int32)),
+                              r"expert_offsets must be \(E \+ 1,\) = \(3,\) for 2 experts, got \(2,\)"),
+    "transpose_offsets_2d": ("fp8_transpose_weight", transpose_args,
+                             dict(expert_offsets=torch.zeros(1, 3, dtype=torch.int32)), r"expert_offsets must be \(E \+ 1,\)"),
+    "transpose_offsets_length": ("fp8_transpose_weight", transpose_args,
+                                 dict(expert_offsets=torch.zeros(4, dtype=torch.int32)),
+                                 r"expert_offsets must be \(E \+ 1,\) = \(3,\) for 2 experts, got \(4,\)"),
 }
 
 
@@ -195,6 +204,8 @@ def test_bad_argument_is_a_value_error_naming_it(case):
     op, build, changes, words = BAD_ARGS[case]
     args = build(**changes)
     keywords = ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy")
+    if op in ("fp8_quantize_weight", "fp8_transpose_weight"):
+        keywords += ("expert_offsets",)
     if op == "fp8_quantize_columns":
         keywords += ("row_index", "row_weights")  # keyword-only there
     flags = {name: args.pop(name) for name in keywords if name in args}

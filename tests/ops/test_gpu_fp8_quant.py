@@ -533,6 +533,35 @@ def test_transposed_copy_from_the_quantized_weight(shape, kind, dtype, pow2):
     assert_scales_equal(scales_t, from_weight_scales, "scales_t against the copy quantized from the weight")
 
 
+# Segments of a grouped GEMM over 5 experts: experts 1 and 3 without rows, as in a receive window
+# that holds a few of the experts.
+SEGMENT_OFFSETS = [0, 130, 130, 300, 300, 301]
+
+
+@pytest.mark.parametrize("copy", ["forward", "transposed", "both", "from_forward_copy"])
+def test_weight_copies_for_segments_equal_the_whole_copies_where_read(copy):
+    """expert_offsets (the copies of a GEMM over those segments, e.g. a receive window's): every
+    block of an expert with rows is the whole copy's, bit for bit (the blocks of experts without rows
+    are left unwritten: no GEMM over those segments reads them); offsets with no rows at all and
+    offsets with every expert give the same."""
+    w = weight_values("gaussian", (5, 2048, 7168), torch.bfloat16, seed=11)
+    whole = ops.fp8_quantize_weight(w)
+    for offsets_host in (SEGMENT_OFFSETS, [0, 1, 2, 3, 4, 5], [7] * 6):
+        offsets = torch.tensor(offsets_host, dtype=torch.int32, device="cuda")
+        with_rows = [e for e in range(5) if offsets_host[e] < offsets_host[e + 1]]
+        poison_allocator()
+        if copy == "from_forward_copy":
+            got = (None, None) + ops.fp8_transpose_weight(whole[0], whole[1], offsets)
+        else:
+            got = ops.fp8_quantize_weight(w, transposed=copy != "forward", forward_copy=copy != "transposed",
+                                          expert_offsets=offsets)
+        for g, want, what in zip(got, whole, ("q", "scales", "q_t", "scales_t")):
+            if g is None:
+                continue
+            for e in with_rows:
+                (assert_q_equal if g.dtype == E4M3 else assert_scales_equal)(g[e], want[e], f"{what}[{e}]")
+
+
 # ---- the quotient v / scale, exhaustively over bf16 ---------------------------------------------
 
 def every_bf16_quotient_block(first_amax_bits: int, end_amax_bits: int) -> torch.Tensor:
