@@ -44,6 +44,14 @@ if [ "${REBUILD:-0}" = 1 ] || ! ls megatron_mok/_C*.so >/dev/null 2>&1; then
 fi
 PYTEST="python3 -m pytest -q -p no:cacheprovider --no-header -rfE ${PYTEST_ARGS:-}"
 
+# The largest EP the emulated DeepSeek-V3 ranks of ep_memory_fp8 fit: 8 on a card of over 100 GB, else 4.
+ep_ranks() {
+    local mib
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    if [ "${mib:-0}" -gt 100000 ]; then echo 8; else echo 4; fi
+}
+export -f ep_ranks
+
 step_command() {  # prints "BOUND COMMAND" for a step name
     case "$1" in
         tol) echo 200 "$PYTEST tests/backends/test_gpu_kernels.py tests/backends/test_gpu_reference.py tests/ops/test_gpu_expert_gemm.py tests/megatron/test_grouped_mm_experts.py" ;;
@@ -62,8 +70,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_layer) echo 200 "$PYTEST tests/backends/test_gpu_fp8_reference.py tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
         # The FP8 layer's per-rank memory against layer_memory_bound, every routing, EP 1 and 4, one window and several.
         fp8_memory) echo 200 "$PYTEST -s tests/comm/test_gpu_fp8_memory.py tests/comm/test_gpu_emulation.py -k memory" ;;
-        # Per-rank memory at the DeepSeek-V3 shape, EP 1, 2 and 8 (emulated ranks): FP8 without and with the weight cache, BF16 beside.
-        ep_memory_fp8) echo 300 "python3 scripts/ep_memory.py --ranks 1,2,8 --precision fp8_blockwise --no-fp8-weight-cache --json \$OUT/ep_memory_fp8_uncached.json && python3 scripts/ep_memory.py --ranks 1,8 --precision fp8_blockwise && python3 scripts/ep_memory.py --ranks 1,2,8" ;;
+        # Per-rank memory at the DeepSeek-V3 shape, EP 1, 2 and 8 (emulated ranks; 4 instead of 8 on a
+        # card under 100 GB, where eight ranks do not fit): FP8 without and with the weight cache, BF16 beside.
+        ep_memory_fp8) echo 300 "r=\$(ep_ranks) && python3 scripts/ep_memory.py --ranks 1,2,\$r --precision fp8_blockwise --no-fp8-weight-cache --json \$OUT/ep_memory_fp8_uncached.json && python3 scripts/ep_memory.py --ranks 1,\$r --precision fp8_blockwise && python3 scripts/ep_memory.py --ranks 1,2,\$r" ;;
         # Where the one-rank layer's memory peaks, stage by stage (DeepSeek-V3 shape): FP8 with and without the weight cache, BF16.
         memory_stages) echo 200 "python3 scripts/memory_stages.py --precision fp8_blockwise && python3 scripts/memory_stages.py --precision fp8_blockwise --no-fp8-weight-cache && python3 scripts/memory_stages.py" ;;
         fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;
