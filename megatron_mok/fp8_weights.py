@@ -33,9 +33,12 @@ after its GEMM, so that only a fraction of a transposed copy exists at a time, a
 with rows in the GEMM's segments only: a backward over several receive windows (each holding a few
 experts' rows) transposes each expert about once in all, and holds no copy between its windows.
 Likewise a backward window's recomputed gate/up takes the cached forward copy, or without one a
-copy of its experts with rows (quantized_for_segments), made for that GEMM alone. A forward over
+copy of its experts with rows, made range of experts by range for that GEMM alone
+(forward_experts). A forward over
 several windows without the cache (cache=False) quantizes each weight's forward copy once for all of
-them (copies_held).
+them (copies_held), and so does the reference backend's backward with its whole forward and
+transposed copies (the kernel backend's backward makes only the per-GEMM copies above, held by no
+block).
 Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
 replay.
 """
@@ -139,20 +142,25 @@ def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cach
 def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
     """weight (E, N, K) -> the quantization of its transpose, (E, K, N) with (E, K/128, N/128) scales:
     cached beside quantized's copy (kernels=False), or made afresh by a kernel (kernels=True, never
-    held past the caller's use: see the module's docstring), from the cached forward copy where there
-    is one, else from the weight. cache=False: as quantized's, nothing cached or read from the cache
-    (the reference makes it from a fresh forward copy, the kernels from the weight)."""
+    cached: see the module's docstring), from the cached forward copy where there is one, else from
+    the weight. cache=False: as quantized's, nothing cached or read from the cache (the reference
+    makes it from a fresh forward copy, the kernels from the weight). A copy not read from the cache
+    is made once for a copies_held block that holds."""
     if kernels:
         return _held_or_made((id(weight), pow2, kernels, "transposed"),
                              lambda: transposed_experts(weight, 0, weight.shape[0], pow2, cache=cache))
     entry = _entry(weight, pow2, kernels) if cache else None
     if entry is None:
-        copy = quantized(weight, pow2, cache=False)
-        return QuantizedWeight(*transpose_weight(copy.values, copy.scales))
+        return _held_or_made((id(weight), pow2, kernels, "transposed"), lambda: _transposed(quantized(weight, pow2, cache=False)))
     with _LOCK:
         if entry.transposed is None:
-            entry.transposed = QuantizedWeight(*transpose_weight(entry.weight.values, entry.weight.scales))
+            entry.transposed = _transposed(entry.weight)
         return entry.transposed
+
+
+def _transposed(copy: QuantizedWeight) -> QuantizedWeight:
+    """The PyTorch maker's transposed copy of a forward copy."""
+    return QuantizedWeight(*transpose_weight(copy.values, copy.scales))
 
 
 def transposed_experts(
@@ -165,10 +173,10 @@ def transposed_experts(
     is cached, else quantized from the weight's. expert_offsets (end - first + 1,) int32, the segments
     of the GEMM the copy is for: only the experts with rows there are made (the others' parts are left
     unwritten; that GEMM reads none of them), so the copies for the receive windows of one backward
-    move each expert's blocks about once in all, not once per window. Not held here: a dgrad that
-    multiplies expert range by expert range makes and frees one range's copy at a time, so no more
-    than that range's bytes exist at once (quantized_transposed, kernels=True, takes all E experts and
-    holds them inside copies_held)."""
+    move each expert's blocks about once in all, not once per window. Never held (copies_held does not
+    apply): a dgrad that multiplies expert range by expert range makes and frees one range's copy at a
+    time, so no more than that range's bytes exist at once. (quantized_transposed(kernels=True) is this
+    over all E experts.)"""
     if not 0 <= first < end <= weight.shape[0]:
         raise ValueError(f"transposed_experts: need 0 <= first < end <= E = {weight.shape[0]}, got [{first}, {end})")
     forward = _valid_entry(weight, pow2, True) if cache else None
@@ -182,25 +190,27 @@ def transposed_experts(
     return QuantizedWeight(q_t, scales_t)
 
 
-def quantized_for_segments(weight: Tensor, expert_offsets: Tensor, pow2: bool = False, *,
-                           cache: bool = True) -> QuantizedWeight:
-    """The kernel maker's forward copy for a GEMM over expert_offsets' segments ((E + 1,) int32): the
-    cached copy where one is valid (cache), else the experts with rows there alone, quantized from
-    the weight (the other experts' parts left unwritten), neither cached nor held: a backward window's
-    recomputed gate/up, so that without the cache no whole forward copy outlives its GEMM and the
-    windows of one backward quantize each expert about once in all."""
+def forward_experts(
+    weight: Tensor, first: int, end: int, pow2: bool = False, *, cache: bool = True,
+    expert_offsets: Optional[Tensor] = None,
+) -> QuantizedWeight:
+    """The kernel maker's forward copy of experts [first, end) of weight (E, N, K) for a GEMM over
+    expert_offsets' segments ((end - first + 1,) int32): the cached copy's experts (a view, no bytes
+    moved) where one is valid (cache), else those experts with rows there alone, quantized from the
+    weight ((end - first, N, K) e4m3 and (end - first, N/128, K/128) fp32; the other experts' parts
+    left unwritten), neither cached nor held: a backward window's recomputed gate/up, made range of
+    experts by range like the dgrads (transposed_experts), so that without the cache no more than a
+    range's share of fc1's copy exists at once and the windows of one backward quantize each expert
+    about once in all."""
+    if not 0 <= first < end <= weight.shape[0]:
+        raise ValueError(f"forward_experts: need 0 <= first < end <= E = {weight.shape[0]}, got [{first}, {end})")
     entry = _valid_entry(weight, pow2, True) if cache else None
     if entry is not None:
-        return entry.weight
+        return QuantizedWeight(entry.weight.values[first:end], entry.weight.scales[first:end])
     with torch.no_grad():
-        q, scales, _, _ = ops.fp8_quantize_weight(kernel_ready(weight.detach()), transposed=False, pow2=pow2,
+        q, scales, _, _ = ops.fp8_quantize_weight(kernel_ready(weight.detach()[first:end]), transposed=False, pow2=pow2,
                                                   expert_offsets=expert_offsets)
     return QuantizedWeight(q, scales)
-
-
-def holding() -> bool:
-    """Whether a copies_held block that holds is open in this thread (a pass over several windows)."""
-    return getattr(_HELD, "copies", None) is not None
 
 
 def _held_or_made(key: tuple, make) -> QuantizedWeight:
@@ -218,7 +228,8 @@ def _held_or_made(key: tuple, make) -> QuantizedWeight:
 @contextlib.contextmanager
 def copies_held(hold: bool):
     """With hold, the copies made afresh inside the block (in this thread) are made once and kept
-    until it ends: the kernel maker's transposed copies and the uncached (cache=False) forward copies.
+    until it ends: the uncached (cache=False) forward copies and quantized_transposed's copies not read
+    from the cache (not transposed_experts' or forward_experts', made for one GEMM each).
     A pass over several receive windows, whose every window reads the same weights, then quantizes
     each weight once instead of once per window (a weight cannot change inside one forward or
     backward: autograd refuses in-place changes of a saved tensor). Without hold nothing changes: one

@@ -318,16 +318,20 @@ def backward(
         )
         for _ in range(2)
     )
-    # (FP8: each window's weight copies are of its experts with rows alone, made for their GEMMs and
-    # freed after them; none is held across the windows: fp8_weights.)
-    for window in passes:
-        # (One call per window: its buffers are freed before the next window's are allocated.)
-        window_d_x = _backward_window(
-            stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
-            need_input_grads, need_weight_grads, grad_y.dtype, release_saved,
-        )
-        if window.last:
-            d_x = window_d_x
+    # FP8 on the kernels: each window's weight copies are of its experts with rows alone, made for
+    # their GEMMs and freed after them, so none is held across the windows (fp8_weights). The reference
+    # backend's copies are whole weights: without the cache, one of each is held for all the windows
+    # rather than made again in every one.
+    hold = fp8 is not None and ctx.backend == "reference" and len(passes) > 1
+    with fp8_weights.copies_held(hold):
+        for window in passes:
+            # (One call per window: its buffers are freed before the next window's are allocated.)
+            window_d_x = _backward_window(
+                stages, ctx, window, sources, returned, fc1, fc2, d_fc1, d_fc2,
+                need_input_grads, need_weight_grads, grad_y.dtype, release_saved,
+            )
+            if window.last:
+                d_x = window_d_x
     sources.release(exchange)
 
     return Grads(
@@ -423,16 +427,20 @@ def _backward_window(
         gate_up, act = _recompute_gate_up(stages, sources.rows_for_gate_up, window.schedule, fc1), None
     grad_slot_out = stages.pull_route_grads(sources.grad, window.schedule)
     grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
+    if need_weight_grads and act is None:
+        act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
+    # gate/up's last readers, the SwiGLU backward and act's, ran: freed before the fc2 weight
+    # gradient's operands are pulled.
+    gate_up = None
+    if release_saved and window.index == 0:
+        _release_saved(ctx, "gate_up")
     if need_weight_grads:
         if sources.grad_for_weights is not sources.grad:  # (FP8: the dgrad's rows were FP8)
             grad_slot_out = None  # (freed before the rows in the activation dtype are pulled)
             grad_slot_out = (stages.weight_grad_route_grads or stages.pull_route_grads)(sources.grad_for_weights, window.schedule)
-        if act is None:
-            act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
         d_fc2.add(grad_slot_out, act, window)
-    del grad_slot_out, gate_up, act
-    if release_saved and window.index == 0:  # their last readers, the SwiGLU backward and d fc2, ran
-        _release_saved(ctx, "gate_up")
+    del grad_slot_out, act
+    if release_saved and window.index == 0:  # its last reader, d fc2, ran
         _release_saved(ctx, "act")
     d_x = None
     if returned is not None:

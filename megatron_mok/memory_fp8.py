@@ -44,9 +44,12 @@ Terms, per rank and per layer call:
                where the w * dY rows and the x rows are s*W*H pulled from the peers' regions over
                the in-kernel exchange (windowed), and otherwise gathered by the column kernel
                straight from one tensor: 32*W bytes of row indices and weights (RowsToGather)
-               (+ at M > 1 the recomputed gate/up s*W*2F in the stages up to the fc2 weight
-               gradient, and a stage of its own that makes it from the dispatched rows, without
-               the cache through fc1's forward copy Wq(2F, H) made for that GEMM and freed after it)
+               (+ at M > 1 the recomputed gate/up s*W*2F in the stages up to act's column-wise
+               quantization, made right after the SwiGLU backward, and a stage of its own that makes
+               it from the dispatched rows, without the cache through fc1's forward copy Wq(2F, H)
+               made for that GEMM range of experts by range, one range's share at a time; where act
+               comes from that GEMM's epilogue (tuning.FP8_ACT_QUANTIZE) the whole copy and its act
+               A(W, F), dropped after it)
     every term + 1 MB per buffer (memory.ALLOCATOR_BLOCK_SLACK)
     symmetric  the bf16 regions and the FP8 ones (comm/symmetric.py FP8_REGIONS)
 
@@ -151,14 +154,20 @@ def fp8_layer_memory_bound(
     # kernel_fp8.recompute_gate_up) and holds it until the fc2 weight gradient has run; without the
     # cache through a copy of fc1 (its experts with rows; allocated whole) made for that GEMM alone.
     recomputed = s * w * 2 * f if m > 1 else 0
-    recompute_copy = weight_copy_bytes(e, 2 * f, h) if m > 1 and not config.fp8_cache_weights else 0
+    # Where act comes from the gate/up GEMM's epilogue, that GEMM made again writes an act (dropped)
+    # and takes the whole copy in one launch; otherwise the copy is made range of experts by range.
+    act_in_epilogue = tuning.FP8_ACT_QUANTIZE == "gemm_epilogue" and not config.fp8_pow2_scales
+    recompute_act = act_q if m > 1 and act_in_epilogue else 0
+    recompute_copy = 0
+    if m > 1 and not config.fp8_cache_weights:
+        recompute_copy = weight_copy_bytes(e if act_in_epilogue else span, 2 * f, h)
     stages = (
-        recomputed + rows_q + recompute_copy,  # the gate/up made again
+        recomputed + rows_q + recompute_copy + recompute_act,  # the gate/up made again
         recomputed + rows_q + s * w * f + transposed_per_stage[0],  # the down dgrad
         recomputed + rows_q + s * w * f + s * w * 2 * f + grad_gate_up_rows,  # the SwiGLU backward's pass
         recomputed + rows_q + s * w * 2 * f + grad_gate_up_rows + grad_gate_up_columns,  # then d gate_up's columns
-        recomputed + grad_gate_up_rows + grad_gate_up_columns + wgrad_rows + quantized_columns_bytes(w, h)
-        + quantized_columns_bytes(w, f),  # the fc2 weight gradient
+        grad_gate_up_rows + grad_gate_up_columns + wgrad_rows + quantized_columns_bytes(w, h)
+        + quantized_columns_bytes(w, f),  # the fc2 weight gradient (gate/up freed once act's columns are made)
         grad_gate_up_rows + grad_gate_up_columns + transposed_per_stage[1] + s * w * h,  # the gate/up dgrad
         grad_gate_up_columns + wgrad_rows + quantized_columns_bytes(w, h),  # the fc1 weight gradient
     )

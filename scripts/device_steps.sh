@@ -75,6 +75,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         ep_memory_fp8) echo 300 "r=\$(ep_ranks) && python3 scripts/ep_memory.py --ranks 1,2,\$r --precision fp8_blockwise --no-fp8-weight-cache --json \$OUT/ep_memory_fp8_uncached.json && python3 scripts/ep_memory.py --ranks 1,\$r --precision fp8_blockwise && python3 scripts/ep_memory.py --ranks 1,2,\$r" ;;
         # Where the one-rank layer's memory peaks, stage by stage (DeepSeek-V3 shape): FP8 with and without the weight cache, BF16.
         memory_stages) echo 200 "python3 scripts/memory_stages.py --precision fp8_blockwise && python3 scripts/memory_stages.py --precision fp8_blockwise --no-fp8-weight-cache && python3 scripts/memory_stages.py" ;;
+        # The same over the in-kernel exchange in 4 receive windows (receive_capacity_factor 0.25), as an EP 4 rank's.
+        memory_stages_windows) echo 200 "for a in '--precision fp8_blockwise --no-fp8-weight-cache' '--precision fp8_blockwise' ''; do python3 scripts/memory_stages.py --factor 0.25 \$a; done" ;;
         fp8_no_tokens) echo 120 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k without_tokens" ;;
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
@@ -111,6 +113,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # Shared memory's load on the FP8 GEMM (fc1, every mainloop, beside torch's FP8 rowwise) and weight gradient (fc2):
         # bank reads and writes (the wgmmas' operand reads, the TMA writes, the promotion's loads) against the tensor pipe.
         fp8_smem) echo 240 "for p in fc1 wgrad_fc2; do ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertGemm|Fp8ExpertWgrad|cutlass' --launch-skip 2 --launch-count 4 --csv --page raw --metrics 'l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection \$p > \$OUT/smem_\$p.csv && python3 scripts/ncu_stalls.py \$OUT/smem_\$p.csv; done" ;;
+        # The layer at EP = 1 over the in-kernel exchange in one receive window and in several, BF16 and
+        # FP8, the FP8 dgrads in one expert range per window and in tuning's ranges.
+        windows_bench) echo 200 "python3 scripts/bench_windows.py" ;;
         # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
         quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss

@@ -4,7 +4,11 @@ it runs and what it leaves, in MB above what was allocated before the forward (t
 and weight cache of a warm-up call excluded, as scripts/ep_memory.py counts them).
 
     python3 scripts/memory_stages.py [--shape deepseek_v3] [--precision fp8_blockwise]
-                                     [--no-fp8-weight-cache] [--routing uniform]
+                                     [--no-fp8-weight-cache] [--routing uniform] [--factor 0.25]
+
+--factor runs the rank over the in-kernel exchange (one rank of megatron_mok.emulation) with that
+MoKConfig.receive_capacity_factor: below 1 its rows go through several receive windows, as an EP > 1
+rank's do (its symmetric regions are not in the figures: scripts/ep_memory.py counts them).
 
 A weight gradient's stages (weight_grad_window, weight_grad_into, segment_weight_grad) include the
 result they write into; the layer's own peak is the largest "peak" of the table. One GPU, EP = 1.
@@ -24,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "comm"))
 from test_emulation import make_problem  # noqa: E402
 
 from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe  # noqa: E402
+from megatron_mok.emulation import EmulatedGroup  # noqa: E402
 from ep_memory import SHAPES  # noqa: E402
 
 MB = 1 << 20
@@ -58,15 +63,23 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
     parser.add_argument("--no-fp8-weight-cache", action="store_true")
     parser.add_argument("--routing", default="uniform")
+    parser.add_argument("--factor", type=float, default=None)
     args = parser.parse_args()
     t, h, f, e, k = SHAPES[args.shape]
     config = MoKConfig(backend="kernel", precision=args.precision, fp8_cache_weights=not args.no_fp8_weight_cache)
+    group = None
+    if args.factor is not None:
+        config = dataclasses.replace(config, exchange="symmetric", receive_capacity_factor=args.factor)
+        group = EmulatedGroup(1, "cuda", exchange="symmetric")
     x, ids, weights, fc1, fc2, grad = make_problem(1, t, h, f, e, k, args.routing, "cuda", torch.bfloat16, 31)
     x, ids, weights, grad = x[0], ids[0], weights[0], grad[0]
     leaves = [v.detach().requires_grad_() for v in (x, weights, fc1, fc2)]
 
     def call():
-        y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)
+        if group is None:
+            y = mok_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], config=config)
+        else:
+            (y,) = group.mok_moe([leaves[0]], [ids], [leaves[1]], [leaves[2]], [leaves[3]], config=config)
         y.backward(grad)
         for leaf in leaves:
             leaf.grad = None
@@ -86,7 +99,8 @@ def main() -> None:
     finally:
         functional.stages_for = original
     cached = fp8_weights.cached_count()
-    print(f"{args.shape} (T, H, F, E, K) = {(t, h, f, e, k)}, {args.precision}, routing {args.routing}, "
+    windows = "" if args.factor is None else f"symmetric exchange, factor {args.factor}, "
+    print(f"{args.shape} (T, H, F, E, K) = {(t, h, f, e, k)}, {args.precision}, routing {args.routing}, {windows}"
           f"weight cache {'on' if config.fp8_cache_weights else 'off'} ({cached} weights cached, not counted)")
     print(f"{'stage':<24} {'at entry MB':>12} {'peak MB':>9} {'at exit MB':>11}")
     for name, before, peak, after in records:

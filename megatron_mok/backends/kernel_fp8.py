@@ -17,7 +17,7 @@ dtype is bf16 (the kernel backend's). Per stage:
                        bytes either way in the rows before the schedule's end (the only ones read)
     recompute_gate_up  backward's gate/up of a window after the first: the dispatch and the GEMM of
                        dispatch_gate_up, bitwise its gate_up, without the act quantization (the fc2
-                       weight gradient quantizes act from gate_up: ActOfGateUp)
+                       weight gradient quantizes act from gate_up: ActColumns)
     expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's)
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
@@ -36,7 +36,7 @@ dtype is bf16 (the kernel backend's). Per stage:
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
                        bf16 values (fc1's rows straight from the source x and fc2's w * dY straight
                        from dY and the route weights, never gathered into a (capacity, H) copy:
-                       RowsToGather; fc2's act from gate_up: ActOfGateUp) ->
+                       RowsToGather; fc2's act from gate_up: ActColumns) ->
                        ops.fp8_expert_wgrad, the fp32 sums
                        rounded once into the bf16 result in the kernel; over several receive windows
                        one fp32 (E, m, n) carried from window to window (bitwise one pass), the last
@@ -96,21 +96,29 @@ def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWe
 
 def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
     """(capacity, N) e4m3 rows times weight (E, N, K) bf16 per segment -> (capacity, K) bf16, through the
-    weight's transposed FP8 copy (E, K, N), multiplied range of experts by range
-    (tuning.FP8_DGRAD_EXPERT_RANGES ranges): each range's copy is made, multiplied on the range's
-    offsets into the one output and freed, so at most a range's share of the copy exists at once
-    (bitwise one launch over the whole copy: every row's sums are its own). A range's copy holds only
-    its experts with rows in `offsets` (fp8_weights.transposed_experts): the windows of a backward over
-    several receive windows transpose each expert about once in all and hold no copy between them."""
-    experts = weight.shape[0]
-    span = tuning.fp8_dgrad_expert_span(experts)
+    weight's transposed FP8 copy (E, K, N), range of experts by range (_gemm_by_expert_ranges). A
+    range's copy holds only its experts with rows in `offsets` (fp8_weights.transposed_experts): the
+    windows of a backward over several receive windows transpose each expert about once in all and
+    hold no copy between them."""
     copy_of = functools.partial(fp8_weights.transposed_experts, weight, pow2=recipe.pow2_scales,
                                 cache=recipe.cache_weights)
-    if span >= experts:
-        return _gemm(values, gemm_a_scales, copy_of(0, experts, expert_offsets=offsets), offsets)
-    out = torch.empty((values.shape[0], weight.shape[2]), dtype=torch.bfloat16, device=values.device)
-    for first in range(0, experts, span):
-        end = min(experts, first + span)
+    return _gemm_by_expert_ranges(values, gemm_a_scales, offsets, weight.shape[0], weight.shape[2], copy_of)
+
+
+def _gemm_by_expert_ranges(values: Tensor, gemm_a_scales: Tensor, offsets: Tensor, num_experts: int,
+                           out_columns: int, copy_of) -> Tensor:
+    """(capacity, K) e4m3 rows times a weight copy made range of experts by range
+    (tuning.FP8_DGRAD_EXPERT_RANGES ranges) -> (capacity, out_columns) bf16: each range's copy
+    (copy_of(first, end, expert_offsets=offsets[first:end + 1]), a QuantizedWeight of experts
+    [first, end)) is made, multiplied on the range's offsets into the one output and freed, so at most
+    a range's share of the copy exists at once; bitwise one launch over the whole copy (every row's
+    sums are its own)."""
+    span = tuning.fp8_dgrad_expert_span(num_experts)
+    if span >= num_experts:
+        return _gemm(values, gemm_a_scales, copy_of(0, num_experts, expert_offsets=offsets), offsets)
+    out = torch.empty((values.shape[0], out_columns), dtype=torch.bfloat16, device=values.device)
+    for first in range(0, num_experts, span):
+        end = min(num_experts, first + span)
         range_offsets = offsets[first:end + 1]
         copy = copy_of(first, end, expert_offsets=range_offsets)
         _gemm(values, gemm_a_scales, copy, range_offsets, out=out)
@@ -193,19 +201,20 @@ def _act_in_gemm_epilogue(recipe: Fp8Recipe) -> bool:
 
 
 def recompute_gate_up(source: RowSource, schedule: Schedule, fc1: Tensor, *, recipe: Fp8Recipe) -> Tensor:
-    """dispatch_gate_up's gate_up (capacity, 2F) bf16 alone, bitwise (the same rows, weight copy and
+    """dispatch_gate_up's gate_up (capacity, 2F) bf16 alone, bitwise (the same rows, weight bytes and
     GEMM): backward's windows after the first make act again only where they quantize it, from
-    gate_up (ActOfGateUp), so the act quantization launch is not run. Where act comes from the GEMM's
-    epilogue (no launch of its own) this is dispatch_gate_up itself: the same kernel, so the same bits
-    by construction. fc1's copy is the cached one, else one of the window's experts alone
-    (fp8_weights.quantized_for_segments: the same bytes for every block the GEMM reads), made for this
-    GEMM: no whole copy is held across a backward's windows."""
-    weight = fp8_weights.quantized_for_segments(fc1, schedule.expert_offsets, recipe.pow2_scales,
-                                                cache=recipe.cache_weights)
+    gate_up (ActColumns), so the act quantization launch is not run. fc1's copy is the cached one,
+    else made range of experts by range for this GEMM, of the window's experts with rows alone
+    (fp8_weights.forward_experts, _gemm_by_expert_ranges: the same bytes for every block the GEMM
+    reads), so no more than a range's share of it exists at once and none is held across a backward's
+    windows. Where act comes from the GEMM's epilogue (no launch of its own) this is dispatch_gate_up
+    itself over a copy of the window's experts: the same kernel, so the same bits by construction."""
+    offsets, experts = schedule.expert_offsets, fc1.shape[0]
+    copy_of = functools.partial(fp8_weights.forward_experts, fc1, pow2=recipe.pow2_scales, cache=recipe.cache_weights)
     if _act_in_gemm_epilogue(recipe):
-        return _dispatch_gate_up(source, schedule, weight, recipe)[1]
+        return _dispatch_gate_up(source, schedule, copy_of(0, experts, expert_offsets=offsets), recipe)[1]
     rows = dispatch_rows(source, schedule)
-    return _gemm(rows.values, gemm_a_layout(rows.scales), weight, schedule.expert_offsets)
+    return _gemm_by_expert_ranges(rows.values, gemm_a_layout(rows.scales), offsets, experts, fc1.shape[1], copy_of)
 
 
 def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
@@ -334,28 +343,26 @@ def weight_grad_route_grads(source: GradSource, schedule: Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class ActOfGateUp:
-    """A window's act not made: SwiGLU of gate_up, the SwiGLU kernel's bits. The fc2 weight gradient
-    quantizes it column-wise straight from gate_up (ops.fp8_quantize_swiglu_columns), so no (capacity,
-    F) bf16 act is made in backward."""
+class ActColumns:
+    """A window's act for the fc2 weight gradient, never made in bf16: SwiGLU of gate_up (the SwiGLU
+    kernel's bits) quantized 1x128 along the rows straight from gate_up
+    (ops.fp8_quantize_swiglu_columns) as soon as the SwiGLU backward has read gate_up, so that gate_up
+    is freed before the weight gradient's other operand is pulled."""
 
-    gate_up: Tensor  # (capacity, 2F) bf16
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.gate_up.shape[0], self.gate_up.shape[1] // 2)
+    columns: tuple[Tensor, Tensor]  # the column-wise FP8 values and scales of quantize_columns
+    shape: tuple[int, int]  # (capacity, F): the act it stands for
 
 
-def weight_grad_act(gate_up: Tensor, offsets: Tensor) -> ActOfGateUp:
-    """The fc2 weight gradient's act: ActOfGateUp (offsets: the window's, which its quantization reads)."""
-    return ActOfGateUp(gate_up)
+def weight_grad_act(gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> ActColumns:
+    """gate_up (capacity, 2F) bf16 -> the fc2 weight gradient's act operand, ActColumns (offsets: the
+    window's, along which its columns are quantized)."""
+    columns = ops.fp8_quantize_swiglu_columns(kernel_ready(gate_up), offsets, pow2=recipe.pow2_scales)
+    return ActColumns(columns, (gate_up.shape[0], gate_up.shape[1] // 2))
 
 
 def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     if isinstance(rows, RowsToGather):
         return quantize_columns(rows.source, offsets, pow2, row_index=rows.row_index, row_weights=rows.row_weights)
-    if isinstance(rows, ActOfGateUp):
-        return ops.fp8_quantize_swiglu_columns(kernel_ready(rows.gate_up), offsets, pow2=pow2)
     return quantize_columns(rows, offsets, pow2)
 
 
@@ -371,7 +378,7 @@ class WindowedWeightGrad:
 
 def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeightGrad], *, recipe: Fp8Recipe):
     """grad_out (W, m) bf16, RowsToGather (w * dY) or a GradGateUp (its column-wise copy), inputs (W, n) bf16, RowsToGather or
-    ActOfGateUp: a receive window's rows (receive.Window) -> both quantized 1x128 along the rows, their
+    ActColumns: a receive window's rows (receive.Window) -> both quantized 1x128 along the rows, their
     FP8 weight gradients added to the experts' chains. Returns what the next window carries
     (WindowedWeightGrad) after a window that is not the last, the (E, m, n) bf16 gradient after the
     last.
@@ -387,7 +394,10 @@ def weight_grad_window(grad_out, inputs, window, carried: Optional[WindowedWeigh
         grad, grad_scales = grad_out.columns
     else:
         grad, grad_scales = _quantize_columns(grad_out, offsets, recipe.pow2_scales)
-    values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)
+    if isinstance(inputs, ActColumns):
+        values, value_scales = inputs.columns
+    else:
+        values, value_scales = _quantize_columns(inputs, offsets, recipe.pow2_scales)
     operands = (grad, grad_scales, values, value_scales, window.full_offsets)
     num_experts, m, n = window.full_offsets.shape[0] - 1, grad_out.shape[1], inputs.shape[1]
     # The result in the activation dtype (a GradGateUp's d gate_up was bf16, the kernel backend's).
@@ -442,7 +452,7 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         route_weight_grads=bf16.route_weight_grads,
         quantize_rows=quantize_source_rows,
         weight_grad_rows=weight_grad_rows if recipe.weight_grad else None,
-        weight_grad_act=weight_grad_act if recipe.weight_grad else None,
+        weight_grad_act=bind(weight_grad_act) if recipe.weight_grad else None,
         weight_grad_route_grads=weight_grad_route_grads if recipe.weight_grad else None,
         **weight_grads,
     )

@@ -332,9 +332,10 @@ def test_the_kernel_maker_caches_the_forward_copy_and_holds_no_transposed_one(mo
 
 
 def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
-    """copies_held(True) (a pass over several receive windows): the kernel maker's
-    quantized_transposed makes each weight's transposed copy once inside the block, per weight and pow2, and per call
-    again after it; copies_held(False) changes nothing."""
+    """copies_held(True) (the reference backend's backward over several receive windows):
+    quantized_transposed makes each weight's transposed copy not read from the cache once inside the
+    block, per weight, maker and pow2, and per call again after it; copies_held(False) changes nothing.
+    (The kernel backend's backward makes per-GEMM copies, transposed_experts, which no block holds.)"""
     calls = _record_weight_quantizations(monkeypatch)
     fc1, fc2 = (torch.randn(1, 128, 256) / 10).bfloat16(), (torch.randn(1, 256, 128) / 10).bfloat16()
     with fp8_weights.copies_held(False):
@@ -356,11 +357,18 @@ def test_a_backward_over_windows_holds_each_transposed_copy_once(monkeypatch):
         first = fp8_weights.quantized_transposed(fc1, kernels=True)
         assert fp8_weights.quantized_transposed(fc1, kernels=True) is first
     assert calls == [(False, True, False), "moved"], calls
+    fp8_weights.clear()
+    with fp8_weights.copies_held(True):  # the reference maker, without the cache
+        first = fp8_weights.quantized_transposed(fc1, cache=False)
+        assert fp8_weights.quantized_transposed(fc1, cache=False) is first
+        assert fp8_weights.quantized(fc1, cache=False).values.data_ptr() != first.values.data_ptr()
+    assert fp8_weights.quantized_transposed(fc1, cache=False) is not first, "nothing is held after the block"
+    assert fp8_weights.cached_count() == 0
 
 
 def test_a_pass_over_windows_without_the_cache_quantizes_each_forward_copy_once(monkeypatch):
-    """cache=False inside copies_held(True) (a forward, or a backward's recomputed gate/up, over several
-    windows): each weight's forward copy made once per maker and pow2, apart from its transposed copy,
+    """cache=False inside copies_held(True) (a forward over several windows, or the reference backend's
+    backward): each weight's forward copy made once per maker and pow2, apart from its transposed copy,
     and nothing cached; outside the block every call quantizes afresh."""
     calls = _record_weight_quantizations(monkeypatch)
     fp8_weights.clear()

@@ -114,6 +114,40 @@ def test_fp8_backward_over_windows_holds_no_weight_copy_across_them():
     assert uncached.peak < layer_memory_bound(**DSV3, num_ranks=8).peak + transposed // 2
 
 
+def test_fp8_recompute_stage_counts_the_epilogues_act(monkeypatch):
+    """Where act comes from the gate/up GEMM's epilogue (tuning.FP8_ACT_QUANTIZE "gemm_epilogue"), a
+    window's gate/up made again in backward writes an act too (dropped after) and takes fc1's whole
+    uncached copy in one launch (the act kernel's path makes it one expert range at a time): the
+    recompute stage counts both, and a bound whose largest stage is that one grows by more than the act.
+    One window recomputes nothing, and pow2 scales take the act kernel: no change there."""
+    from megatron_mok.backends import tuning
+    from megatron_mok.memory_fp8 import gemm_a_scale_bytes, weight_copy_bytes
+
+    # Few tokens (small windows) make the recompute stage, with its uncached fc1 copy of all E
+    # experts, the largest of backward's.
+    shape = dict(DSV3, num_tokens=1024)
+    uncached = dataclasses.replace(FP8, fp8_cache_weights=False)
+
+    def bounds(**kwargs):
+        got = {}
+        for act in ("swiglu_kernel", "gemm_epilogue"):
+            monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", act)
+            got[act] = layer_memory_bound(**shape, **kwargs)
+        return got["swiglu_kernel"], got["gemm_epilogue"]
+
+    kernel, epilogue = bounds(num_ranks=8, config=uncached)
+    w, f = kernel.window_rows, shape["ffn_hidden"]
+    assert kernel.num_windows > 1
+    e, h, span = shape["num_local_experts"], shape["hidden"], tuning.fp8_dgrad_expert_span(shape["num_local_experts"])
+    copies = weight_copy_bytes(e, 2 * f, h) - weight_copy_bytes(span, 2 * f, h)
+    # (The act kernel's recompute stage, with one range's copy, is no longer its bound's largest.)
+    act = w * f + gemm_a_scale_bytes(w, f)
+    assert act < epilogue.backward_peak - kernel.backward_peak <= act + copies
+    for kwargs in (dict(config=uncached), dict(num_ranks=8, config=dataclasses.replace(uncached, fp8_pow2_scales=True))):
+        kernel, epilogue = bounds(**kwargs)
+        assert epilogue.backward_peak == kernel.backward_peak, kwargs
+
+
 @pytest.mark.parametrize("ranges", [0, -1, 2.0, True])
 def test_a_bad_expert_range_setting_is_a_value_error_naming_it(monkeypatch, ranges):
     """tuning.FP8_DGRAD_EXPERT_RANGES that is not a positive int would skip experts in the dgrads (or

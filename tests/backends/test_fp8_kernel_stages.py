@@ -488,27 +488,42 @@ def test_the_fc2_weight_gradient_quantizes_act_straight_from_gate_up(simulated_k
     assert called and set(called) == {wanted}, f"weight_grad={weight_grad}: act made by {called}"
 
 
-def test_backward_makes_gate_up_again_without_act_over_windows(simulated_kernels, monkeypatch):
+@pytest.mark.parametrize("cache_weights", [True, False])
+@pytest.mark.parametrize("routing", ["skewed", "uniform", "all_to_last_rank"])
+def test_backward_makes_gate_up_again_without_act_over_windows(simulated_kernels, monkeypatch, routing, cache_weights):
     """Over several receive windows backward makes each later window's gate/up again
     (kernel_fp8.recompute_gate_up): the GEMM alone, so the act quantization runs once per forward
     window and never in backward (backward's act is quantized from gate_up where the fc2 weight
-    gradient needs it); every output and gradient bitwise the one-window pass."""
+    gradient needs it); every output and gradient bitwise the one-window pass. Without the weight
+    cache a recomputed window's fc1 copy holds its experts with rows alone (the simulation leaves NaN
+    in the others' blocks, so a GEMM reading one shows): routings whose later windows hold rows
+    (uniform: every window; all_to_last_rank: the last rank's) make such copies, checked."""
     from megatron_mok.comm.exchange import CollectiveExchange
 
     num_ranks, t, h, f, e, k = 4, 64, 128, 128, 2, 4
-    problem = make_ranks_problem(num_ranks, t, h, f, e, k, "skewed", "cpu", torch.bfloat16, 23)
-    kernel_config, _ = _configs()
+    problem = make_ranks_problem(num_ranks, t, h, f, e, k, routing, "cpu", torch.bfloat16, 23)
+    kernel_config = dataclasses.replace(_configs()[0], fp8_cache_weights=cache_weights)
     want = run_concatenated(problem, kernel_config)
     monkeypatch.setattr(CollectiveExchange, "windowed", True)
     windowed = dataclasses.replace(kernel_config, receive_capacity_factor=0.3)
     group = EmulatedGroup(num_ranks, "cpu")
     num_windows = functional.plan_for(CollectiveExchange(group.ranks[0]), t, k, e, windowed).num_windows
     assert num_windows > 2
-    made = []
-    act = SIMULATED["fp8_quantize_swiglu"]
+    made, for_segments = [], []
+    act, quantize_weight = SIMULATED["fp8_quantize_swiglu"], ops.fp8_quantize_weight
     monkeypatch.setattr(ops, "fp8_quantize_swiglu", lambda *a, **kw: made.append(1) or act(*a, **kw))
+
+    def recording_quantize_weight(weight, *args, transposed=True, expert_offsets=None, **kwargs):
+        if not transposed and expert_offsets is not None:  # a forward copy for a GEMM's segments
+            for_segments.append(weight.shape[0])
+        return quantize_weight(weight, *args, transposed=transposed, expert_offsets=expert_offsets, **kwargs)
+
+    monkeypatch.setattr(ops, "fp8_quantize_weight", recording_quantize_weight)
     assert_bitwise(run_emulated(group, problem, e, windowed), want, "gate/up made again")
     assert len(made) == num_ranks * num_windows, (len(made), num_ranks, num_windows)
+    # (routing "skewed" leaves the later windows of every rank without rows: none made again there)
+    if routing != "skewed":
+        assert bool(for_segments) != cache_weights, (routing, cache_weights, for_segments)
     # Where act comes from the gate/up GEMM's epilogue (no launch of its own), backward makes gate/up
     # again through that same kernel: its gate_up is then the forward's by construction.
     monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", "gemm_epilogue")
@@ -546,3 +561,24 @@ def test_the_fc2_weight_gradient_quantizes_w_dy_straight_from_dy(simulated_kerne
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "w dY")
     assert (torch.bfloat16 in pulled) != weight_grad, f"weight_grad={weight_grad}: pulled {pulled}"
     assert any(weighted) == weight_grad, f"weight_grad={weight_grad}: weighted columns {weighted}"
+
+
+def test_the_reference_backward_over_windows_quantizes_each_weight_once_without_the_cache(monkeypatch):
+    """The reference backend without the weight cache, over several receive windows: each rank's
+    forward quantizes fc1 and fc2 once for all its windows, and so does its backward (its whole
+    forward copies held for the pass, the transposed ones made from them once: fp8_weights.copies_held),
+    not once per window; the pass bitwise the one-window one."""
+    from megatron_mok.comm.exchange import CollectiveExchange
+
+    num_ranks, t, h, f, e, k = 4, 64, 128, 128, 2, 4
+    problem = make_ranks_problem(num_ranks, t, h, f, e, k, "uniform", "cpu", torch.bfloat16, 24)
+    config = dataclasses.replace(_configs()[1], fp8_cache_weights=False)
+    want = run_concatenated(problem, config)
+    monkeypatch.setattr(CollectiveExchange, "windowed", True)
+    windowed = dataclasses.replace(config, receive_capacity_factor=0.3)
+    group = EmulatedGroup(num_ranks, "cpu")
+    assert functional.plan_for(CollectiveExchange(group.ranks[0]), t, k, e, windowed).num_windows > 2
+    made, quantize_weight = [], fp8_weights.quantize_weight
+    monkeypatch.setattr(fp8_weights, "quantize_weight", lambda *a, **kw: made.append(1) or quantize_weight(*a, **kw))
+    assert_bitwise(run_emulated(group, problem, e, windowed), want, "reference over windows")
+    assert len(made) == num_ranks * 2 * 2, (len(made), num_ranks)
