@@ -498,6 +498,16 @@ struct PeerGatherRowsParams : GatherRowsParams {
   RowSource source;
 };
 
+// The gathered column quantization (quant/quantize_columns_sm90.cuh) reading the group's rows
+// where they lie, in the ranks' symmetric regions: row_index[r] = g is row g of the group, rank
+// g / T's row g % T (T = source.rows_per_base; num_src_rows = num_bases * T). The inherited src is
+// unused (null); source.weight_bases stay null (row_weights carries each row's weight). Every base
+// 16-byte aligned (the tile loads read 16-byte pieces). A second instantiation, as for the row
+// gathers: the one-tensor form pays for no lookup.
+struct PeerFp8QuantizeColumnsParams : Fp8QuantizeColumnsParams {
+  RowSource source;
+};
+
 // The dispatching GEMM's ring (moe/dispatch_ring_sm90_ws.cuh) filled straight from the ranks'
 // `tokens` regions: ring row r = row g = slot_to_route[r] / topk of the group, rank g / T's token
 // g % T (T = source.rows_per_base). The inherited x is unused (null); x_rows is the group's rows,

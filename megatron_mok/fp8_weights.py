@@ -40,7 +40,8 @@ them (copies_held), and so does the reference backend's backward with its whole 
 transposed copies (the kernel backend's backward makes only the per-GEMM copies above, held by no
 block).
 Inside a CUDA-graph capture nothing is cached or read from the cache: the graph quantizes on every
-replay.
+replay, and a captured forward over several windows quantizes each weight's forward copy once for
+all of them (copies_held, as without the cache), not once per window.
 """
 
 from __future__ import annotations
@@ -132,11 +133,12 @@ def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cach
     """weight (E, N, K) bf16/fp32, N and K multiples of 128 -> its 128x128 quantization (cached).
     kernels: made by ops.fp8_quantize_weight (a CUDA weight; the kernel backend) instead of PyTorch.
     cache=False (Fp8Recipe.cache_weights): never cached nor read from the cache, so the copy lives
-    only as long as the caller (or a copies_held block around the pass) holds it."""
-    if not cache:
+    only as long as the caller (or a copies_held block around the pass) holds it. So too where nothing
+    is cacheable (_cacheable: a CUDA-graph capture, an inference tensor) whatever cache says."""
+    entry = _entry(weight, pow2, kernels) if cache else None
+    if entry is None:  # cache=False, or nothing cacheable (a capture, an inference tensor)
         return _held_or_made((id(weight), pow2, kernels, "forward"), lambda: _quantize(weight, pow2, kernels))
-    entry = _entry(weight, pow2, kernels)
-    return _quantize(weight, pow2, kernels) if entry is None else entry.weight
+    return entry.weight
 
 
 def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
@@ -228,8 +230,8 @@ def _held_or_made(key: tuple, make) -> QuantizedWeight:
 @contextlib.contextmanager
 def copies_held(hold: bool):
     """With hold, the copies made afresh inside the block (in this thread) are made once and kept
-    until it ends: the uncached (cache=False) forward copies and quantized_transposed's copies not read
-    from the cache (not transposed_experts' or forward_experts', made for one GEMM each).
+    until it ends: the forward copies not read from the cache (cache=False, a capture, an inference
+    tensor) and quantized_transposed's copies not read from the cache (not transposed_experts' or forward_experts', made for one GEMM each).
     A pass over several receive windows, whose every window reads the same weights, then quantizes
     each weight once instead of once per window (a weight cannot change inside one forward or
     backward: autograd refuses in-place changes of a saved tensor). Without hold nothing changes: one

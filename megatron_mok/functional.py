@@ -200,7 +200,8 @@ def forward(
     keep_rows = schedule.num_ranks == 1 and plan.num_windows == 1 and fp8 is None
     source = exchange.dispatch_source(_published(x, fp8, stages))
     returned = exchange.open_return(schedule, x.shape[1], x.dtype)
-    # FP8 without the weight cache, over several windows: each weight quantized once for all of them.
+    # FP8 over several windows, a copy not read from the cache (without the cache, in a capture): each
+    # weight quantized once for all of them.
     with fp8_weights.copies_held(fp8 is not None and plan.num_windows > 1):
         for window in windows(schedule, plan):
             # (One call per window: its buffers are freed before the next window's are allocated.)

@@ -17,7 +17,8 @@ Terms, per rank and per layer call:
                the first window's gate/up s*W*2F, the index tables 8*(C + R*T*K + T*K), and with the
                weight cache (MoKConfig.fp8_cache_weights) the forward copies Wq(2F, H) + Wq(H, F):
                the cache holds them from the first microbatch of a weight version to the optimizer
-               step, and a later call allocates nothing for them
+               step, and a later call allocates nothing for them (in a CUDA-graph capture nothing
+               is cached: the forward makes the same bytes and holds them for its windows instead)
     forward    held + x published Q(T, H) + without the cache both forward copies + the largest of
                a window's stages: the dispatched rows Q(W, H) and their GEMM-A scales with gate/up;
                gate/up, act A(W, F) and the down outputs s*W*H
@@ -43,7 +44,9 @@ Terms, per rank and per layer call:
                  fc1 weight gradient V(W, 2F) + the rows + V(W, H)
                where the w * dY rows and the x rows are s*W*H pulled from the peers' regions over
                the in-kernel exchange (windowed), and otherwise gathered by the column kernel
-               straight from one tensor: 32*W bytes of row indices and weights (RowsToGather)
+               straight from one tensor: 32*W bytes of row indices and weights (RowsToGather), or
+               with tuning.FP8_WGRAD_COLUMNS_FROM_PEERS straight from the peers' regions: 32*W and
+               the routes' weights 4*R*T*K
                (+ at M > 1 the recomputed gate/up s*W*2F in the stages up to act's column-wise
                quantization, made right after the SwiGLU backward, and a stage of its own that makes
                it from the dispatched rows, without the cache through fc1's forward copy Wq(2F, H)
@@ -144,8 +147,13 @@ def fp8_layer_memory_bound(
     grad_gate_up_rows = w * 2 * f + gemm_a_scale_bytes(w, 2 * f)
     grad_gate_up_columns = quantized_columns_bytes(w, 2 * f)
     # The weight gradients' w * dY and x rows: pulled from peer memory (windowed), else gathered by the
-    # column kernel from one tensor (int64 row index and its temporaries, fp32 weights).
-    wgrad_rows = s * w * h if windowed else 32 * w
+    # column kernel from one tensor or, with tuning.FP8_WGRAD_COLUMNS_FROM_PEERS, from the ranks'
+    # regions (int64 row index and its temporaries, fp32 weights; from the regions also the routes'
+    # weights copied out of them, 4 * R * T * K).
+    if windowed and not tuning.FP8_WGRAD_COLUMNS_FROM_PEERS:
+        wgrad_rows = s * w * h
+    else:
+        wgrad_rows = 32 * w + (4 * routes if windowed else 0)
     # A dgrad makes its transposed copy one expert range at a time, each freed after its GEMM
     # (kernel_fp8._dgrad): at most `span` experts' copy exists at once, in every window.
     span = tuning.fp8_dgrad_expert_span(e)

@@ -116,6 +116,11 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The layer at EP = 1 over the in-kernel exchange in one receive window and in several, BF16 and
         # FP8, the FP8 dgrads in one expert range per window and in tuning's ranges.
         windows_bench) echo 200 "python3 scripts/bench_windows.py" ;;
+        # The FP8 weight gradients' operands quantized straight from the ranks' regions
+        # (tuning.FP8_WGRAD_COLUMNS_FROM_PEERS, off by default until this step passes): the kernel
+        # against the concatenated regions, the emulated ranks bitwise EP = 1, the memory against the
+        # bound, then the one-rank symmetric path's time with and without it.
+        fp8_columns_from_peers) echo 420 "$PYTEST tests/ops/test_gpu_fp8_quant.py -k from_peers && $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'regions or symmetric' && $PYTEST tests/comm/test_gpu_fp8_memory.py -k regions && python3 scripts/bench_windows.py --factors 1.0,0.25 --columns-from-peers" ;;
         # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
         quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss

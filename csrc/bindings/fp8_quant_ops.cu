@@ -1,5 +1,6 @@
 // Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
-// fp8_quantize_swiglu, fp8_quantize_columns, fp8_quantize_swiglu_columns,
+// fp8_quantize_swiglu, fp8_quantize_columns (and its form over the ranks' regions,
+// fp8_quantize_columns_from_peers), fp8_quantize_swiglu_columns,
 // fp8_quantize_swiglu_backward, fp8_quantize_weight and fp8_transpose_weight of the `megatron_mok`
 // library (validated wrappers, fake implementations and references in megatron_mok/ops/fp8_quant.py,
 // which raise ValueError before these run; the checks here are the same, for callers of torch.ops
@@ -18,6 +19,7 @@
 #include <tuple>
 
 #include "bindings/checks.h"
+#include "bindings/op_utils.h"
 #include "common/device_info.h"
 #include "common/failure_record.h"
 #include "common/limits.h"
@@ -181,11 +183,33 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu(const at::Tensor& gate_up
   return {q, a_scales};
 }
 
+// fp8_quantize_columns' checks of x (the rows, or the own region of the ranks'), its row index and
+// weights and the offsets.
+void check_columns_gather(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& expert_offsets,
+                          const std::optional<at::Tensor>& row_index, const std::optional<at::Tensor>& row_weights) {
+  check_bf16_rows(op, x);
+  if (row_index.has_value()) {
+    const at::Tensor& index = *row_index;
+    TORCH_CHECK(index.is_cuda() && index.is_contiguous() && index.device() == x.device() &&
+                    index.scalar_type() == at::kLong && index.dim() == 1,
+                op, "row_index must be a contiguous 1-D int64 CUDA tensor on x's device");
+  }
+  if (row_weights.has_value()) {
+    const at::Tensor& weights = *row_weights;
+    TORCH_CHECK(row_index.has_value(), op, "row_weights needs row_index");
+    TORCH_CHECK(weights.is_cuda() && weights.is_contiguous() && weights.device() == x.device() &&
+                    weights.scalar_type() == at::kFloat && weights.dim() == 1 &&
+                    weights.numel() == row_index->numel(),
+                op, "row_weights must be a contiguous 1-D float32 CUDA tensor on x's device, one per row_index entry");
+  }
+  if (expert_offsets.has_value()) check_expert_offsets(op, *expert_offsets, x, "x");
+}
+
 // (q (cols, R_pad) e4m3, scales (R_pad/128, cols) fp32), R_pad = `rows` rounded up to 128, from
 // quantize_columns_kernel<kGather, kSwiglu> over p's source (p's outputs and sizes are filled here).
-template <bool kGather, bool kSwiglu, bool kWeighted = false>
-std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Fp8QuantizeColumnsParams p, const at::TensorOptions& options,
-                                                           int64_t rows, int64_t cols, const char* op) {
+template <bool kGather, bool kSwiglu, bool kWeighted = false, typename Params = Fp8QuantizeColumnsParams>
+std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Params p, const at::TensorOptions& options, int64_t rows,
+                                                           int64_t cols, const char* op) {
   const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
   auto q = at::empty({cols, padded_rows}, options.dtype(at::kFloat8_e4m3fn));
   auto scales = at::empty({padded_rows / kFp8Block, cols}, options.dtype(at::kFloat));
@@ -199,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> launch_quantize_columns(Fp8QuantizeColumnsPar
   p.cols = cols;
   p.padded_rows = padded_rows;
   p.failure_record = kGather ? failure_record(stream) : nullptr;
-  quantize_columns_kernel<kGather, kSwiglu, kWeighted><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
+  quantize_columns_kernel<kGather, kSwiglu, kWeighted, Params><<<int(tiles), kColumnsThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scales};
 }
@@ -213,22 +237,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
                                                         const std::optional<at::Tensor>& row_index,
                                                         const std::optional<at::Tensor>& row_weights) {
   constexpr const char* kOp = "fp8_quantize_columns: ";
-  check_bf16_rows(kOp, x);
-  if (row_index.has_value()) {
-    const at::Tensor& index = *row_index;
-    TORCH_CHECK(index.is_cuda() && index.is_contiguous() && index.device() == x.device() &&
-                    index.scalar_type() == at::kLong && index.dim() == 1,
-                kOp, "row_index must be a contiguous 1-D int64 CUDA tensor on x's device");
-  }
-  if (row_weights.has_value()) {
-    const at::Tensor& weights = *row_weights;
-    TORCH_CHECK(row_index.has_value(), kOp, "row_weights needs row_index");
-    TORCH_CHECK(weights.is_cuda() && weights.is_contiguous() && weights.device() == x.device() &&
-                    weights.scalar_type() == at::kFloat && weights.dim() == 1 &&
-                    weights.numel() == row_index->numel(),
-                kOp, "row_weights must be a contiguous 1-D float32 CUDA tensor on x's device, one per row_index entry");
-  }
-  if (expert_offsets.has_value()) check_expert_offsets(kOp, *expert_offsets, x, "x");
+  check_columns_gather(kOp, x, expert_offsets, row_index, row_weights);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = row_index.has_value() ? row_index->numel() : x.size(0);
   Fp8QuantizeColumnsParams p{};
@@ -241,6 +250,35 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns(const at::Tensor& x,
   if (row_weights.has_value()) return launch_quantize_columns<true, false, true>(p, x.options(), rows, x.size(1), kOp);
   if (row_index.has_value()) return launch_quantize_columns<true, false>(p, x.options(), rows, x.size(1), kOp);
   return launch_quantize_columns<false, false>(p, x.options(), rows, x.size(1), kOp);
+}
+
+// fp8_quantize_columns gathered from the group's rows where they lie, in the ranks' symmetric
+// regions: own (T, C) bf16 is this rank's copy, peer_ptrs every rank's address of it in rank order;
+// row_index[r] = g reads rank g / T's row g % T (-1: zeros; outside [-1, R * T): trapped with a
+// failure record). Bitwise fp8_quantize_columns(cat of the regions, ...).
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_columns_from_peers(const at::Tensor& own, c10::IntArrayRef peer_ptrs,
+                                                                   const std::optional<at::Tensor>& expert_offsets,
+                                                                   bool pow2, const at::Tensor& row_index,
+                                                                   const std::optional<at::Tensor>& row_weights) {
+  constexpr const char* kOp = "fp8_quantize_columns_from_peers: ";
+  check_columns_gather(kOp, own, expert_offsets, row_index, row_weights);
+  const c10::cuda::CUDAGuard guard(own.device());
+  PeerFp8QuantizeColumnsParams p{};  // (the inherited src stays null: the rows come from p.source)
+  // 16-byte aligned bases: the tile loads read 16-byte pieces of each row (C, a multiple of 128).
+  const int num_ranks = bindings::fill_peer_table(p.source.bases, peer_ptrs, "fp8_quantize_columns_from_peers",
+                                                  "peer_ptrs", 0, 16);
+  p.source.rows_per_base = own.size(0);
+  p.source.num_bases = num_ranks;
+  p.row_index = row_index.data_ptr<int64_t>();
+  p.row_weights = row_weights.has_value() ? row_weights->data_ptr<float>() : nullptr;
+  p.row_end = expert_offsets.has_value() ? expert_offsets->data_ptr<int32_t>() + (expert_offsets->numel() - 1) : nullptr;
+  p.num_src_rows = int64_t(num_ranks) * own.size(0);
+  p.pow2 = pow2 ? 1 : 0;
+  const int64_t rows = row_index.numel();
+  if (row_weights.has_value()) {
+    return launch_quantize_columns<true, false, true>(p, own.options(), rows, own.size(1), kOp);
+  }
+  return launch_quantize_columns<true, false>(p, own.options(), rows, own.size(1), kOp);
 }
 
 // fp8_quantize_columns of act = SwiGLU(gate_up) (swiglu_forward_kernel's bf16 values): gate_up (R, 2F)
@@ -398,6 +436,9 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_rows(Tensor x, Tensor? row_index, bool source_scales, bool gemm_a_scales, bool pow2) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("fp8_quantize_columns(Tensor x, Tensor? expert_offsets, bool pow2, Tensor? row_index=None, Tensor? row_weights=None) -> (Tensor, Tensor)");
+  m.def(
+      "fp8_quantize_columns_from_peers(Tensor own, int[] peer_ptrs, Tensor? expert_offsets, bool pow2, "
+      "Tensor row_index, Tensor? row_weights=None) -> (Tensor, Tensor)");
   m.def("fp8_quantize_swiglu_columns(Tensor gate_up, Tensor expert_offsets, bool pow2) -> (Tensor, Tensor)");
   m.def(
       "fp8_quantize_swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
@@ -412,6 +453,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_columns", &fp8_quantize_columns);
+  m.impl("fp8_quantize_columns_from_peers", &fp8_quantize_columns_from_peers);
   m.impl("fp8_quantize_swiglu_columns", &fp8_quantize_swiglu_columns);
   m.impl("fp8_quantize_swiglu_backward", &fp8_quantize_swiglu_backward);
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);

@@ -8,7 +8,10 @@
 // weight gradient's w * dY operand needs no pulled bf16 rows. Or
 // (kSwiglu) the rows are act = SwiGLU of src's gate/up rows (num_rows, 2 cols), each value computed
 // as swiglu_forward_kernel computes it (fp32, rounded once to bf16) while the tile loads: the fc2
-// weight gradient's act operand, with no bf16 act in memory.
+// weight gradient's act operand, with no bf16 act in memory. The gathered forms read their rows
+// from one tensor (Fp8QuantizeColumnsParams) or, over expert parallelism's symmetric regions, from
+// the ranks' copies where they lie (PeerFp8QuantizeColumnsParams, moe/row_source_sm90.cuh): the
+// weight gradients' x and w * dY operands with no pulled (capacity, H) bf16 rows.
 //
 // One CTA per tile of 128 rows x 128 columns, in three steps:
 //   load      the tile's 128 rows of 256 bytes into shared memory, 16-byte loads (a half-warp per
@@ -27,6 +30,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/failure_codes.h"
 #include "common/fp8_block_math.cuh"
@@ -34,6 +38,7 @@
 #include "common/swiglu_math.cuh"
 #include "common/vec_utils.cuh"
 #include "common/watchdog_sm90.cuh"
+#include "moe/row_source_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
@@ -73,11 +78,20 @@ __device__ __forceinline__ uint4 swiglu_piece(const uint4& gate, const uint4& up
   return act;
 }
 
-template <bool kGather, bool kSwiglu = false, bool kWeighted = false>
+// The first of the tile's columns of gathered row g: in the one tensor, or in its rank's region.
+__device__ __forceinline__ const __nv_bfloat16* columns_source_row(const Fp8QuantizeColumnsParams& p, int64_t g) {
+  return static_cast<const __nv_bfloat16*>(p.src) + g * p.cols;
+}
+__device__ __forceinline__ const __nv_bfloat16* columns_source_row(const PeerFp8QuantizeColumnsParams& p, int64_t g) {
+  return source_row<__nv_bfloat16>(p.source, g, p.cols);
+}
+
+template <bool kGather, bool kSwiglu = false, bool kWeighted = false, typename Params = Fp8QuantizeColumnsParams>
 __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
-    quantize_columns_kernel(const Fp8QuantizeColumnsParams p) {
+    quantize_columns_kernel(const Params p) {
   static_assert(!(kGather && kSwiglu), "a gathered source or a SwiGLU source, not both");
   static_assert(!kWeighted || kGather, "row weights go with a gathered source");
+  static_assert(kGather || std::is_same_v<Params, Fp8QuantizeColumnsParams>, "the regions' form is a gather");
   __shared__ uint4 tile[kColumnsTileRows * kColumnsRowWords / 4];
   auto* words = reinterpret_cast<uint32_t*>(tile);
   const int64_t col_tiles = p.cols / kColumnsTileCols;
@@ -86,7 +100,6 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
   const int64_t row0 = row_block * kColumnsTileRows;
   int64_t end = p.num_rows;
   if (p.row_end != nullptr) end = min(end, int64_t(*p.row_end));
-  const auto* src = static_cast<const __nv_bfloat16*>(p.src);
 
   // Load: 128 rows x 16 pieces of 16 bytes, 8 per thread, all issued before the first store (a
   // gather's 8 row indices first, all of them, then the 8 rows).
@@ -119,7 +132,7 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
         const int s = b + k, piece = (threadIdx.x + s * kColumnsThreads) % 16;
         gate[k] = up[k] = make_uint4(0, 0, 0, 0);  // a zero row's act is zero: SwiGLU(0, 0) = 0
         if (src_rows[s] >= 0) {
-          const __nv_bfloat16* row = src + src_rows[s] * 2 * p.cols + col0;
+          const __nv_bfloat16* row = static_cast<const __nv_bfloat16*>(p.src) + src_rows[s] * 2 * p.cols + col0;
           gate[k] = __ldg(reinterpret_cast<const uint4*>(row) + piece);
           up[k] = __ldg(reinterpret_cast<const uint4*>(row + p.cols) + piece);
         }
@@ -136,7 +149,7 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
         if (src_rows[s] < -1 || src_rows[s] >= p.num_src_rows) fail_columns_row_index_check(p);
       }
       raw[s] = make_uint4(0, 0, 0, 0);
-      if (src_rows[s] >= 0) raw[s] = __ldg(reinterpret_cast<const uint4*>(src + src_rows[s] * p.cols + col0) + piece);
+      if (src_rows[s] >= 0) raw[s] = __ldg(reinterpret_cast<const uint4*>(columns_source_row(p, src_rows[s]) + col0) + piece);
     }
 #pragma unroll
     for (int s = 0; s < kPieces; ++s) {

@@ -58,3 +58,14 @@ def quantize_columns(
     if row_index is None:
         return ops.fp8_quantize_columns(x, expert_offsets, pow2=pow2)
     return ops.fp8_quantize_columns(kernel_ready(x), expert_offsets, pow2=pow2, row_index=row_index, row_weights=row_weights)
+
+
+def quantize_columns_from_peers(
+    own: Tensor, peer_ptrs: tuple[int, ...], expert_offsets: Tensor, pow2: bool, row_index: Tensor,
+    row_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """quantize_columns of the group's rows where they lie, in the ranks' symmetric regions: own
+    (T, C) bf16 this rank's copy, peer_ptrs every rank's address of it, row_index (R,) int64 rows of
+    the group (g: rank g // T's row g % T) (ops.fp8_quantize_columns_from_peers)."""
+    return ops.fp8_quantize_columns_from_peers(own, list(peer_ptrs), expert_offsets, pow2=pow2, row_index=row_index,
+                                               row_weights=row_weights)

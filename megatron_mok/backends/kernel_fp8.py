@@ -57,7 +57,9 @@ import torch
 
 from megatron_mok import fp8_weights, ops
 from megatron_mok.backends import kernel, tuning
-from megatron_mok.backends.fp8_quantize import gemm_a_layout, quantize_columns, quantize_rows_gemm_a, quantize_source_rows
+from megatron_mok.backends.fp8_quantize import (
+    gemm_a_layout, quantize_columns, quantize_columns_from_peers, quantize_rows_gemm_a, quantize_source_rows,
+)
 from megatron_mok.ops.fp8_quant import kernel_ready
 from megatron_mok.backends.stages import Stages
 from megatron_mok.backends.tuning import (
@@ -293,14 +295,16 @@ def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe)
 
 @dataclasses.dataclass(frozen=True)
 class RowsToGather:
-    """A window's dispatched rows not gathered: row r is source[row_index[r]], a zero row for -1 (the
-    dispatch kernel's rows, bit for bit), times row_weights[r] where given (the weighted pull's w * dY,
-    bit for bit). A weight gradient quantizes them column-wise straight from the source
-    (ops.fp8_quantize_columns row_index, row_weights), so no (capacity, H) bf16 copy is made."""
+    """A window's dispatched rows not gathered: row r is row row_index[r] of the group's rows, a zero
+    row for -1 (the dispatch kernel's rows, bit for bit), times row_weights[r] where given (the
+    weighted pull's w * dY, bit for bit). A weight gradient quantizes them column-wise straight from
+    where they lie (ops.fp8_quantize_columns row_index, row_weights; over the ranks' symmetric regions
+    ops.fp8_quantize_columns_from_peers), so no (capacity, H) bf16 copy is made."""
 
-    source: Tensor  # (R * T, H) bf16: the exchange's stacked rows (x, or dY)
-    row_index: Tensor  # (capacity,) int64
+    source: Tensor  # (R * T, H) bf16: the exchange's stacked rows (x, or dY); with peer_ptrs this rank's (T, H) region
+    row_index: Tensor  # (capacity,) int64: rows of the group, g = rank g // T's token g % T
     row_weights: Optional[Tensor] = None  # (capacity,) float32: each row's route weight
+    peer_ptrs: Optional[tuple[int, ...]] = None  # every rank's address of source's region, rank order
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -318,28 +322,35 @@ def _token_of_each_row(schedule: Schedule) -> Tensor:
 
 
 def weight_grad_rows(source: RowSource, schedule: Schedule):
-    """The fc1 weight gradient's rows: RowsToGather from a bf16 source in one tensor; over peer
-    mappings (a symmetric region) or from FP8 rows, dispatch_rows' gathered rows."""
-    if source.peer_ptrs is not None or _fp8_source(source) is not None:
+    """The fc1 weight gradient's rows: RowsToGather from a bf16 source in one tensor, or in the
+    ranks' symmetric regions (tuning.FP8_WGRAD_COLUMNS_FROM_PEERS); otherwise (over the regions
+    without it, or from FP8 rows) dispatch_rows' gathered rows."""
+    if _fp8_source(source) is not None or (source.peer_ptrs is not None and not tuning.FP8_WGRAD_COLUMNS_FROM_PEERS):
         return dispatch_rows(source, schedule)
-    return RowsToGather(source.tensor, _token_of_each_row(schedule))
+    return RowsToGather(source.tensor, _token_of_each_row(schedule), peer_ptrs=source.peer_ptrs)
 
 
 def weight_grad_route_grads(source: GradSource, schedule: Schedule):
     """The fc2 weight gradient's w * dY rows: RowsToGather with each row's route weight from a bf16 dY
-    in one tensor (quantized column-wise straight from dY: no pulled (capacity, H) bf16 rows); over
-    peer mappings (a symmetric region), pull_route_grads' pulled rows."""
+    in one tensor, or in the ranks' symmetric regions (tuning.FP8_WGRAD_COLUMNS_FROM_PEERS; the
+    routes' weights, R * T * K fp32, copied from the regions first), quantized column-wise straight
+    from dY: no pulled (capacity, H) bf16 rows; over the regions without it, pull_route_grads'
+    pulled rows."""
     grad_y, weights = source.grad_y, source.weights
     if _fp8_source(grad_y) is not None:
         raise ValueError("the fc2 weight gradient quantizes w * dY from dY in the activation dtype, got FP8 dY rows")
-    if grad_y.peer_ptrs is not None:
+    if grad_y.peer_ptrs is not None and not tuning.FP8_WGRAD_COLUMNS_FROM_PEERS:
         return kernel.pull_route_grads(source, schedule)
-    route, flat = schedule.slot_to_route, weights.tensor.reshape(-1).float()
+    if weights.peer_ptrs is not None:  # (then dY's too: a GradSource holds both in one form)
+        flat = ops.gather_peer_regions(weights.tensor, list(weights.peer_ptrs)).reshape(-1).float()
+    else:
+        flat = weights.tensor.reshape(-1).float()
+    route = schedule.slot_to_route
     # A padding row's weight is never read (its row index is -1); without tokens every row is one. A
     # route past the routes (a malformed schedule) is clamped here and then trapped, with its failure
     # record, by the column kernel's row index check (its token is past the rows).
     row_weights = flat.index_select(0, route.clamp(0, flat.numel() - 1)) if flat.numel() else flat.new_zeros(route.shape)
-    return RowsToGather(grad_y.tensor, _token_of_each_row(schedule), row_weights)
+    return RowsToGather(grad_y.tensor, _token_of_each_row(schedule), row_weights, grad_y.peer_ptrs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +372,8 @@ def weight_grad_act(gate_up: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> A
 
 
 def _quantize_columns(rows, offsets: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    if isinstance(rows, RowsToGather) and rows.peer_ptrs is not None:
+        return quantize_columns_from_peers(rows.source, rows.peer_ptrs, offsets, pow2, rows.row_index, rows.row_weights)
     if isinstance(rows, RowsToGather):
         return quantize_columns(rows.source, offsets, pow2, row_index=rows.row_index, row_weights=rows.row_weights)
     return quantize_columns(rows, offsets, pow2)

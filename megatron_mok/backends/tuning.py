@@ -102,3 +102,13 @@ def fp8_dgrad_expert_span(num_experts: int) -> int:
 # tile's first block before a tile's epilogue (its tiles are short: 4 to 16 blocks at the Qwen3-30B and
 # DeepSeek-V3 shapes). All give the same bits.
 FP8_WGRAD_VARIANT = "overlap_across_tiles"
+
+# Over the in-kernel exchange (symmetric regions), where the FP8 weight gradients' bf16 operands come
+# from: True, quantized column-wise straight from the ranks' regions (ops.fp8_quantize_columns_from_peers:
+# fc1's x rows, fc2's w * dY), as from one tensor at EP = 1 without the exchange; False, pulled into
+# (capacity, H) bf16 rows first (the dispatch's and the weighted pull's kernels), then quantized. The
+# same bits either way. False until the peer form has run on a GPU (tests/ops/test_gpu_fp8_quant.py,
+# tests/comm/test_gpu_emulation.py; STEPS=fp8_columns_from_peers bash scripts/device_steps.sh): it
+# saves the pulls' 2 * s * W * H bytes and their time (docs/performance.md, "The FP8 layer over
+# receive windows").
+FP8_WGRAD_COLUMNS_FROM_PEERS = False

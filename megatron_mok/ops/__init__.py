@@ -15,7 +15,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          accumulated across receive windows); its reference beside it
     fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_swiglu (SwiGLU
                          of gate/up quantized 1x128 along F), fp8_quantize_columns (1x128 along tokens,
-                         transposed), fp8_quantize_swiglu_columns (SwiGLU of gate/up quantized 1x128
+                         transposed; fp8_quantize_columns_from_peers: gathered from the ranks'
+                         regions), fp8_quantize_swiglu_columns (SwiGLU of gate/up quantized 1x128
                          along tokens), fp8_quantize_swiglu_backward (the SwiGLU backward with d
                          gate_up's row-wise quantization), fp8_quantize_weight (128x128 and its transposed copy),
                          fp8_transpose_weight (the transposed copy from the 128x128 one); their
@@ -65,6 +66,7 @@ from megatron_mok.ops.fp8_gemm import (
 from megatron_mok.ops.fp8_wgrad import fp8_expert_wgrad, fp8_expert_wgrad_reference
 from megatron_mok.ops.fp8_quant import (
     fp8_quantize_columns,
+    fp8_quantize_columns_from_peers,
     fp8_quantize_columns_reference,
     fp8_quantize_rows,
     fp8_quantize_rows_reference,
@@ -109,6 +111,7 @@ __all__ = [
     "fp8_expert_wgrad",
     "fp8_expert_wgrad_reference",
     "fp8_quantize_columns",
+    "fp8_quantize_columns_from_peers",
     "fp8_quantize_columns_reference",
     "fp8_quantize_rows",
     "fp8_quantize_rows_reference",

@@ -15,7 +15,8 @@ two (quantization.block_scale).
     fp8_quantize_columns  x (R, C) bf16 -> q (C, R_pad) e4m3, 1x128 along R (tokens), scales
                           (R_pad/128, C), R_pad = R rounded up to 128; rows at or past
                           expert_offsets[-1] and the padding quantize as zeros; optionally
-                          gathered as fp8_quantize_rows (quantization.quantize_columnwise)
+                          gathered as fp8_quantize_rows (quantization.quantize_columnwise);
+                          fp8_quantize_columns_from_peers gathers from the ranks' symmetric regions
     fp8_quantize_swiglu_backward
                           gate_up (R, 2F) bf16, grad_act (R, F) bf16 -> d gate_up (R, 2F) bf16, the
                           SwiGLU backward (ops.swiglu_backward's values), and its E4M3 copy 1x128 along
@@ -38,7 +39,7 @@ from typing import Optional
 import torch
 
 from megatron_mok import quantization
-from megatron_mok.limits import FP8_BLOCK, fp8_padded_rows, fp8_scale_rows
+from megatron_mok.limits import FP8_BLOCK, MAX_EP_RANKS, fp8_padded_rows, fp8_scale_rows
 from megatron_mok.ops.extension import register_fake
 
 E4M3 = torch.float8_e4m3fn
@@ -68,6 +69,11 @@ def _fp8_quantize_swiglu_fake(gate_up, expert_offsets, pow2):
 def _fp8_quantize_columns_fake(x, expert_offsets, pow2, row_index=None, row_weights=None):
     padded = fp8_padded_rows(x.shape[0] if row_index is None else row_index.shape[0])
     return x.new_empty((x.shape[1], padded), dtype=E4M3), x.new_empty((padded // FP8_BLOCK, x.shape[1]), dtype=torch.float32)
+
+
+@register_fake("fp8_quantize_columns_from_peers")
+def _fp8_quantize_columns_from_peers_fake(own, peer_ptrs, expert_offsets, pow2, row_index, row_weights=None):
+    return _fp8_quantize_columns_fake(own, expert_offsets, pow2, row_index, row_weights)
 
 
 @register_fake("fp8_quantize_swiglu_columns")
@@ -197,6 +203,30 @@ def fp8_quantize_columns(
     or past expert_offsets[-1] and of -1 rows are not read. Ref: fp8_quantize_columns_reference."""
     check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index, row_weights)
     return torch.ops.megatron_mok.fp8_quantize_columns(x, expert_offsets, pow2, row_index, row_weights)
+
+
+def fp8_quantize_columns_from_peers(
+    own: Tensor,
+    peer_ptrs: list[int],
+    expert_offsets: Optional[Tensor] = None,
+    *,
+    pow2: bool = False,
+    row_index: Tensor,
+    row_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """fp8_quantize_columns gathered from the group's rows where they lie, in the ranks' symmetric
+    regions (comm/symmetric.py): own (T, C) bf16 is this rank's copy of the region, peer_ptrs every
+    rank's device address of it in rank order (own's among them; at most limits.MAX_EP_RANKS, each
+    16-byte aligned), row_index (R,) int64 rows of the group: row g is rank g // T's row g % T, -1 a
+    zero row (outside [-1, len(peer_ptrs) * T): trapped with a failure record). row_weights and
+    expert_offsets as fp8_quantize_columns'. Bitwise fp8_quantize_columns(torch.cat of the regions,
+    ...): the weight gradients' x and w * dY operands over expert parallelism's in-kernel exchange,
+    with no pulled (R, C) bf16 rows. The regions must hold their rows (the exchange's publish and
+    signal) before the launch and until it ends."""
+    check_fp8_quantize_columns_from_peers_args(own, peer_ptrs, expert_offsets, pow2, row_index, row_weights)
+    return torch.ops.megatron_mok.fp8_quantize_columns_from_peers(
+        own, list(peer_ptrs), expert_offsets, pow2, row_index, row_weights
+    )
 
 
 def fp8_quantize_columns_reference(
@@ -346,10 +376,10 @@ def _check_tensor(op: str, name: str, t, dtype: torch.dtype, dim: int, shape: st
         _fail(op, f"{name} must be {shape}, got {tuple(t.shape)}")
 
 
-def _check_bf16_rows(op: str, x) -> None:
-    _check_tensor(op, "x", x, torch.bfloat16, 2, "(R, C)")
+def _check_bf16_rows(op: str, x, name: str = "x") -> None:
+    _check_tensor(op, name, x, torch.bfloat16, 2, "(R, C)")
     if x.shape[1] <= 0 or x.shape[1] % FP8_BLOCK:
-        _fail(op, f"x's columns (C) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {x.shape[1]}")
+        _fail(op, f"{name}'s columns (C) must be a positive multiple of {FP8_BLOCK} for FP8 blockwise, got {x.shape[1]}")
 
 
 def _check_placement(op: str, tensors: dict, aligned: int = 1) -> None:
@@ -388,11 +418,12 @@ def check_fp8_quantize_rows_args(x, row_index, source_scales, gemm_a_scales, pow
     _check_placement(op, tensors)
 
 
-def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None, row_weights=None) -> None:
-    """As check_fp8_quantize_rows_args, for fp8_quantize_columns."""
-    op = "fp8_quantize_columns"
-    _check_bf16_rows(op, x)
-    tensors = {"x": x}
+def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None, row_weights=None, *,
+                                    op: str = "fp8_quantize_columns", x_name: str = "x") -> None:
+    """As check_fp8_quantize_rows_args, for fp8_quantize_columns (and, as op, its form over the ranks'
+    regions, whose x is x_name)."""
+    _check_bf16_rows(op, x, x_name)
+    tensors = {x_name: x}
     if row_index is not None:
         _check_row_index(op, row_index)
         tensors["row_index"] = row_index
@@ -413,6 +444,20 @@ def check_fp8_quantize_columns_args(x, expert_offsets, pow2, row_index=None, row
         tensors["expert_offsets"] = expert_offsets
     _check_flag(op, "pow2", pow2)
     _check_placement(op, tensors)
+
+
+def check_fp8_quantize_columns_from_peers_args(own, peer_ptrs, expert_offsets, pow2, row_index, row_weights=None) -> None:
+    """As check_fp8_quantize_columns_args (own for x; row_index required), and peer_ptrs: a list of one
+    to limits.MAX_EP_RANKS int device addresses, none null, each 16-byte aligned."""
+    op = "fp8_quantize_columns_from_peers"
+    if not isinstance(peer_ptrs, (list, tuple)) or not 1 <= len(peer_ptrs) <= MAX_EP_RANKS:
+        _fail(op, f"peer_ptrs must be a list of 1 to {MAX_EP_RANKS} device addresses (one per rank), got {peer_ptrs!r}")
+    for rank, address in enumerate(peer_ptrs):
+        if isinstance(address, bool) or not isinstance(address, int) or address <= 0 or address % 16:
+            _fail(op, f"peer_ptrs[{rank}] must be a non-null 16-byte aligned device address (int), got {address!r}")
+    if row_index is None:
+        _fail(op, "row_index is required (the rows of the group to quantize)")
+    check_fp8_quantize_columns_args(own, expert_offsets, pow2, row_index, row_weights, op=op, x_name="own")
 
 
 def check_fp8_quantize_swiglu_args(gate_up, expert_offsets, pow2, op: str = "fp8_quantize_swiglu") -> None:

@@ -386,6 +386,27 @@ def test_a_pass_over_windows_without_the_cache_quantizes_each_forward_copy_once(
     assert fp8_weights.quantized(fc1, kernels=True, cache=False) is not first, "nothing is held after the block"
 
 
+def test_a_copy_that_cannot_be_cached_is_held_over_windows_like_an_uncached_one(monkeypatch):
+    """A weight whose copy is never cached (an inference tensor here; a CUDA-graph capture alike:
+    fp8_weights._cacheable) with the cache on: inside copies_held(True) (a forward over several
+    windows) its forward copy is made once per maker, not once per window, and nothing is cached;
+    outside the block every call quantizes afresh."""
+    calls = _record_weight_quantizations(monkeypatch)
+    fp8_weights.clear()
+    with torch.inference_mode():
+        fc1 = (torch.randn(1, 128, 256) / 10).bfloat16()
+    assert fc1.is_inference()
+    with fp8_weights.copies_held(True):
+        for kernels in (True, False):
+            first = fp8_weights.quantized(fc1, kernels=kernels)
+            for _ in range(3):  # three more windows
+                assert fp8_weights.quantized(fc1, kernels=kernels) is first
+            assert fp8_weights.quantized(fc1, kernels=kernels, cache=False) is first
+    assert calls == [(False, True, False)], calls
+    assert fp8_weights.cached_count() == 0
+    assert fp8_weights.quantized(fc1, kernels=True) is not fp8_weights.quantized(fc1, kernels=True)
+
+
 def test_without_the_weight_cache_nothing_is_cached_and_the_layer_is_bitwise_the_same(monkeypatch):
     """MoKConfig.fp8_cache_weights=False: every call quantizes afresh and caches nothing (the copy dies
     with its GEMM), for either maker; the layer's outputs and gradients are bitwise the cached run's."""

@@ -582,3 +582,65 @@ def test_the_reference_backward_over_windows_quantizes_each_weight_once_without_
     monkeypatch.setattr(fp8_weights, "quantize_weight", lambda *a, **kw: made.append(1) or quantize_weight(*a, **kw))
     assert_bitwise(run_emulated(group, problem, e, windowed), want, "reference over windows")
     assert len(made) == num_ranks * 2 * 2, (len(made), num_ranks)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_the_weight_gradient_operands_from_the_ranks_regions_equal_the_pulled_rows(num_ranks, simulated_kernels,
+                                                                                    monkeypatch):
+    """tuning.FP8_WGRAD_COLUMNS_FROM_PEERS over the ranks' symmetric regions (simulated: each region a
+    CPU tensor behind a fake address): fc1's x rows and fc2's w * dY are quantized column-wise from
+    the regions (ops.fp8_quantize_columns_from_peers, the routes' weights copied out of the regions
+    by ops.gather_peer_regions), with no pull, bitwise the pulled rows' columns (the setting off:
+    ops.dispatch_rows_from_peers and pull_grad_rows_from_peers, then the columns); the rows are the
+    group's (rank g // T's token g % T), the weights the group's routes."""
+    from megatron_mok.comm.exchange import GradSource, RowSource
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    t, h, e, k, rank = 70, 256, 3, 2, num_ranks - 1
+    gen = torch.Generator().manual_seed(num_ranks)
+    regions = {4096 * (i + 1): torch.randn(t, h, generator=gen).bfloat16() for i in range(num_ranks)}
+    grad_regions = {4096 * (i + 101): torch.randn(t, h, generator=gen).bfloat16() for i in range(num_ranks)}
+    weight_regions = {4096 * (i + 201): torch.rand(t * k, generator=gen) for i in range(num_ranks)}
+    at = {**regions, **grad_regions, **weight_regions}
+
+    def stacked(ptrs):
+        return torch.cat([at[p] for p in ptrs])
+
+    called = []
+
+    def columns_from_peers(own, peer_ptrs, expert_offsets=None, *, pow2=False, row_index, row_weights=None):
+        _meets_the_op_contract(fp8_quant.check_fp8_quantize_columns_from_peers_args, own, peer_ptrs, expert_offsets,
+                               pow2, row_index, row_weights)
+        assert own is at[peer_ptrs[rank]], "own is this rank's region"
+        called.append("columns_from_peers")
+        return _sim_fp8_quantize_columns(stacked(peer_ptrs), expert_offsets, pow2=pow2, row_index=row_index,
+                                         row_weights=row_weights)
+
+    def pulled(name, sim):
+        return lambda *a, **kw: called.append(name) or sim(*a, **kw)
+
+    monkeypatch.setattr(ops, "fp8_quantize_columns_from_peers", columns_from_peers)
+    monkeypatch.setattr(ops, "gather_peer_regions", lambda own, ptrs: torch.stack([at[p] for p in ptrs]))
+    monkeypatch.setattr(ops, "dispatch_rows_from_peers", pulled(
+        "pull", lambda own, ptrs, route, topk, offsets=None: _sim_dispatch_rows(stacked(ptrs), route, topk, offsets)))
+    monkeypatch.setattr(ops, "pull_grad_rows_from_peers", pulled(
+        "pull", lambda own, ptrs, wptrs, route, topk, offsets=None: _sim_pull_grad_rows(
+            stacked(ptrs), stacked(wptrs), route, topk, offsets)))
+    ids = torch.rand(num_ranks, t, num_ranks * e, generator=gen).topk(k, dim=2).indices
+    ids[0, 0, 0] = -1  # a dropped route
+    schedule = build_schedule_from_gathered(ids, rank=rank, num_local_experts=e, segment_alignment=128)
+    offsets = schedule.expert_offsets
+    x = RowSource(list(regions.values())[rank], tuple(regions))
+    grads = GradSource(RowSource(list(grad_regions.values())[rank], tuple(grad_regions)),
+                       RowSource(list(weight_regions.values())[rank], tuple(weight_regions)))
+    operands = {}
+    for from_peers in (False, True):
+        monkeypatch.setattr(tuning, "FP8_WGRAD_COLUMNS_FROM_PEERS", from_peers)
+        called.clear()
+        rows, route_grads = kernel_fp8.weight_grad_rows(x, schedule), kernel_fp8.weight_grad_route_grads(grads, schedule)
+        assert isinstance(rows, kernel_fp8.RowsToGather) == from_peers
+        assert isinstance(route_grads, kernel_fp8.RowsToGather) == from_peers
+        operands[from_peers] = [kernel_fp8._quantize_columns(r, offsets, False) for r in (rows, route_grads)]
+        assert called == (["columns_from_peers"] * 2 if from_peers else ["pull"] * 2), called
+    for (q, scales), (want_q, want_scales) in zip(operands[True], operands[False]):
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)

@@ -226,6 +226,28 @@ def test_fp8_over_the_symmetric_exchange_equals_ep1_bitwise(routing, num_ranks, 
     assert_bitwise(got, want, f"fp8 symmetric {config_name} r{num_ranks}/{routing}")
 
 
+@pytest.mark.parametrize("factor", (1.0, 0.25))
+@pytest.mark.parametrize("num_ranks", (2, 4))
+@pytest.mark.parametrize("routing", ("uniform", "skewed", "all_to_last_rank", "dropped"))
+def test_fp8_weight_gradients_from_the_ranks_regions_equal_ep1_bitwise(monkeypatch, routing, num_ranks, factor):
+    """tuning.FP8_WGRAD_COLUMNS_FROM_PEERS: the weight gradients' x and w * dY operands quantized
+    column-wise straight from the ranks' regions (ops.fp8_quantize_columns_from_peers) instead of
+    pulled rows, in one window and several: the emulated ranks bitwise the EP = 1 run."""
+    import dataclasses
+
+    from megatron_mok.backends import tuning
+
+    monkeypatch.setattr(tuning, "FP8_WGRAD_COLUMNS_FROM_PEERS", True)
+    config = dataclasses.replace(SYMMETRIC_FP8["kernel"], receive_capacity_factor=factor)
+    t, h, f, e, k = 64, 256, 128, 2, 4
+    problem = make_problem(num_ranks, t, h, f, e, k, routing, "cuda", torch.bfloat16,
+                           zlib.crc32(f"fp8peers/{routing}/{num_ranks}/{factor}".encode()))
+    got = run_emulated(EmulatedGroup(num_ranks, "cuda"), problem, e, config)
+    torch.cuda.synchronize()
+    want = run_concatenated(problem, dataclasses.replace(config, exchange="auto"))
+    assert_bitwise(got, want, f"fp8 columns from peers r{num_ranks}/{routing}/{factor}")
+
+
 def test_auto_runs_the_fp8_kernels():
     """backend="auto" with FP8 on Hopper is the kernel backend (bitwise), as for bf16, not the
     reference recipe."""

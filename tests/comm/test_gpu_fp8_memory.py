@@ -59,6 +59,16 @@ def test_fp8_memory_with_act_from_the_gate_up_epilogue_is_within_the_bound(monke
     _assert_within_the_bound("ep4", 0.25, None, cache)
 
 
+@pytest.mark.parametrize("factor,windows", [(1.0, 4), (0.25, None)])
+def test_fp8_memory_with_the_weight_gradients_from_the_ranks_regions_is_within_the_bound(monkeypatch, factor, windows):
+    """tuning.FP8_WGRAD_COLUMNS_FROM_PEERS: no pulled rows for the weight gradients; the bound's
+    weight gradient stages count the row indices and the routes' weights instead."""
+    from megatron_mok.backends import tuning
+
+    monkeypatch.setattr(tuning, "FP8_WGRAD_COLUMNS_FROM_PEERS", True)
+    _assert_within_the_bound("ep4", factor, windows, "uncached")
+
+
 def _assert_within_the_bound(shape: str, factor: float, windows, cache: str) -> None:
     num_ranks, t, h, f, e, k = SHAPES[shape]
     config = _config(cache != "uncached", factor)

@@ -1,6 +1,6 @@
 """The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_swiglu,
-fp8_quantize_columns, fp8_quantize_swiglu_columns, fp8_quantize_swiglu_backward, fp8_quantize_weight,
-fp8_transpose_weight: types, dtypes, shapes, the multiple of
+fp8_quantize_columns, fp8_quantize_columns_from_peers, fp8_quantize_swiglu_columns,
+fp8_quantize_swiglu_backward, fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of
 128, contiguity and alignment before devices, so every error but the device's shows without a GPU and
 before any kernel runs), and their references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
 
@@ -213,6 +213,43 @@ def test_bad_argument_is_a_value_error_naming_it(case):
         getattr(ops, op)(*args.values(), **flags)
 
 
+def _aligned_address(rank: int) -> int:
+    return 0x7F0000000000 + 4096 * rank  # (never read: every case fails before a kernel runs)
+
+
+# name: (changes to fp8_quantize_columns_from_peers' arguments, the words its ValueError must hold)
+BAD_PEER_COLUMNS_ARGS = {
+    "peers_not_a_list": (dict(peer_ptrs=_aligned_address(0)), "peer_ptrs must be a list of 1 to 8 device addresses"),
+    "peers_empty": (dict(peer_ptrs=[]), "peer_ptrs must be a list of 1 to 8 device addresses"),
+    "peers_too_many": (dict(peer_ptrs=[_aligned_address(r) for r in range(9)]),
+                       "peer_ptrs must be a list of 1 to 8 device addresses"),
+    "peer_null": (dict(peer_ptrs=[_aligned_address(0), 0]), r"peer_ptrs\[1\] must be a non-null 16-byte aligned"),
+    "peer_misaligned": (dict(peer_ptrs=[_aligned_address(0) + 8]), r"peer_ptrs\[0\] must be a non-null 16-byte aligned"),
+    "peer_not_int": (dict(peer_ptrs=[float(_aligned_address(0))]), r"peer_ptrs\[0\] must be a non-null"),
+    "peer_bool": (dict(peer_ptrs=[True]), r"peer_ptrs\[0\] must be a non-null"),
+    "index_missing": (dict(row_index=None), "row_index is required"),
+    "index_int32": (dict(row_index=torch.zeros(4, dtype=torch.int32)), "row_index must be torch.int64"),
+    "own_fp32": (dict(own=torch.zeros(R, C)), "own must be torch.bfloat16"),
+    "own_c_not_multiple": (dict(own=torch.zeros(R, 100, dtype=torch.bfloat16)),
+                           r"own's columns \(C\) must be a positive multiple of 128"),
+    "weights_length": (dict(row_weights=torch.ones(3)), r"row_weights must have row_index's shape \(4,\)"),
+    "own_cpu": ({}, "own must be a CUDA tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PEER_COLUMNS_ARGS))
+def test_bad_columns_from_peers_argument_is_a_value_error_naming_it(case):
+    """ops.fp8_quantize_columns_from_peers checks its region table (one to MAX_EP_RANKS non-null
+    16-byte aligned int addresses), its required row index and fp8_quantize_columns' checks under the
+    names it uses (own for x) before any kernel runs."""
+    changes, words = BAD_PEER_COLUMNS_ARGS[case]
+    args = dict(own=torch.zeros(R, C, dtype=torch.bfloat16), peer_ptrs=[_aligned_address(0), _aligned_address(1)],
+                expert_offsets=None, pow2=False, row_index=torch.zeros(4, dtype=torch.int64), row_weights=None)
+    args.update(changes)
+    with pytest.raises(ValueError, match=f"fp8_quantize_columns_from_peers: {words}"):
+        ops.fp8_quantize_columns_from_peers(args.pop("own"), args.pop("peer_ptrs"), args.pop("expert_offsets"), **args)
+
+
 def gate_up_ending_at(rows, end, seed):
     """(gate_up (rows, 2C) bf16 with NaN rows from `end` on, past the schedule's end: not part of the
     result; offsets (3,) int32 ending at `end`)."""
@@ -360,7 +397,7 @@ KNOWN_SPILL_BYTES = {"quantize_swiglu_backward_kernel": 16}
 def test_kernels_compile_without_new_spills(tmp_path):
     """ptxas's verdict on every quantization kernel the bindings instantiate (csrc/bindings/
     fp8_quant_ops.cu compiled as setup.py does): the row, SwiGLU, SwiGLU backward, column (plain,
-    gathered, weighted, from the SwiGLU act), weight (bf16 and fp32) and transpose kernels, none
+    gathered, weighted, from the SwiGLU act, gathered and weighted from the ranks' regions), weight (bf16 and fp32) and transpose kernels, none
     spilling beyond KNOWN_SPILL_BYTES. They are memory-bound: a spill inside their per-value loop
     costs a local-memory round trip per value."""
     from cuda_checks import ptxas_report
@@ -368,7 +405,8 @@ def test_kernels_compile_without_new_spills(tmp_path):
     log, found = ptxas_report("fp8_quant_ops.cu", tmp_path)
     names = {name: spill for name, spill in found}
     for kernel in ("quantize_rows_kernel", "quantize_swiglu_kernel", "quantize_swiglu_backward_kernel",
-                   "quantize_columns_kernel", "quantize_weight_kernel", "transpose_weight_kernel"):
+                   "quantize_columns_kernel", "PeerFp8QuantizeColumnsParams", "quantize_weight_kernel",
+                   "transpose_weight_kernel"):
         assert any(kernel in name for name in names), (kernel, list(names))
     for name, spill in names.items():
         allowed = next((b for kernel, b in KNOWN_SPILL_BYTES.items() if kernel in name), 0)

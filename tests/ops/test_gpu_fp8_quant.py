@@ -454,6 +454,80 @@ def test_a_columns_row_index_out_of_range_traps_with_its_name(index):
     assert "row_index holds a row outside" in record and "kernel fp8_quantize_rows/fp8_quantize_columns" in record, out
 
 
+# ---- columns gathered from the ranks' regions (expert parallelism's symmetric regions) ------------
+
+def _regions(num_ranks, tokens, cols, kind, seed):
+    """num_ranks separate (tokens, cols) bf16 allocations standing for the ranks' copies of a region
+    (each its own cudaMalloc block, as the peers' mappings are), and their addresses in rank order."""
+    regions = [row_values(kind, tokens, cols, seed_of(seed, rank)).clone() for rank in range(num_ranks)]
+    return regions, [region.data_ptr() for region in regions]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", ["gaussian", "zero_blocks", "nan_inf"])
+@pytest.mark.parametrize("num_ranks,tokens,experts", [(1, 1000, 8), (2, 300, 4), (3, 129, 6), (8, 1024, 32)])
+def test_columns_from_peers_equal_the_columns_of_the_concatenated_regions(num_ranks, tokens, experts, kind, pow2):
+    """ops.fp8_quantize_columns_from_peers over R separate regions, gathered (the fc1 weight
+    gradient's x rows) and weighted (fc2's w * dY, the route weights copied out of the ranks'
+    regions as the backend does): bitwise fp8_quantize_columns of the regions concatenated, over a
+    real top-k schedule of the group's routes (segments padded to 128, -1 rows, the rows past the
+    schedule's end holding an index out of range, never read); own is a rank other than 0."""
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    topk, cols = min(8, experts), 7168 if tokens >= 1024 else 256
+    gen = torch.Generator(device="cuda").manual_seed(seed_of(num_ranks, tokens, kind))
+    ids = torch.rand(num_ranks, tokens, num_ranks * experts, device="cuda", generator=gen).topk(topk, dim=2).indices
+    schedule = build_schedule_from_gathered(ids, rank=num_ranks - 1, num_local_experts=experts, segment_alignment=128)
+    assert int(schedule.expert_offsets[-1]) > 0
+    route, offsets = schedule.slot_to_route, schedule.expert_offsets
+    regions, ptrs = _regions(num_ranks, tokens, cols, kind, ("x", num_ranks, tokens))
+    weight_regions = [torch.rand(tokens * topk, device="cuda", generator=gen) for _ in range(num_ranks)]
+    own, own_weights = regions[-1], weight_regions[-1]
+    row = torch.where(route >= 0, route // topk, route)
+    end = int(offsets[-1])
+    row[end:] = num_ranks * tokens + 5  # past the schedule's end: never read
+    poison_allocator()
+    want = ops.fp8_quantize_columns(torch.cat(regions), offsets, pow2=pow2, row_index=row)
+    got = ops.fp8_quantize_columns_from_peers(own, ptrs, offsets, pow2=pow2, row_index=row)
+    assert_q_equal(got[0], want[0], "q")
+    assert_scales_equal(got[1], want[1], "scales")
+    flat = ops.gather_peer_regions(own_weights, [w.data_ptr() for w in weight_regions]).reshape(-1)
+    assert torch.equal(flat, torch.cat(weight_regions))
+    row_weights = flat[route.clamp(min=0)]
+    want = ops.fp8_quantize_columns(torch.cat(regions), offsets, pow2=pow2, row_index=row, row_weights=row_weights)
+    got = ops.fp8_quantize_columns_from_peers(own, ptrs, offsets, pow2=pow2, row_index=row, row_weights=row_weights)
+    assert_q_equal(got[0], want[0], "weighted q")
+    assert_scales_equal(got[1], want[1], "weighted scales")
+
+
+def test_columns_from_peers_read_each_rank_where_it_lies():
+    """Each rank's region read at its own address: every rank's rows distinct (rank r's rows all
+    2^r), so a wrong base or a row counted from the wrong rank changes the quantized columns; against
+    the rows picked out by hand (rank, token) and quantized from one tensor."""
+    num_ranks, tokens, cols = 4, 130, 128
+    regions = [torch.full((tokens, cols), float(2**rank), device="cuda", dtype=torch.bfloat16) for rank in range(num_ranks)]
+    picks = [(0, 0), (0, tokens - 1), (1, 0), (2, 7), (3, tokens - 1), None]
+    row = torch.tensor([-1 if p is None else p[0] * tokens + p[1] for p in picks], dtype=torch.int64, device="cuda")
+    rows = torch.stack([torch.zeros(cols, device="cuda", dtype=torch.bfloat16) if p is None else regions[p[0]][p[1]]
+                        for p in picks])
+    q, scales = ops.fp8_quantize_columns_from_peers(regions[2], [r.data_ptr() for r in regions], row_index=row)
+    want_q, want_scales = ops.fp8_quantize_columns(rows)
+    assert_q_equal(q, want_q, "q")
+    assert_scales_equal(scales, want_scales, "scales")
+
+
+# Two regions of 20 rows (x and its copy): the group's rows are [0, 40).
+COLUMNS_FROM_PEERS_TRAP_SCRIPT = TRAP_SCRIPT.replace(
+    "ops.fp8_quantize_rows(x, index)",
+    "y = x.clone()\nops.fp8_quantize_columns_from_peers(x, [x.data_ptr(), y.data_ptr()], row_index=index)")
+
+
+def test_a_columns_from_peers_row_past_the_group_traps_with_its_name():
+    """A row index at or past R * T (the group's rows) traps with the row index's failure record."""
+    record, out, _ = run_until_trap(COLUMNS_FROM_PEERS_TRAP_SCRIPT.format(index=[0, 40]))
+    assert "row_index holds a row outside" in record and "kernel fp8_quantize_rows/fp8_quantize_columns" in record, out
+
+
 # ---- weights: 128x128 blocks and the transposed copy --------------------------------------------
 
 # name: (experts, N, K): one block, several, DeepSeek-V3's fc2 as stored (H x F) and fc1 (2F x H).
