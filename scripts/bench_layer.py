@@ -4,7 +4,8 @@ the alltoall dispatcher (if megatron-core is installed) and mok, on the same inp
     python scripts/bench_layer.py [--shapes deepseek_v3,qwen3_235b,qwen3_30b] [--out DIR] [--fp8]
 
 --fp8 adds the FP8 blockwise rows: mok's kernel backend with MoKConfig(precision="fp8_blockwise")
-(with and without its weight cache, MoKConfig.fp8_cache_weights; and with act quantized where
+(with and without its weight cache, MoKConfig.fp8_cache_weights; a later microbatch's, the same weight
+leaves call after call, mok_kernel_fp8_later_microbatch; and with act quantized where
 backends.tuning.FP8_ACT_QUANTIZE does not choose, mok_kernel_fp8_act_*), and torchao's FP8 rowwise MoE op
 where torchao is installed (torch's grouped GEMM pipeline with each GEMM through torchao's
 dynamically quantizing FP8 rowwise grouped GEMM), each with its forward error beside the bf16 rows'.
@@ -117,6 +118,16 @@ def mok_layer(config):
     def run(x, ids, weights, fc1, fc2):
         return mok_moe(x, ids, weights, fc1, fc2, config=config)
 
+    return run
+
+
+def later_microbatch(run):
+    """run, marked to be timed forward + backward with the same fc1 and fc2 leaves call after call
+    (their gradients dropped before each call, not accumulated): a microbatch after the first of an
+    optimizer step, whose FP8 forward copies the weight cache already holds. Every other row gets
+    fresh weight leaves per call, so it quantizes its weights inside the timed call, as the first
+    microbatch after an optimizer step does."""
+    run.same_weights = True
     return run
 
 
@@ -280,6 +291,7 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
     if fp8:
         methods["mok_kernel_fp8"] = mok_layer(FP8_KERNEL)
         methods["mok_kernel_fp8_uncached"] = mok_layer(FP8_KERNEL_UNCACHED)
+        methods["mok_kernel_fp8_later_microbatch"] = later_microbatch(mok_layer(FP8_KERNEL))
         methods["mok_kernel_fp8_bf16_wgrad"] = mok_layer(FP8_KERNEL_BF16_WGRAD)
         methods.update(fp8_alternatives())  # the tuning choices not made, beside the ones made
         torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
@@ -296,6 +308,11 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
 
         def fwd_with_grad(s, fn=fn, chosen=chosen):
             leaves = [s[n].detach().requires_grad_() for n in ("x", "weights", "fc1", "fc2")]
+            if getattr(fn, "same_weights", False):
+                for i, n in ((2, "fc1"), (3, "fc2")):
+                    leaf = s.setdefault(f"{n}_leaf", s[n].detach().requires_grad_())
+                    leaf.grad = None
+                    leaves[i] = leaf
             with chosen():
                 return fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
 
@@ -402,7 +419,8 @@ METHOD_LABELS = (
     "mok_kernel_sm90", "mok_kernel",
 )
 # With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
-FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_uncached", "mok_kernel_fp8_bf16_wgrad",
+FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_later_microbatch", "mok_kernel_fp8_uncached",
+              "mok_kernel_fp8_bf16_wgrad",
               "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
               "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales")
 

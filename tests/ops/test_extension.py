@@ -17,7 +17,7 @@ OPS = (
     "dispatch_expert_gemm_swiglu_from_peers", "expert_gemm_dgrad", "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad",
     "expert_gemm_wgrad_window", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
     "exchange_begin", "exchange_signal", "exchange_wait_ready", "push_rows", "gather_peer_regions", "fp8_expert_wgrad",
-    "fp8_quantize_swiglu_backward", "fp8_expert_gemm_into",
+    "fp8_quantize_swiglu_backward", "fp8_expert_gemm_into", "fp8_quantize_columns_from_peers",
 )
 
 
@@ -71,6 +71,18 @@ def test_exchange_fakes_give_the_shapes_without_a_device():
     ops.exchange_signal(calls, signals, [16, 32], 0, 1, 0)
     ops.exchange_wait_ready(calls, signals, 0, 1)
     ops.push_rows(own.new_empty(40, 64), slot_to_route, 2, 9, own.new_empty(18, 64), [16, 32])
+
+
+@NEEDS_TOOLCHAIN
+def test_columns_from_peers_fake_gives_the_shapes_without_a_device():
+    """The column quantization over the ranks' regions on meta tensors: (C, R_pad) e4m3 and
+    (R_pad / 128, C) fp32 for R rows of the group, whatever the regions hold."""
+    meta = torch.device("meta")
+    own = torch.empty(9, 256, dtype=torch.bfloat16, device=meta)
+    row_index = torch.empty(130, dtype=torch.int64, device=meta)
+    q, scales = torch.ops.megatron_mok.fp8_quantize_columns_from_peers(own, [16, 32], None, False, row_index, None)
+    assert q.shape == (256, 256) and q.dtype == torch.float8_e4m3fn
+    assert scales.shape == (2, 256) and scales.dtype == torch.float32
 
 
 @NEEDS_TOOLCHAIN
