@@ -11,7 +11,8 @@ Each caches its own copies, so the reference stays an oracle independent of the 
 
 A copy is cached per weight tensor (held weakly: it goes with the tensor) and is valid while the
 tensor's version counter, data pointer, shape, strides and dtype are what they were when it was
-made, for the same pow2 choice. In-place updates through the tensor (`w.mul_()`, `w.copy_()` under
+made and its storage is the one it was made from (a weak reference: a storage freed by a `.data =`
+rebinding whose address a new storage reuses does not pass), for the same pow2 choice. In-place updates through the tensor (`w.mul_()`, `w.copy_()` under
 no_grad, every torch.optim optimizer's update) advance the version counter, so the next call
 quantizes again. Writes through `w.data` do not (torch gives `.data` a fresh version counter), and
 Megatron's optimizers write the model weights so (`model_param.data.copy_(main_param)`): so the
@@ -52,6 +53,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_mok import ops
@@ -73,7 +75,15 @@ class QuantizedWeight:
 class _Entry:
     stamp: tuple  # what the weight was when quantized (_stamp)
     weight: QuantizedWeight
+    # The weight's storage then, held weakly (holding it would keep a replaced weight's bytes alive):
+    # a storage freed since (a `.data =` rebinding) invalidates the entry even where a new storage
+    # took its address, which the stamp's data pointer alone cannot tell.
+    storage: StorageWeakRef
     transposed: Optional[QuantizedWeight] = None
+
+    def made_from(self, weight: Tensor, stamp: tuple) -> bool:
+        """Whether this entry is the quantization of weight as it is now (its stamp)."""
+        return self.stamp == stamp and not self.storage.expired() and self.storage.cdata == weight.untyped_storage()._cdata
 
 
 # weight tensor -> {(pow2, kernels): _Entry}. Emulated ranks run their passes in threads: one lock.
@@ -113,7 +123,7 @@ def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
     with _LOCK:
         entries = _CACHE.get(weight)
         entry = entries.get((pow2, kernels)) if entries is not None else None
-        return entry if entry is not None and entry.stamp == stamp else None
+        return entry if entry is not None and entry.made_from(weight, stamp) else None
 
 
 def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
@@ -122,7 +132,7 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
     entry = _valid_entry(weight, pow2, kernels)
     if entry is not None or not _cacheable(weight):
         return entry
-    entry = _Entry(_stamp(weight), _quantize(weight, pow2, kernels))
+    entry = _Entry(_stamp(weight), _quantize(weight, pow2, kernels), StorageWeakRef(weight.untyped_storage()))
     with _LOCK:
         _register_step_hook()
         _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry

@@ -122,9 +122,12 @@ def _unsupported(config: TransformerConfig) -> list[str]:
         config.tensor_model_parallel_size > 1 and not config.sequence_parallel,
         "mok with --tensor-model-parallel-size > 1 needs --sequence-parallel",
     )
+    # (--moe-router-padding-for-fp8, its deprecated spelling, becomes it in Megatron's __post_init__,
+    # after this check.)
     flag(
-        getattr(config, "moe_router_padding_for_quantization", False),
-        "--moe-router-padding-for-quantization is not supported with mok",
+        bool(getattr(config, "moe_router_padding_for_quantization", False))
+        or bool(getattr(config, "moe_router_padding_for_fp8", False)),
+        "--moe-router-padding-for-quantization (or --moe-router-padding-for-fp8) is not supported with mok",
     )
     return problems
 

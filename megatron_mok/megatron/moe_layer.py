@@ -54,17 +54,42 @@ def _note_precision(config: TransformerConfig, precision: str) -> None:
             print(line, flush=True)
 
 
-def mok_config_for(config: TransformerConfig) -> MoKConfig:
-    """The MoKConfig of a model: `config.mok_config` if set, else from `--mok-backend`,
-    `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches`, `--mok-exchange`,
-    `--mok-no-fp8-weight-cache` and the precision
+def _bf16_layer(config: TransformerConfig, layer_number: Optional[int]) -> bool:
+    """Whether Megatron runs this layer in BF16 inside an FP8 model (--first-last-layers-bf16 with
+    --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16; layer_number global, from 1):
+    Megatron's own rule, so the experts follow the rest of their layer."""
+    if layer_number is None or not getattr(config, "first_last_layers_bf16", False):
+        return False
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    return bool(is_first_last_bf16_layer(config, layer_number - 1))
+
+
+def _megatron_fp8_settings(config: TransformerConfig, layer_number: Optional[int], mok: MoKConfig) -> MoKConfig:
+    """mok with Megatron's FP8 settings that reach the experts: BF16 experts in a layer Megatron keeps
+    BF16 (_bf16_layer), and BF16 expert weight gradients under --no-fp8-wgrad (Megatron's "the
+    wgrad computation in higher precision")."""
+    if mok.precision != "fp8_blockwise":
+        return mok
+    if _bf16_layer(config, layer_number):
+        return dataclasses.replace(mok, precision="bf16")
+    if getattr(config, "fp8_wgrad", True) is False and mok.fp8_weight_grad:
+        return dataclasses.replace(mok, fp8_weight_grad=False)
+    return mok
+
+
+def mok_config_for(config: TransformerConfig, layer_number: Optional[int] = None) -> MoKConfig:
+    """The MoKConfig of a model's MoE layer number layer_number (global, from 1; None: any layer):
+    `config.mok_config` if set, else from `--mok-backend`, `--mok-expert-gemm`,
+    `--mok-dispatch-ring-minibatches`, `--mok-exchange`, `--mok-no-fp8-weight-cache` and the precision
     (checks.expert_precision: `--mok-precision`, or Megatron's --fp8-format e4m3 --fp8-recipe
-    blockwise), else default."""
+    blockwise), else default; either way FP8 experts follow --first-last-layers-bf16 (BF16 in the
+    layers Megatron keeps BF16) and --no-fp8-wgrad (BF16 weight gradients)."""
     explicit = getattr(config, "mok_config", None)
     if explicit is not None:
         if not isinstance(explicit, MoKConfig):
             raise TypeError(f"TransformerConfig.mok_config must be a MoKConfig, got {type(explicit).__name__}")
-        return explicit
+        return _megatron_fp8_settings(config, layer_number, explicit)
     args = parsed_args()
     fields = {"precision": expert_precision(config)}
     _note_precision(config, fields["precision"])
@@ -79,7 +104,7 @@ def mok_config_for(config: TransformerConfig) -> MoKConfig:
             fields[field] = value
     if args is not None and getattr(args, "mok_no_fp8_weight_cache", False):
         fields["fp8_cache_weights"] = False
-    return MoKConfig(**fields)
+    return _megatron_fp8_settings(config, layer_number, MoKConfig(**fields))
 
 
 class MoKMoELayer(MoELayer):
@@ -122,7 +147,14 @@ class MoKMoELayer(MoELayer):
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
         )
         self.mok_group = pg_collection.tp_ep
-        self.mok_config = mok_config_for(config)
+        self.mok_config = mok_config_for(config, layer_number)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's TransformerLayer gives its MoE layer the global layer number after building it:
+        the experts' precision follows it (--first-last-layers-bf16)."""
+        super().set_layer_number(layer_number)
+        if getattr(self, "uses_mok", False):
+            self.mok_config = mok_config_for(self.config, layer_number)
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Dispatch, expert FFN and combine in one `mok_moe` call.

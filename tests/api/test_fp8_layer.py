@@ -276,6 +276,25 @@ def test_weights_are_quantized_once_per_version():
     assert torch.equal(transposed.scales, second.scales.transpose(1, 2))
 
 
+def test_a_weight_rebound_to_a_new_storage_at_the_old_address_is_quantized_again():
+    """`w.data = new` where the new storage lies at the old one's address (an allocator reusing a
+    freed block does this; two numpy-backed storages of one array do it deterministically), with the
+    same shape, strides, dtype and a fresh version counter: every part of the stamp but the storage
+    is what it was, and the cached copy of the old values must not be returned."""
+    import numpy as np  # (megatron-core, a requirement, needs it)
+    values = (np.random.default_rng(3).standard_normal((1, 128, 256)) / 10).astype(np.float32)
+    fc1 = torch.nn.Parameter(torch.from_numpy(values))
+    first, address = fp8_weights.quantized(fc1), fc1.data_ptr()
+    values *= -3  # (numpy's write: no version counter sees it; the rebinding below stands for the change)
+    fc1.data = torch.from_numpy(values)
+    assert fc1.data_ptr() == address and fc1._version == 0
+    second = fp8_weights.quantized(fc1)
+    assert second is not first, "a copy made from another storage must not be returned"
+    want = fp8_weights.quantized(torch.from_numpy(values.copy()), cache=False)
+    assert torch.equal(second.values.view(torch.uint8), want.values.view(torch.uint8))
+    assert torch.equal(second.scales, want.scales)
+
+
 def _record_weight_quantizations(monkeypatch) -> list:
     """ops.fp8_quantize_weight and ops.fp8_transpose_weight replaced by their references (the kernel
     maker on CPU); returns the list of (pow2, forward_copy, transposed) of each quantization and

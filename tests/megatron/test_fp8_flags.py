@@ -33,6 +33,9 @@ CONFIG_CASES = [
     ("e4m3 mxfp8", dict(fp8="e4m3", fp8_recipe="mxfp8"), [], "--fp8-recipe mxfp8"),
     ("hybrid blockwise", dict(fp8="hybrid", fp8_recipe="blockwise"), [], "--fp8-format hybrid is not supported with mok"),
     ("fp4", dict(fp4="e2m1"), [], "--fp4-format is not supported with mok"),
+    ("router padding", dict(moe_router_padding_for_quantization=True), [], "--moe-router-padding-for-quantization"),
+    # The deprecated spelling becomes the one above in Megatron's __post_init__, after mok's check.
+    ("router padding, deprecated", dict(moe_router_padding_for_fp8=True), [], "--moe-router-padding-for-fp8"),
     (
         "mok-precision, hidden 32",
         dict(),
@@ -185,6 +188,57 @@ def test_the_fp8_weight_cache_flag_reaches_the_config():
     assert got == {"default": "True", "no cache": "False"}, got
 
 
+LAYER_SETTINGS = PRECISION.split("print(")[0] + """
+from megatron_mok import MoKConfig
+
+def settings(flags, layer_number, **fields):
+    sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "4", *flags]
+    global_vars._GLOBAL_ARGS = parse_args()
+    config = Config()
+    config.num_layers, config.first_last_layers_bf16, config.fp8_wgrad = 4, False, True
+    config.num_layers_at_start_in_bf16 = config.num_layers_at_end_in_bf16 = 1
+    for name, value in fields.items():
+        setattr(config, name, value)
+    mok = mok_config_for(config, layer_number)
+    return f"{mok.precision} {mok.fp8_weight_grad}"
+
+fp8 = dict(fp8="e4m3", fp8_recipe="blockwise")
+edges = dict(fp8, first_last_layers_bf16=True)
+print("fp8, layer 1 =>", settings([], 1, **fp8))
+for layer in (1, 2, 3, 4):
+    print(f"first-last bf16, layer {layer} =>", settings([], layer, **edges))
+print("first-last bf16, 2 at the start, layer 2 =>", settings([], 2, **edges, num_layers_at_start_in_bf16=2))
+print("first-last bf16, no layer number =>", settings([], None, **edges))
+print("mok-precision, first-last bf16, layer 4 =>", settings(["--mok-precision", "fp8_blockwise"], 4, first_last_layers_bf16=True))
+print("explicit, first-last bf16, layer 1 =>", settings([], 1, **edges, mok_config=MoKConfig(precision="fp8_blockwise")))
+print("no fp8 wgrad =>", settings([], 2, **fp8, fp8_wgrad=False))
+print("mok-precision, no fp8 wgrad =>", settings(["--mok-precision", "fp8_blockwise"], 2, fp8_wgrad=False))
+print("bf16, no fp8 wgrad =>", settings([], 2, fp8_wgrad=False))
+"""
+
+
+def test_fp8_experts_follow_the_bf16_layers_and_no_fp8_wgrad():
+    """--first-last-layers-bf16: the experts of the layers Megatron keeps BF16 (its
+    is_first_last_bf16_layer on the global layer number) run BF16, the others FP8, also under
+    --mok-precision and an explicit MoKConfig; --no-fp8-wgrad: FP8 experts with BF16 weight
+    gradients (MoKConfig.fp8_weight_grad=False); BF16 experts unchanged."""
+    got = _lines(_run(LAYER_SETTINGS))
+    assert got == {
+        "fp8, layer 1": "fp8_blockwise True",
+        "first-last bf16, layer 1": "bf16 True",
+        "first-last bf16, layer 2": "fp8_blockwise True",
+        "first-last bf16, layer 3": "fp8_blockwise True",
+        "first-last bf16, layer 4": "bf16 True",
+        "first-last bf16, 2 at the start, layer 2": "bf16 True",
+        "first-last bf16, no layer number": "fp8_blockwise True",
+        "mok-precision, first-last bf16, layer 4": "bf16 True",
+        "explicit, first-last bf16, layer 1": "bf16 True",
+        "no fp8 wgrad": "fp8_blockwise False",
+        "mok-precision, no fp8 wgrad": "fp8_blockwise False",
+        "bf16, no fp8 wgrad": "bf16 True",
+    }, got
+
+
 def test_a_bad_mok_precision_is_rejected_by_the_parser():
     code = """
     import sys
@@ -241,6 +295,16 @@ for module in (bf16, fp8):
     results.append((y.detach(), xi.grad, module.experts.weight1.grad, module.experts.weight2.grad))
 for name, a, b in zip(("y", "dx", "dfc1", "dfc2"), *results):
     print(name, "=>", bool(torch.isfinite(b).all()), round(sqnr_db(b, a), 1))
+# The global layer number Megatron's TransformerLayer hands its MoE layer after building it.
+sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "4", "--mok-precision", "fp8_blockwise"]
+global_vars._GLOBAL_ARGS = parse_args()
+edges = mh.moe_layer(mh.transformer_config("mok", num_layers=4, hidden_size=128, moe_ffn_hidden_size=128,
+                                           num_moe_experts=4, first_last_layers_bf16=True), "mok")
+numbered = []
+for number in (1, 2, 4):
+    edges.set_layer_number(number)
+    numbered.append(edges.mok_config.precision)
+print("layer numbers =>", " ".join(numbered))
 """
 
 
@@ -253,6 +317,8 @@ def test_a_mok_layer_runs_its_experts_in_fp8():
 
     got = _lines(_run(LAYER.replace("{port}", str(free_port()))))
     assert got.pop("precision") == "bf16 fp8_blockwise", got
+    # --first-last-layers-bf16 with four layers: the first and last layers' experts BF16.
+    assert got.pop("layer numbers") == "bf16 fp8_blockwise bf16", got
     for name, value in got.items():
         finite, db = value.split()
         assert finite == "True" and 20.0 <= float(db) < 60.0, f"{name}: {value}"
