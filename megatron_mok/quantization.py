@@ -122,8 +122,8 @@ def block_scale(amax: Tensor, pow2: bool = False) -> Tensor:
     if pow2:
         regular = torch.isfinite(scale) & (scale > 0)
         scale = torch.where(regular, _pow2_at_least(torch.where(regular, scale, torch.ones_like(scale))), scale)
-    scale = torch.where((amax > 0) & (scale == 0), torch.full_like(scale, 2.0**-149), scale)
-    return torch.where(amax == 0, torch.ones_like(scale), scale)
+    # scale is 0 exactly where amax is 0 or amax / 448 underflows (a NaN amax gives a NaN scale).
+    return torch.where(scale == 0, torch.where(amax == 0, 1.0, 2.0**-149), scale)
 
 
 def quantize_blocks(values: Tensor, pow2: bool = False) -> tuple[Tensor, Tensor]:
@@ -298,21 +298,39 @@ def fp8_grouped_matmul(
     experts, n, _ = q_weight.shape
     _check_multiple("the reduction dimension (K)", k)
     num_tiles = -(-rows // FP8_BLOCK)
+    k_blocks = k // FP8_BLOCK
     tile_expert = _tile_experts(offsets, num_tiles)  # (tiles,) in [0, E]
     out = torch.zeros(num_tiles, FP8_BLOCK, n, dtype=torch.float32, device=q_rows.device)
-    batch = max(1, _GATHER_BYTES // (n * FP8_BLOCK * 8))
-    for block in range(k // FP8_BLOCK):
-        cols = slice(block * FP8_BLOCK, (block + 1) * FP8_BLOCK)
-        a = _pad_rows(q_rows[:, cols].double(), num_tiles * FP8_BLOCK).view(num_tiles, FP8_BLOCK, FP8_BLOCK)
-        sa = _pad_rows(scale_rows[:, block:block + 1], num_tiles * FP8_BLOCK).view(num_tiles, FP8_BLOCK, 1)
+    # Padded as bytes (a zero byte is E4M3's +0): no float8 kernel needed.
+    a_all = _pad_rows(q_rows.view(torch.uint8), num_tiles * FP8_BLOCK).view(q_rows.dtype)
+    a_all = a_all.view(num_tiles, FP8_BLOCK, k_blocks, FP8_BLOCK)
+    sa_all = _pad_rows(scale_rows[:, :k_blocks], num_tiles * FP8_BLOCK).view(num_tiles, FP8_BLOCK, k_blocks)
+    # The products and scalings of many (tile, K block) pairs per batch of launches (a few launches
+    # per batch rather than per K block: the emulated symmetric group queues every rank's backward
+    # behind its peers' signals, and a stream's queue of launches is finite); each batch's float64
+    # weight blocks and partial products stay within _GATHER_BYTES. The additions into a tile stay
+    # one per K block, in ascending K order.
+    block_bytes = n * FP8_BLOCK * 8  # one expert's (N, 128) float64 weight block, or one tile's partial
+    chunk = max(1, min(k_blocks, _GATHER_BYTES // ((experts + 1) * block_bytes)))
+    for k0 in range(0, k_blocks, chunk):
+        kc = min(chunk, k_blocks - k0)
+        cols = slice(k0 * FP8_BLOCK, (k0 + kc) * FP8_BLOCK)
         # Expert E (the tiles past the end) multiplies by zeros with scale 1.
-        w = F.pad(q_weight[:, :, cols].double(), (0, 0, 0, 0, 0, 1))  # (E + 1, N, 128)
-        sw = F.pad(scale_weight[:, :, block], (0, 0, 0, 1), value=1.0).repeat_interleave(FP8_BLOCK, dim=1)  # (E + 1, N)
+        w = F.pad(q_weight[:, :, cols].double(), (0, 0, 0, 0, 0, 1))  # (E + 1, N, kc * 128)
+        sw = F.pad(scale_weight[:, :, k0:k0 + kc], (0, 0, 0, 0, 0, 1), value=1.0).repeat_interleave(FP8_BLOCK, dim=1)  # (E + 1, N, kc)
+        batch = max(1, _GATHER_BYTES // (2 * kc * block_bytes))
         for first in range(0, num_tiles, batch):
             tiles = slice(first, min(first + batch, num_tiles))
+            count = tiles.stop - tiles.start
             experts_of = tile_expert[tiles]
-            partial = torch.bmm(a[tiles], w.index_select(0, experts_of).transpose(1, 2)).float()  # exact, rounded once
-            out[tiles] += (sa[tiles] * sw.index_select(0, experts_of).unsqueeze(1)) * partial
+            a = a_all[tiles, :, k0:k0 + kc].double().permute(0, 2, 1, 3).reshape(count * kc, FP8_BLOCK, FP8_BLOCK)
+            b = w.index_select(0, experts_of).view(count, n, kc, FP8_BLOCK).permute(0, 2, 3, 1).reshape(count * kc, FP8_BLOCK, n)
+            partial = torch.bmm(a, b).float().view(count, kc, FP8_BLOCK, n)  # exact, rounded once
+            sa = sa_all[tiles, :, k0:k0 + kc].permute(0, 2, 1).unsqueeze(3)  # (count, kc, 128, 1)
+            sb = sw.index_select(0, experts_of).permute(0, 2, 1).unsqueeze(2)  # (count, kc, 1, N)
+            contribution = (sa * sb) * partial
+            for j in range(kc):
+                out[tiles] += contribution[:, j]
     out = out.view(num_tiles * FP8_BLOCK, n)[:rows]
     in_segment = torch.arange(rows, device=out.device) < offsets[-1]
     return torch.where(in_segment.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -330,12 +348,24 @@ def fp8_grouped_weight_grad(
     drops it. Adding the rows of a schedule window by window (its windows start at multiples of 128)
     runs the same additions in the same order as adding them at once: bitwise the same sum, and
     bitwise fp8_segment_weight_grad's on one window."""
-    rows = q_grad.shape[1]
+    n, rows = q_grad.shape
+    k = q_inputs.shape[0]
     _check_multiple("the number of rows (tokens)", rows)
-    tile_expert = _tile_experts(offsets, rows // FP8_BLOCK)
-    for block in range(rows // FP8_BLOCK):
-        cols = slice(block * FP8_BLOCK, (block + 1) * FP8_BLOCK)
-        partial = (q_grad[:, cols].double() @ q_inputs[:, cols].double().t()).float()  # exact, rounded once
-        contribution = (scale_grad[block].unsqueeze(1) * scale_inputs[block].unsqueeze(0)) * partial
-        # One index: each element of out[e] gets exactly one addition (deterministic on CUDA too).
-        out.index_add_(0, tile_expert[block:block + 1], contribution.unsqueeze(0))
+    num_blocks = rows // FP8_BLOCK
+    tile_expert = _tile_experts(offsets, num_blocks)
+    # The blocks' products and scalings in batches (a few launches per batch rather than per block:
+    # the emulated symmetric group queues every rank's backward behind its peers' signals, and a
+    # stream's queue of launches is finite); the additions stay one per block, in ascending order.
+    batch = max(1, _GATHER_BYTES // (n * k * 8))
+    for first in range(0, num_blocks, batch):
+        count = min(batch, num_blocks - first)
+        cols = slice(first * FP8_BLOCK, (first + count) * FP8_BLOCK)
+        grad = q_grad[:, cols].double().view(n, count, FP8_BLOCK).transpose(0, 1)  # (count, N, 128)
+        inputs = q_inputs[:, cols].double().view(k, count, FP8_BLOCK).permute(1, 2, 0)  # (count, 128, K)
+        partial = torch.bmm(grad, inputs).float()  # each block's product exact in float64, rounded once
+        scales = scale_grad[first:first + count].unsqueeze(2) * scale_inputs[first:first + count].unsqueeze(1)
+        contribution = scales * partial  # (count, N, K)
+        for j in range(count):
+            # One index: each element of out[e] gets exactly one addition (deterministic on CUDA too).
+            block = first + j
+            out.index_add_(0, tile_expert[block:block + 1], contribution[j:j + 1])

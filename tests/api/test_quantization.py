@@ -234,10 +234,18 @@ ALIGNED_OFFSETS = {
 }
 
 
+# fq._GATHER_BYTES: the default (every K block and tile in one batch at these sizes), and 1 (one
+# K block and one tile per batch): the batching changes which launches compute a product, never it.
+GATHER_BYTES = {"one_batch": None, "a_block_a_batch": 1}
+
+
+@pytest.mark.parametrize("gather", list(GATHER_BYTES))
 @pytest.mark.parametrize("offsets", list(ALIGNED_OFFSETS))
-def test_grouped_matmul_is_bitwise_the_segment_matmul(offsets):
+def test_grouped_matmul_is_bitwise_the_segment_matmul(offsets, gather, monkeypatch):
     """The layer's sync-free grouped GEMM against the per-segment reference on 128-aligned segments:
     the same exact block products promoted in the same order, so the same bits."""
+    if GATHER_BYTES[gather] is not None:
+        monkeypatch.setattr(fq, "_GATHER_BYTES", GATHER_BYTES[gather])
     bounds = torch.tensor(ALIGNED_OFFSETS[offsets])
     rows, k, n = 384 + 5, 3 * FP8_BLOCK, 2 * FP8_BLOCK  # (rows past a 128-multiple: a partial tile)
     qa, sa = fq.quantize_rowwise(_rows(rows, k, seed=6))
@@ -249,10 +257,13 @@ def test_grouped_matmul_is_bitwise_the_segment_matmul(offsets):
     assert bool((got[int(bounds[-1]):] == 0).all())
 
 
-def test_grouped_weight_grad_windows_are_bitwise_one_pass():
+@pytest.mark.parametrize("gather", list(GATHER_BYTES))
+def test_grouped_weight_grad_windows_are_bitwise_one_pass(gather, monkeypatch):
     """fp8_grouped_weight_grad over a schedule at once, window by window (windows at multiples of 128
     rows, offsets relative and clamped as receive.windows makes them), and fp8_segment_weight_grad:
     the same additions in the same order, the same bits."""
+    if GATHER_BYTES[gather] is not None:
+        monkeypatch.setattr(fq, "_GATHER_BYTES", GATHER_BYTES[gather])
     rows, n, k = 5 * FP8_BLOCK, FP8_BLOCK, 2 * FP8_BLOCK
     offsets = torch.tensor([0, 2 * FP8_BLOCK, 2 * FP8_BLOCK, 4 * FP8_BLOCK])  # rows past 512: none
     qg, sg = fq.quantize_columnwise(_rows(rows, n, seed=8))
