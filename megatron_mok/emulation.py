@@ -33,6 +33,15 @@ rank launched after it signals, and under lazy loading the first launch of a ker
 the whole device to be idle — for the spinning kernel, which waits for that launch (CUDA
 programming guide, lazy loading, "concurrent execution"). Real ranks are one process per GPU, where
 no kernel waits on a launch of its own process, so only the emulation needs it.
+
+For the same reason a pass's launches must not outnumber what its stream can queue: a rank whose
+kernel waits for a rank launched after it keeps every later launch of its pass queued behind that
+kernel until the peer's launch arrives, and CUDA's queue of pending launches is finite: once full, the
+next launch blocks this thread, the peer's launch never comes, and the waiting kernel's bounded wait
+traps. The kernel backend launches a few kernels per stage; the reference backend launches many
+small ones (quantization.py batches its FP8 GEMMs' block products for this), so the reference over the
+symmetric form is the case to keep small. Real ranks launch from their own processes and never block
+one another so.
 """
 
 from __future__ import annotations
