@@ -307,9 +307,10 @@ def fp8_grouped_matmul(
     sa_all = _pad_rows(scale_rows[:, :k_blocks], num_tiles * FP8_BLOCK).view(num_tiles, FP8_BLOCK, k_blocks)
     # The products and scalings of many (tile, K block) pairs per batch of launches (a few launches
     # per batch rather than per K block: the emulated symmetric group queues every rank's backward
-    # behind its peers' signals, and a stream's queue of launches is finite); each batch's float64
-    # weight blocks and partial products stay within _GATHER_BYTES. The additions into a tile stay
-    # one per K block, in ascending K order.
+    # behind its peers' signals, and a stream's queue of launches is finite: emulation.py). A K
+    # chunk's float64 weight copy, and a batch's gathered float64 weight blocks and partial products
+    # together, stay within _GATHER_BYTES (the batch's other temporaries are each at most half its
+    # partials). The additions into a tile stay one per K block, in ascending K order.
     block_bytes = n * FP8_BLOCK * 8  # one expert's (N, 128) float64 weight block, or one tile's partial
     chunk = max(1, min(k_blocks, _GATHER_BYTES // ((experts + 1) * block_bytes)))
     for k0 in range(0, k_blocks, chunk):
@@ -353,9 +354,9 @@ def fp8_grouped_weight_grad(
     _check_multiple("the number of rows (tokens)", rows)
     num_blocks = rows // FP8_BLOCK
     tile_expert = _tile_experts(offsets, num_blocks)
-    # The blocks' products and scalings in batches (a few launches per batch rather than per block:
-    # the emulated symmetric group queues every rank's backward behind its peers' signals, and a
-    # stream's queue of launches is finite); the additions stay one per block, in ascending order.
+    # The blocks' products and scalings in batches, as fp8_grouped_matmul's and for its reason, a
+    # batch's float64 partial products within _GATHER_BYTES; the additions stay one per block, in
+    # ascending order.
     batch = max(1, _GATHER_BYTES // (n * k * 8))
     for first in range(0, num_blocks, batch):
         count = min(batch, num_blocks - first)
