@@ -309,7 +309,7 @@ def fp8_grouped_matmul(
     # per batch rather than per K block: the emulated symmetric group queues every rank's backward
     # behind its peers' signals, and a stream's queue of launches is finite: emulation.py). A K
     # chunk's float64 weight copy, and a batch's gathered float64 weight blocks and partial products
-    # together, stay within _GATHER_BYTES (the batch's other temporaries are each at most half its
+    # together, stay within _GATHER_BYTES (the batch's other temporaries are each no larger than its
     # partials). The additions into a tile stay one per K block, in ascending K order.
     block_bytes = n * FP8_BLOCK * 8  # one expert's (N, 128) float64 weight block, or one tile's partial
     chunk = max(1, min(k_blocks, _GATHER_BYTES // ((experts + 1) * block_bytes)))
