@@ -92,6 +92,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The layer: mok FP8 beside mok BF16, torchao's FP8 rowwise op and the PyTorch pipeline (bench_layer.json in \$OUT).
         fp8_layer_bench) echo 400 "python3 scripts/bench_layer.py --fp8 --shapes deepseek_v3,qwen3_30b --out \$OUT" ;;
         # The FP8 layer's kernels by stage (the quantization steps' share), forward and backward.
+        # The same, FP8 and BF16, mok_moe on one GPU beside one emulated rank over the in-kernel exchange (a real EP launch's path).
+        fp8_stages_symmetric) echo 300 "python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise --exchange direct,symmetric && python3 scripts/profile_layer_kernels.py --shapes deepseek_v3 --backward --exchange direct,symmetric" ;;
         fp8_stages) echo 150 "python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise" ;;
         # Warp stall reasons, tensor-pipe activity and time of the FP8 GEMM's variants beside torch's
         # FP8 rowwise grouped GEMM (fc1, DeepSeek-V3 EP 8 shape); stalls.csv stays in \$OUT.

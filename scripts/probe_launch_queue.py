@@ -19,6 +19,9 @@ import torch
 
 def first_blocking_launch(num_streams: int, max_launches: int = 8192, sleep_cycles: int = 2_000_000_000) -> int | None:
     x = torch.zeros(1, device="cuda")
+    # The tiny kernel launched once before: its module's first (lazy) load would otherwise wait for
+    # the sleeping kernels and read as a full queue at launch 1.
+    x.add_(1)
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream() for _ in range(num_streams)]
     for stream in streams:

@@ -3,11 +3,14 @@ from torch.profiler, beside the step's event-timed wall time (the difference is 
 between kernels, e.g. waiting for the CPU to launch them).
 
     python3 scripts/profile_layer_kernels.py [--shapes deepseek_v3,qwen3_30b] [--expert-gemm auto] [--backward] [--timeline]
-        [--precision fp8_blockwise]
+        [--precision fp8_blockwise] [--exchange direct,symmetric]
 
 Each step's kernels are also summed by stage (STAGES: the quantization kernels of the FP8 recipe in
 a stage of their own, so their share of the layer shows), each with its share of the kernels' time;
-with FP8, each quantization launch of one step is listed on its own with its share.
+with FP8, each quantization launch of one step is listed on its own with its share. --exchange
+symmetric runs the layer as one rank of megatron_mok.emulation over the in-kernel exchange (EP = 1:
+the path of a real EP launch, its pulls, pushes and signals, without another rank's traffic);
+several, comma-separated, profile each in turn.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from bench_layer import SHAPES, make_inputs  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from megatron_mok import MoKConfig, mok_moe  # noqa: E402
+from megatron_mok.emulation import EmulatedGroup  # noqa: E402
 
 STEPS = 5
 
@@ -94,14 +98,25 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true", help="also each kernel's start, duration and the gap before it")
     parser.add_argument("--cprofile", action="store_true", help="also the host's Python time per function for one step")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
+    parser.add_argument("--exchange", default="direct",
+                        help="direct (mok_moe on one GPU) or symmetric (one emulated rank over the in-kernel exchange); comma-separated")
     args = parser.parse_args()
-    config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm, precision=args.precision)
-    for name in args.shapes.split(","):
+    exchanges = args.exchange.split(",")
+    unknown = sorted(set(exchanges) - {"direct", "symmetric"})
+    if unknown:
+        raise SystemExit(f"--exchange: unknown {unknown}; expected direct or symmetric")
+    group = EmulatedGroup(1, "cuda", exchange="symmetric") if "symmetric" in exchanges else None
+    for name, exchange in ((n, e) for n in args.shapes.split(",") for e in exchanges):
         s = make_inputs(SHAPES[name], seed=0)
+        config = MoKConfig(backend="kernel", expert_gemm=args.expert_gemm, precision=args.precision,
+                           **({"exchange": "symmetric"} if exchange == "symmetric" else {}))
 
-        def step(_=None, s=s):
+        def step(_=None, s=s, config=config, exchange=exchange):
             leaves = [s[n].detach().requires_grad_(args.backward) for n in ("x", "weights", "fc1", "fc2")]
-            y = mok_moe(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3], config=config)
+            if exchange == "symmetric":
+                (y,) = group.mok_moe([leaves[0]], [s["ids"]], [leaves[1]], [leaves[2]], [leaves[3]], config=config)
+            else:
+                y = mok_moe(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3], config=config)
             if args.backward:
                 y.backward(s["grad"])
 
@@ -119,7 +134,7 @@ def main() -> None:
         rows = kernel_table(step, STEPS)
         busy_ms = sum(us for _, _, us in rows) / 1e3
         what = "forward+backward" if args.backward else "forward"
-        print(f"\n{name} {what}, expert_gemm={args.expert_gemm}, {args.precision}: wall {wall_ms:.3f} ms, kernels "
+        print(f"\n{name} {what}, {exchange}, expert_gemm={args.expert_gemm}, {args.precision}: wall {wall_ms:.3f} ms, kernels "
               f"{busy_ms:.3f} ms (idle {wall_ms - busy_ms:.3f} ms); queued back to back {queued_ms:.3f} ms per step")
         print(f"  {'us/step':>9} {'share':>6}  stage")
         for stage, us, share in stage_table(rows):

@@ -107,8 +107,8 @@ FP8_WGRAD_VARIANT = "overlap_across_tiles"
 # from: True, quantized column-wise straight from the ranks' regions (ops.fp8_quantize_columns_from_peers:
 # fc1's x rows, fc2's w * dY), as from one tensor at EP = 1 without the exchange; False, pulled into
 # (capacity, H) bf16 rows first (the dispatch's and the weighted pull's kernels), then quantized. The
-# same bits either way. False until the peer form has run on a GPU (tests/ops/test_gpu_fp8_quant.py,
-# tests/comm/test_gpu_emulation.py; STEPS=fp8_columns_from_peers bash scripts/device_steps.sh): it
-# saves the pulls' 2 * s * W * H bytes and their time (docs/performance.md, "The FP8 layer over
-# receive windows").
-FP8_WGRAD_COLUMNS_FROM_PEERS = False
+# same bits either way (tests/ops/test_gpu_fp8_quant.py, tests/backends/test_gpu_fp8_kernel.py -k
+# regions). True saves the pulls' 2 * s * W * H bytes (memory_fp8.layer_memory_bound counts them only
+# when False) and their time (docs/performance.md, "The FP8 weight gradients' operands from the
+# regions").
+FP8_WGRAD_COLUMNS_FROM_PEERS = True
