@@ -231,6 +231,18 @@ struct Fp8SwigluEpilogueParams {
   int32_t act_scale_rows;  // num_rows rounded up to kFp8ScaleRowPad
 };
 
+// The FP8 push epilogue (gemm/fp8_gemm_sm90.cuh Fp8PushEpilogue), the down projection and the
+// gate/up dgrad over the in-kernel exchange: the product's row r, rounded once to bf16, goes where
+// push_rows_kernel (PushRowsParams) would move it, slot t * topk + k of its route's source rank's
+// combine region; a row of route -1 (padding) is not written. No output tensor, no tensor map.
+struct Fp8PushEpilogueMaps {};
+struct Fp8PushEpilogueParams {
+  const int64_t* slot_to_route;    // (num_rows,) the group route of each row of the product, -1 for padding
+  void* peer_tables[kMaxEpRanks];  // [num_ranks] every rank's combine region, (routes_per_rank, n_out) bf16
+  int32_t routes_per_rank;         // num_tokens * topk; num_ranks * routes_per_rank < 2^31
+  int32_t num_ranks;
+};
+
 // The FP8 blockwise weight gradient per expert (gemm/fp8_wgrad_sm90.cuh, docs/design.md §12.3) over
 // one window of the schedule's rows, [window_begin, window_begin + num_rows) (the whole schedule:
 // window_begin 0 and all its rows). With o_e = expert_offsets[e], expert e's rows in the window are

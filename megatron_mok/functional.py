@@ -239,7 +239,11 @@ def _forward_window(stages, source, window, fc1, fc2, returned, config: MoKConfi
     act or None): what the context keeps of it when it is the first window."""
     offsets = window.schedule.expert_offsets
     rows, gate_up, act = stages.dispatch_gate_up(source, window.schedule, fc1, config.dispatch_ring_minibatches)
-    returned.push(stages.expert_down(act, fc2, offsets), window)
+    target = returned.push_target(window) if stages.expert_down_pushed is not None else None
+    if target is not None:
+        stages.expert_down_pushed(act, fc2, offsets, target)
+    else:
+        returned.push(stages.expert_down(act, fc2, offsets), window)
     return (rows if keep_rows else None), gate_up, (act if keep_rows else None)
 
 
@@ -445,7 +449,11 @@ def _backward_window(
         _release_saved(ctx, "act")
     d_x = None
     if returned is not None:
-        returned.push(stages.dgrad_rows(grad_gate_up, fc1, offsets), window)
+        target = returned.push_target(window) if stages.dgrad_rows_pushed is not None else None
+        if target is not None:
+            stages.dgrad_rows_pushed(grad_gate_up, fc1, offsets, target)
+        else:
+            returned.push(stages.dgrad_rows(grad_gate_up, fc1, offsets), window)
         if window.last:  # summed before the rows are pulled again, so the dX rows are freed first
             d_x = _return_grad_x(returned, ctx, stages, need_input_grads, dtype)
     if need_weight_grads:

@@ -125,6 +125,17 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # its own process (a trap's sticky CUDA error fails every later test of its process), the
         # benchmark only after all of them passed.
         fp8_columns_from_peers) echo 420 "f=0; $PYTEST tests/ops/test_gpu_fp8_quant.py -k from_peers || f=1; $PYTEST tests/backends/test_gpu_fp8_kernel.py -k regions || f=1; $PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric || f=1; $PYTEST tests/comm/test_gpu_fp8_memory.py -k regions || f=1; [ \$f = 0 ] && python3 scripts/bench_windows.py --factors 1.0,0.25 --columns-from-peers" ;;
+        # The FP8 GEMMs' push epilogue (tuning.FP8_PUSH_IN_EPILOGUE): the op against the GEMM then the push
+        # kernel, the layer over the emulated symmetric exchange bitwise EP = 1, its memory against the
+        # bound (each pytest part in its own process), then the one-rank symmetric path's time with the
+        # push kernel and with the epilogue, and its kernels by stage.
+        fp8_push) echo 480 "f=0; $PYTEST tests/ops/test_gpu_fp8_gemm.py -k push || f=1; $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'symmetric or regions' || f=1; $PYTEST tests/comm/test_gpu_fp8_memory.py || f=1; [ \$f = 0 ] && python3 scripts/bench_windows.py --factors 1.0,0.25 --push-in-epilogue && python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise --exchange symmetric" ;;
+        # The one-rank FP8 layer's memory by stage over the in-kernel exchange in 4 receive windows, the rows
+        # pushed by the GEMMs' epilogue and by the push kernel (its peak lines and the pushing stages).
+        fp8_push_memory) echo 200 "for a in '' '--push-kernel'; do python3 scripts/memory_stages.py --factor 0.25 --precision fp8_blockwise \$a | grep -E 'fp8_blockwise|peak|expert_down|dgrad_rows'; done" ;;
+        # The FP8 step over the in-kernel exchange timed both ways in one run (wall, kernels, ten steps queued
+        # back to back): rows pushed by the push kernel, then by the GEMMs' epilogue.
+        fp8_push_queued) echo 200 "for a in --push-kernel ''; do python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise --exchange symmetric \$a | grep -E 'wall'; done" ;;
         # The depth of CUDA's launch queue behind an unfinished kernel (emulation.py's symmetric form),
         # and the case it bounds: the reference backend over the emulated symmetric exchange at EP 4.
         launch_queue) echo 150 "python3 scripts/probe_launch_queue.py --streams 1,3 && $PYTEST -s tests/backends/test_gpu_fp8_kernel.py -k 'symmetric and 4-reference'" ;;

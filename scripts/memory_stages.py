@@ -5,10 +5,13 @@ and weight cache of a warm-up call excluded, as scripts/ep_memory.py counts them
 
     python3 scripts/memory_stages.py [--shape deepseek_v3] [--precision fp8_blockwise]
                                      [--no-fp8-weight-cache] [--routing uniform] [--factor 0.25]
+                                     [--push-kernel]
 
 --factor runs the rank over the in-kernel exchange (one rank of megatron_mok.emulation) with that
 MoKConfig.receive_capacity_factor: below 1 its rows go through several receive windows, as an EP > 1
 rank's do (its symmetric regions are not in the figures: scripts/ep_memory.py counts them).
+--push-kernel: FP8's rows pushed by the push kernel after the GEMMs instead of by their epilogue
+(tuning.FP8_PUSH_IN_EPILOGUE off).
 
 A weight gradient's stages (weight_grad_window, weight_grad_into, segment_weight_grad) include the
 result they write into; the layer's own peak is the largest "peak" of the table. One GPU, EP = 1.
@@ -64,7 +67,12 @@ def main() -> None:
     parser.add_argument("--no-fp8-weight-cache", action="store_true")
     parser.add_argument("--routing", default="uniform")
     parser.add_argument("--factor", type=float, default=None)
+    parser.add_argument("--push-kernel", action="store_true", help="tuning.FP8_PUSH_IN_EPILOGUE off")
     args = parser.parse_args()
+    if args.push_kernel:
+        from megatron_mok.backends import tuning
+
+        tuning.FP8_PUSH_IN_EPILOGUE = False
     t, h, f, e, k = SHAPES[args.shape]
     config = MoKConfig(backend="kernel", precision=args.precision, fp8_cache_weights=not args.no_fp8_weight_cache)
     group = None

@@ -3,14 +3,15 @@ from torch.profiler, beside the step's event-timed wall time (the difference is 
 between kernels, e.g. waiting for the CPU to launch them).
 
     python3 scripts/profile_layer_kernels.py [--shapes deepseek_v3,qwen3_30b] [--expert-gemm auto] [--backward] [--timeline]
-        [--precision fp8_blockwise] [--exchange direct,symmetric]
+        [--precision fp8_blockwise] [--exchange direct,symmetric] [--push-kernel]
 
 Each step's kernels are also summed by stage (STAGES: the quantization kernels of the FP8 recipe in
 a stage of their own, so their share of the layer shows), each with its share of the kernels' time;
 with FP8, each quantization launch of one step is listed on its own with its share. --exchange
 symmetric runs the layer as one rank of megatron_mok.emulation over the in-kernel exchange (EP = 1:
 the path of a real EP launch, its pulls, pushes and signals, without another rank's traffic);
-several, comma-separated, profile each in turn.
+several, comma-separated, profile each in turn. --push-kernel: FP8's rows pushed by the push kernel
+after the GEMMs (tuning.FP8_PUSH_IN_EPILOGUE off).
 """
 
 from __future__ import annotations
@@ -98,9 +99,15 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true", help="also each kernel's start, duration and the gap before it")
     parser.add_argument("--cprofile", action="store_true", help="also the host's Python time per function for one step")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8_blockwise"))
+    parser.add_argument("--push-kernel", action="store_true",
+                        help="FP8 over the exchange: the rows pushed by the push kernel, not the GEMMs' epilogue")
     parser.add_argument("--exchange", default="direct",
                         help="direct (mok_moe on one GPU) or symmetric (one emulated rank over the in-kernel exchange); comma-separated")
     args = parser.parse_args()
+    if args.push_kernel:
+        from megatron_mok.backends import tuning
+
+        tuning.FP8_PUSH_IN_EPILOGUE = False
     exchanges = args.exchange.split(",")
     unknown = sorted(set(exchanges) - {"direct", "symmetric"})
     if unknown:

@@ -1,5 +1,6 @@
 // Torch bindings of the FP8 blockwise grouped GEMM (gemm/fp8_gemm_sm90.cuh): ops fp8_expert_gemm
-// (bf16 out; fp8_expert_gemm_into writes the caller's) and fp8_expert_gemm_swiglu (gate_up bf16, act
+// (bf16 out; fp8_expert_gemm_into writes the caller's; fp8_expert_gemm_push writes its rows into the
+// sources' combine regions of the in-kernel exchange) and fp8_expert_gemm_swiglu (gate_up bf16, act
 // E4M3 with its 1x128 scales) of the
 // `megatron_mok` library (validated wrappers, fake implementations and references in
 // megatron_mok/ops/fp8_gemm.py, which raise ValueError before these run; the checks here are the
@@ -17,6 +18,7 @@
 #include <tuple>
 
 #include "bindings/checks.h"
+#include "bindings/op_utils.h"
 #include "common/device_info.h"
 #include "common/failure_record.h"
 #include "common/limits.h"
@@ -238,6 +240,53 @@ void fp8_expert_gemm_into(const at::Tensor& a, const at::Tensor& a_scales, const
                          group_m, variant, out);
 }
 
+// fp8_expert_gemm_launch's product, row r rounded once to bf16 and written to the combine region of
+// its route's source rank, at the route's slot t * topk + k (push_rows' destination: exchange_ops.cu),
+// nothing for a row of route -1; rows outside the segments not written. slot_to_route (rows,) int64;
+// own_combine (num_tokens * topk, N) bf16, this rank's region, stands for every rank's (peer ptrs in
+// rank order, each 16-byte aligned). variant: kDefault or kOverlap (the instances built for it).
+void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                          const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
+                          int64_t group_m, int64_t variant, const at::Tensor& slot_to_route, int64_t topk,
+                          int64_t num_tokens, const at::Tensor& own_combine, c10::IntArrayRef peer_combine_ptrs) {
+  constexpr const char* kOp = "fp8_expert_gemm_push: ";
+  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  TORCH_CHECK(variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap), kOp,
+              "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default) or ",
+              std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap), got ", std::to_string(variant));
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [experts, n, k, scale_rows] =
+      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+  const int64_t rows = a.size(0);
+  check_index(slot_to_route, "fp8_expert_gemm_push: slot_to_route");
+  check_cuda(own_combine, "fp8_expert_gemm_push: own_combine");
+  TORCH_CHECK(slot_to_route.dim() == 1 && slot_to_route.size(0) == rows && slot_to_route.device() == a.device(), kOp,
+              "slot_to_route must hold one route per row of a (", std::to_string(rows), ") on a's device, got ",
+              sizes_str(slot_to_route));
+  TORCH_CHECK(topk > 0 && num_tokens >= 0, kOp, "topk must be positive and num_tokens non-negative");
+  // (The epilogue's route arithmetic is 32-bit.)
+  TORCH_CHECK(int64_t(peer_combine_ptrs.size()) * num_tokens * topk < (int64_t(1) << 31), kOp,
+              "the group's routes (ranks * num_tokens * topk) must number fewer than 2^31");
+  TORCH_CHECK(own_combine.scalar_type() == at::kBFloat16 && own_combine.dim() == 2 &&
+                  own_combine.size(0) == num_tokens * topk && own_combine.size(1) == n &&
+                  own_combine.device() == a.device(),
+              kOp, "own_combine must be bfloat16 (num_tokens * topk, N) = (", std::to_string(num_tokens * topk), ", ",
+              std::to_string(n), ") on a's device, got ", sizes_str(own_combine));
+  Fp8PushEpilogueParams epilogue{};
+  epilogue.num_ranks = bindings::fill_peer_table(epilogue.peer_tables, peer_combine_ptrs, "fp8_expert_gemm_push",
+                                                 "peer_combine_ptrs", 0, 16);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(own_combine.data_ptr()) % 16 == 0, kOp, "own_combine must start 16-byte aligned");
+  if (rows == 0) return;
+  epilogue.slot_to_route = slot_to_route.data_ptr<int64_t>();
+  epilogue.routes_per_rank = int32_t(num_tokens * topk);
+  auto p = fp8_params<Fp8PushEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, n, n, k, scale_rows,
+                                             group_m);
+  p.epilogue = epilogue;
+  const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
+  launch_with_variant<Fp8PushEpilogue, false>(variant, cluster_m, p, a_map, b_map);
+}
+
 // The gate/up projection with SwiGLU, act quantized 1x128 along F: weight (E, 2F, K) gate rows then
 // up rows, F a multiple of 128. Returns (gate_up (rows, 2F) bf16, act (rows, F) e4m3, act_scales
 // (F/128, fp8_scale_rows(rows)) fp32, the GEMM-A layout; its padding columns hold 1 as
@@ -286,6 +335,10 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_expert_gemm_into(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m, int variant, Tensor(a!) out) -> ()");
   m.def(
+      "fp8_expert_gemm_push(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
+      "int cluster_m, int group_m, int variant, Tensor slot_to_route, int topk, int num_tokens, "
+      "Tensor(a!) own_combine, int[] peer_combine_ptrs) -> ()");
+  m.def(
       "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m, int variant=0) -> (Tensor, Tensor, Tensor)");
 }
@@ -293,6 +346,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_expert_gemm", &fp8_expert_gemm);
   m.impl("fp8_expert_gemm_into", &fp8_expert_gemm_into);
+  m.impl("fp8_expert_gemm_push", &fp8_expert_gemm_push);
   m.impl("fp8_expert_gemm_swiglu", &fp8_expert_gemm_swiglu);
 }
 

@@ -1,8 +1,10 @@
 // The FP8 blockwise grouped GEMM of the expert segments (sm_90a; docs/design.md §12.3): E4M3 A rows
 // times E4M3 B_e^T with one fp32 scale per row and K block for A (1x128) and per 128 x 128 block for
 // B. Forward fc1/fc2 take the weights as quantized; the dgrads take the transposed copies (sm90's
-// FP8 wgmma reads K-major operands only). Two epilogues:
+// FP8 wgmma reads K-major operands only). Three epilogues:
 //   Fp8StoreEpilogue   out = the product rounded once to bf16 (fc2, the dgrads; fc1 without SwiGLU);
+//   Fp8PushEpilogue    the same rows written into the sources' combine regions of the in-kernel
+//                      exchange (fc2 and the gate/up dgrad there), where push_rows would put them;
 //   Fp8SwigluEpilogue  gate_up (bf16), and act = SwiGLU of it quantized 1x128 along F (E4M3 + scales
 //                      in the GEMM-A layout: the down projection's A).
 //
@@ -46,6 +48,7 @@
 #include "gemm/tile_scheduler_sm90.cuh"
 #include "gemm/tile_sm90.cuh"
 #include "mok_params.h"
+#include "moe/row_source_sm90.cuh"
 
 namespace mok {
 
@@ -132,9 +135,9 @@ struct Fp8GemmSharedStorage {
 // 64, column 8 * j + 2 * (lane % 4) + c); State carries what a later pass needs.
 
 // out (num_rows, n_out) bf16 = the product rounded once; 128 output columns per tile, one pass.
-struct Fp8StoreEpilogue {
-  using Maps = StoreEpilogueMaps;
-  using Params = StoreEpilogueParams;
+// What the epilogues that write the product's 128 columns of a tile in one pass share: B rows n0 ..
+// n0 + 127 (both halves inside one 128-row weight scale block), no state between passes.
+struct Fp8OnePassColumns {
   static constexpr int kPasses = 1;
   struct State {
     __device__ explicit State(uint8_t*) {}
@@ -143,6 +146,11 @@ struct Fp8StoreEpilogue {
   static __device__ __forceinline__ int b_row(const ExpertGemmProblem&, const TileCoord& c, int, int half) {
     return c.n0 + 64 * half;
   }
+};
+
+struct Fp8StoreEpilogue : Fp8OnePassColumns {
+  using Maps = StoreEpilogueMaps;
+  using Params = StoreEpilogueParams;
   static __device__ __forceinline__ void prefetch_tensor_maps(const Maps& m) { sm90::prefetch_tensor_map(m.out); }
 
   // Through the warpgroup's staging buffer and two TMA stores when its 64 rows lie inside the
@@ -164,6 +172,74 @@ struct Fp8StoreEpilogue {
     } else if (c.rows > 64 * consumer) {
       write_columns_direct(static_cast<__nv_bfloat16*>(e.out), out_extent.n_out, c, out_extent, consumer, thread, 0,
                            c.n0, pair);
+    }
+  }
+};
+
+// The product's rows straight into the sources' combine regions (mok_params.h Fp8PushEpilogueParams):
+// the push of the in-kernel exchange (moe/push_combine_sm90.cuh push_rows_kernel) in the epilogue,
+// so the (rows, n_out) bf16 product is never written to this rank's memory and read back. Row r of
+// the tile goes to row at.row of rank at.block's region, at = locate_block_row(slot_to_route[r]),
+// rounded once to bf16 as the store epilogue rounds it; a route is the destination of exactly one
+// row of one rank, so the sources' fixed-order combine reads what push_rows would have written, bit
+// for bit. A route past the group's is a schedule bug: trap, as push_rows does
+// (through sm90::trap_out_of_line, common/watchdog_sm90.cuh says why).
+struct Fp8PushEpilogue : Fp8OnePassColumns {
+  using Maps = Fp8PushEpilogueMaps;
+  using Params = Fp8PushEpilogueParams;
+  static __device__ __forceinline__ void prefetch_tensor_maps(const Maps&) {}
+
+  // Through the warpgroup's staging buffer (stage_columns: the store epilogue's stmatrix layout),
+  // then out of it in 16-byte chunks: thread t copies chunk t % 16 of rows r_i = t / 16 + 8 i
+  // (i < 8), so a warp's stores cover two whole rows (512 contiguous bytes of the two destinations).
+  // A warp's rows are 16 (two per i): lane l < 16 finds the destination of the one it owns, row
+  // 2 warp + l % 2 + 8 (l / 2), once, its route loaded before the tile is staged so that the load's
+  // latency passes meanwhile, and the chunks' threads take it by shuffle. The accumulators die in
+  // the staging, before any of this takes registers.
+  static __device__ __forceinline__ void after_pass(const Maps&, const Params& e, const OutputExtent& out_extent,
+                                                    const float (&acc)[Fp8GemmTile::kAccumulators], const TileCoord& c,
+                                                    int, State&, StagingRing& staging, int consumer, int thread) {
+    if (c.rows <= 64 * consumer) return;  // none of this warpgroup's rows lies in the segment
+    uint32_t packed[Fp8GemmTile::kAccumulators / 2];
+#pragma unroll
+    for (int j = 0; j < Fp8GemmTile::kAccumulators / 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    const int warp = thread / 32, lane = thread % 32;
+    // The group route of the row this lane owns; negative (-1) for none, or for a row outside the
+    // segment or the product, or of a padding slot: not written.
+    int64_t group_route = -1;
+    if (lane < 16) {
+      const int row_in_tile = 64 * consumer + 2 * warp + lane % 2 + 8 * (lane / 2);
+      const int64_t row = int64_t(c.row0) + row_in_tile;
+      if (row_in_tile < c.rows && row < out_extent.num_rows) group_route = e.slot_to_route[row];
+    }
+    uint8_t* buffer = staging.acquire();
+    stage_columns(buffer, thread, 0, [&](int j, int h) { return packed[2 * j + h]; });
+    sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);  // every row staged
+    // (Out of line: an inline trap holds ptxas to the launch's 168 registers in this code. Past it
+    // the route is 32-bit: the op refuses a group of 2^31 routes or more.)
+    if (group_route >= int64_t(e.num_ranks) * e.routes_per_rank) sm90::trap_out_of_line();
+    uint64_t owned = 0;  // the owned row's first element of this tile's columns, 0 for none
+    if (group_route >= 0) {
+      const BlockRow32 at = locate_block_row(int(group_route), e.routes_per_rank, e.num_ranks);
+      owned = reinterpret_cast<uint64_t>(static_cast<__nv_bfloat16*>(pick_rank(e.peer_tables, at.block)) +
+                                         int64_t(at.row) * out_extent.n_out + c.n0);
+    }
+    const int chunk = lane % 16;  // 16-byte chunk of a row: columns 8 * chunk .. + 7
+    // (A generic pointer: a 32-bit shared address here is formed before the K loop and held across
+    // it, which spills.)
+    const uint8_t* box = buffer + (chunk / 8) * ExpertGemmTile::kStoreBoxBytes;  // stage_columns' box
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = thread / 16 + 8 * i;  // row of the warpgroup's 64, owned by lane lane / 16 + 2 i
+      const int owner = lane / 16 + 2 * i;
+      const uint64_t destination = (uint64_t(__shfl_sync(0xffffffffu, uint32_t(owned >> 32), owner)) << 32) |
+                                   __shfl_sync(0xffffffffu, uint32_t(owned), owner);
+      if (destination == 0) continue;
+      const uint4 value = *reinterpret_cast<const uint4*>(box + r * 128 + (((chunk % 8) ^ (r & 7)) << 4));
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(destination) + 8 * chunk) = value;
     }
   }
 };
@@ -272,11 +348,14 @@ struct Fp8SwigluEpilogue {
 };
 
 // Whether an epilogue's two B halves of a pass lie in one 128-row weight scale block (one B scale
-// per K block, not two): Fp8StoreEpilogue's halves are rows n0 .. n0 + 127 of a 128-aligned n0.
+// per K block, not two): Fp8OnePassColumns' halves (the store and push epilogues') are rows n0 ..
+// n0 + 127 of a 128-aligned n0.
 template <class Epilogue>
 constexpr bool kFp8HalvesShareScaleBlock = false;
 template <>
 constexpr bool kFp8HalvesShareScaleBlock<Fp8StoreEpilogue> = true;
+template <>
+constexpr bool kFp8HalvesShareScaleBlock<Fp8PushEpilogue> = true;
 
 // The consumers' mainloops, chosen per launch (the op's `variant`, megatron_mok/ops/fp8_gemm.py
 // FP8_GEMM_VARIANTS names them in this order). Every one computes bitwise the same output: the same

@@ -18,7 +18,10 @@ dtype is bf16 (the kernel backend's). Per stage:
     recompute_gate_up  backward's gate/up of a window after the first: the dispatch and the GEMM of
                        dispatch_gate_up, bitwise its gate_up, without the act quantization (the fc2
                        weight gradient quantizes act from gate_up: ActColumns)
-    expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's)
+    expert_down        ops.fp8_expert_gemm of act with fc2 -> bf16 rows (pushed, combined as bf16's);
+                       over the in-kernel exchange (tuning.FP8_PUSH_IN_EPILOGUE) expert_down_pushed:
+                       ops.fp8_expert_gemm_push, the rows written into the sources' combine regions
+                       by the GEMM's epilogue, never into this rank's memory
     pull_route_grads   from an FP8 dY source: the route's E4M3 dY row as published, its scales times w
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
                        reference's); from a bf16 source, bf16's
@@ -32,7 +35,7 @@ dtype is bf16 (the kernel backend's). Per stage:
     dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
                        ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) (as dgrad_swiglu: by expert
                        range) -> d rows bf16 (pushed back
-                       as bf16's)
+                       as bf16's; over the in-kernel exchange dgrad_rows_pushed, as expert_down_pushed)
     weight gradients   FP8 (Fp8Recipe.weight_grad): both operands quantized 1x128 along tokens from the
                        bf16 values (fc1's rows straight from the source x and fc2's w * dY straight
                        from dY and the route weights, never gathered into a (capacity, H) copy:
@@ -68,7 +71,7 @@ from megatron_mok.backends.tuning import (
     FP8_EXPERT_GEMM_GROUP_M,
     FP8_EXPERT_GEMM_SWIGLU_VARIANT,
 )
-from megatron_mok.comm.exchange import GradSource, RowSource
+from megatron_mok.comm.exchange import GradSource, PushTarget, RowSource
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
 from megatron_mok.schedule import Schedule
 
@@ -88,15 +91,24 @@ _LAUNCH = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROU
 
 
 def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWeight, offsets: Tensor,
-          out: Optional[Tensor] = None) -> Tensor:
-    """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16 (into out)."""
+          out: Optional[Tensor] = None, push: Optional[PushTarget] = None) -> Optional[Tensor]:
+    """(capacity, K) e4m3 rows times weight (E, N, K) per segment -> (capacity, N) bf16 (into out), or
+    with push those rows written where the target says (ops.fp8_expert_gemm_push) and None."""
+    if push is not None:
+        ops.fp8_expert_gemm_push(
+            values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH,
+            slot_to_route=push.slot_to_route, topk=push.topk, num_tokens=push.num_tokens, own_combine=push.own,
+            peer_combine_ptrs=list(push.peer_ptrs), variant=tuning.FP8_EXPERT_GEMM_VARIANT,
+        )
+        return None
     return ops.fp8_expert_gemm(
         values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH,
         variant=tuning.FP8_EXPERT_GEMM_VARIANT, out=out,
     )
 
 
-def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,
+           push: Optional[PushTarget] = None) -> Optional[Tensor]:
     """(capacity, N) e4m3 rows times weight (E, N, K) bf16 per segment -> (capacity, K) bf16, through the
     weight's transposed FP8 copy (E, K, N), range of experts by range (_gemm_by_expert_ranges). A
     range's copy holds only its experts with rows in `offsets` (fp8_weights.transposed_experts): the
@@ -104,26 +116,26 @@ def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tenso
     hold no copy between them."""
     copy_of = functools.partial(fp8_weights.transposed_experts, weight, pow2=recipe.pow2_scales,
                                 cache=recipe.cache_weights)
-    return _gemm_by_expert_ranges(values, gemm_a_scales, offsets, weight.shape[0], weight.shape[2], copy_of)
+    return _gemm_by_expert_ranges(values, gemm_a_scales, offsets, weight.shape[0], weight.shape[2], copy_of, push)
 
 
 def _gemm_by_expert_ranges(values: Tensor, gemm_a_scales: Tensor, offsets: Tensor, num_experts: int,
-                           out_columns: int, copy_of) -> Tensor:
+                           out_columns: int, copy_of, push: Optional[PushTarget] = None) -> Optional[Tensor]:
     """(capacity, K) e4m3 rows times a weight copy made range of experts by range
     (tuning.FP8_DGRAD_EXPERT_RANGES ranges) -> (capacity, out_columns) bf16: each range's copy
     (copy_of(first, end, expert_offsets=offsets[first:end + 1]), a QuantizedWeight of experts
     [first, end)) is made, multiplied on the range's offsets into the one output and freed, so at most
     a range's share of the copy exists at once; bitwise one launch over the whole copy (every row's
-    sums are its own)."""
+    sums are its own). With push: each range's rows written where the target says, None returned."""
     span = tuning.fp8_dgrad_expert_span(num_experts)
     if span >= num_experts:
-        return _gemm(values, gemm_a_scales, copy_of(0, num_experts, expert_offsets=offsets), offsets)
-    out = torch.empty((values.shape[0], out_columns), dtype=torch.bfloat16, device=values.device)
+        return _gemm(values, gemm_a_scales, copy_of(0, num_experts, expert_offsets=offsets), offsets, push=push)
+    out = None if push is not None else torch.empty((values.shape[0], out_columns), dtype=torch.bfloat16, device=values.device)
     for first in range(0, num_experts, span):
         end = min(num_experts, first + span)
         range_offsets = offsets[first:end + 1]
         copy = copy_of(first, end, expert_offsets=range_offsets)
-        _gemm(values, gemm_a_scales, copy, range_offsets, out=out)
+        _gemm(values, gemm_a_scales, copy, range_offsets, out=out, push=push)
         del copy  # (before the next range's copy is made)
     return out
 
@@ -219,9 +231,16 @@ def recompute_gate_up(source: RowSource, schedule: Schedule, fc1: Tensor, *, rec
     return _gemm_by_expert_ranges(rows.values, gemm_a_layout(rows.scales), offsets, experts, fc1.shape[1], copy_of)
 
 
-def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
-    """act (capacity, F) FP8 -> (capacity, H) bf16."""
-    return _gemm(act.values, act.scales, fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights), offsets)
+def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,
+                push: Optional[PushTarget] = None) -> Optional[Tensor]:
+    """act (capacity, F) FP8 -> (capacity, H) bf16; with push (expert_down_pushed) written there."""
+    weight = fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+    return _gemm(act.values, act.scales, weight, offsets, push=push)
+
+
+def expert_down_pushed(act: GemmOperand, fc2: Tensor, offsets: Tensor, target: PushTarget, *, recipe: Fp8Recipe) -> None:
+    """expert_down's rows pushed by the GEMM's epilogue (ops.fp8_expert_gemm_push)."""
+    expert_down(act, fc2, offsets, recipe=recipe, push=target)
 
 
 def pull_route_grads(source: GradSource, schedule: Schedule):
@@ -282,15 +301,21 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
     return GradGateUp(GemmOperand(rows, rows_scales), columns, tuple(values.shape))
 
 
-def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe) -> Tensor:
+def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,
+               push: Optional[PushTarget] = None) -> Optional[Tensor]:
     """d gate_up (capacity, 2F), a GradGateUp (its row-wise copy taken) or bf16 (then quantized 1x128
-    along 2F here) -> d rows (capacity, H) bf16."""
+    along 2F here) -> d rows (capacity, H) bf16; with push (dgrad_rows_pushed) written there."""
     if isinstance(grad_gate_up, GradGateUp):
         operand = grad_gate_up.take_rows()
         values, scales = operand.values, operand.scales
     else:
         values, scales = quantize_rows_gemm_a(grad_gate_up, recipe.pow2_scales)
-    return _dgrad(values, scales, fc1, offsets, recipe=recipe)
+    return _dgrad(values, scales, fc1, offsets, recipe=recipe, push=push)
+
+
+def dgrad_rows_pushed(grad_gate_up, fc1: Tensor, offsets: Tensor, target: PushTarget, *, recipe: Fp8Recipe) -> None:
+    """dgrad_rows' d rows pushed by the GEMMs' epilogues (ops.fp8_expert_gemm_push)."""
+    dgrad_rows(grad_gate_up, fc1, offsets, recipe=recipe, push=target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,6 +485,8 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         swiglu_backward=_swiglu_backward,
         dgrad_swiglu=bind(dgrad_swiglu),
         dgrad_rows=bind(dgrad_rows),
+        expert_down_pushed=bind(expert_down_pushed) if tuning.FP8_PUSH_IN_EPILOGUE else None,
+        dgrad_rows_pushed=bind(dgrad_rows_pushed) if tuning.FP8_PUSH_IN_EPILOGUE else None,
         combine=bf16.combine,
         pull_route_grads=pull_route_grads,
         route_weight_grads=bf16.route_weight_grads,

@@ -30,7 +30,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from megatron_mok.comm.exchange import GradSource, RowSource
+from megatron_mok.comm.exchange import GradSource, PushTarget, RowSource
 from megatron_mok.quantization import QuantizedRows
 from megatron_mok.schedule import Schedule
 
@@ -123,6 +123,19 @@ class DgradRows(Protocol):
         ...
 
 
+class SegmentMatmulPushed(Protocol):
+    def __call__(self, rows: Rows, weight: Tensor, offsets: Tensor, target: PushTarget) -> None:
+        """SegmentMatmul's (capacity, N) rows written where target says (ReturnedRows.push_target),
+        never into this rank's memory: bitwise SegmentMatmul then ReturnedRows.push."""
+        ...
+
+
+class DgradRowsPushed(Protocol):
+    def __call__(self, grad_gate_up: object, fc1: Tensor, offsets: Tensor, target: PushTarget) -> None:
+        """DgradRows' grad_rows written where target says, as SegmentMatmulPushed."""
+        ...
+
+
 class Combine(Protocol):
     def __call__(self, table: Tensor, index: Tensor, topk_weights: Optional[Tensor], topk: int, dtype: torch.dtype) -> Tensor:
         """-> (T, H) in dtype: sum over k ascending of w[t, k] * table[index[t*K + k]] in fp32,
@@ -191,3 +204,8 @@ class Stages:
     # (its rows and act dropped). A backend whose act is a launch of its own gives the GEMM alone, so
     # that backward does not make an act it drops.
     recompute_gate_up: Optional[RecomputeGateUp] = None
+    # expert_down and dgrad_rows writing their rows straight into the exchange's push target (a GEMM
+    # epilogue that pushes): None, or where the exchange gives no target, the stage's rows are made
+    # and ReturnedRows.push moves them.
+    expert_down_pushed: Optional[SegmentMatmulPushed] = None
+    dgrad_rows_pushed: Optional[DgradRowsPushed] = None

@@ -65,6 +65,13 @@ EXPERT_GEMM_GROUP_M = 16
 FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
 FP8_EXPERT_GEMM_VARIANT = "overlap"
+# Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the
+# GEMM's epilogue (ops.fp8_expert_gemm_push) instead of writing (capacity, H) bf16 rows that the
+# push kernel then reads and copies: the same bytes in the combine regions, without a write and read
+# of the rows in this rank's memory per pass (docs/performance.md, "The push in the FP8 GEMM's
+# epilogue"). The push GEMM is built for the default and overlap mainloops only: with this on,
+# FP8_EXPERT_GEMM_VARIANT must be one of them (ops.fp8_expert_gemm_push refuses the others by name).
+FP8_PUSH_IN_EPILOGUE = True
 FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 
 # Where the forward's act is quantized (the same bytes either way in the rows before the schedule's

@@ -132,11 +132,30 @@ class Exchange(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class PushTarget:
+    """Where a window's per-row results go when a stage writes them there itself (ReturnedRows.push_target):
+    row s of the window to row r % (num_tokens * topk) of rank r // (num_tokens * topk)'s region,
+    r = slot_to_route[s], nothing for -1: ops.push_rows' destinations."""
+
+    slot_to_route: torch.Tensor  # (window rows,) int64
+    topk: int
+    num_tokens: int
+    own: torch.Tensor  # (num_tokens * topk, hidden): this rank's region
+    peer_ptrs: tuple[int, ...]  # every rank's address of it, rank order
+
+
 class ReturnedRows(Protocol):
     """One return of per-row results to the routes' sources (Exchange.open_return)."""
 
     def push(self, slot_rows: torch.Tensor, window: "Window") -> None:
         """(window rows, hidden) results of a window of the schedule (receive.py), in its order."""
+        ...
+
+    def push_target(self, window: "Window") -> Optional[PushTarget]:
+        """Where a stage may write the window's rows itself, in place of make-then-push() (the
+        in-kernel exchange's regions: a GEMM epilogue writes there, and the window's rows are never
+        in this rank's memory); None: the stage makes the rows and push() moves them."""
         ...
 
     def table(self, keep: bool) -> torch.Tensor:
@@ -220,6 +239,9 @@ class CollectiveReturn:
             self.slot_rows = slot_rows.new_empty((self.schedule.capacity, slot_rows.shape[1]))
         end = min(window.begin + window.rows, self.schedule.capacity)
         self.slot_rows[window.begin:end] = slot_rows[:end - window.begin]
+
+    def push_target(self, window: "Window") -> None:
+        return None  # the all-to-all moves one tensor of every row
 
     def table(self, keep: bool) -> torch.Tensor:
         schedule, slot_rows = self.schedule, self.slot_rows

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mok import ops
-from megatron_mok.comm.exchange import GradSource, RowSource
+from megatron_mok.comm.exchange import GradSource, PushTarget, RowSource
 from megatron_mok.comm.group import ExpertParallelGroup
 from megatron_mok.comm.symmetric import SymmetricPool, SymmetricRegion
 from megatron_mok.quantization import QuantizedRows, as_bf16_pairs, from_bf16_pairs
@@ -140,8 +140,12 @@ class PushedRows:
         exchange._begin("combine")  # every source finished reading its combine region's previous rows
 
     def push(self, slot_rows: torch.Tensor, window) -> None:
+        target = self.push_target(window)
+        ops.push_rows(slot_rows, target.slot_to_route, target.topk, target.num_tokens, target.own, list(target.peer_ptrs))
+
+    def push_target(self, window) -> PushTarget:
         s = self.schedule  # (window: a receive.Window of it)
-        ops.push_rows(slot_rows, window.schedule.slot_to_route, s.topk, s.num_tokens, self.combine.own, list(self.combine.peer_ptrs))
+        return PushTarget(window.schedule.slot_to_route, s.topk, s.num_tokens, self.combine.own, tuple(self.combine.peer_ptrs))
 
     def table(self, keep: bool) -> torch.Tensor:
         self.exchange._signal("combine", READY)

@@ -9,7 +9,8 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          dispatch_expert_gemm_swiglu_from_peers (the same kernel, rows from the peers),
                          expert_gemm_dgrad, expert_gemm_dgrad_swiglu, expert_gemm_wgrad,
                          expert_gemm_wgrad_window (and wgrad_carry_numel, its carries' size)
-    fp8_gemm.py          fp8_expert_gemm (FP8 blockwise, fprop and dgrad), fp8_expert_gemm_swiglu (gate/up
+    fp8_gemm.py          fp8_expert_gemm (FP8 blockwise, fprop and dgrad), fp8_expert_gemm_push (the same,
+                         its rows pushed into the sources' combine regions), fp8_expert_gemm_swiglu (gate/up
                          with SwiGLU, act quantized 1x128); their references beside them
     fp8_wgrad.py         fp8_expert_wgrad (FP8 blockwise weight gradients, column-wise operands, fp32 out
                          accumulated across receive windows); its reference beside it
@@ -59,6 +60,7 @@ from megatron_mok.ops.expert_gemm import (
 from megatron_mok.ops.extension import compiled_limits, extension_error, last_failure
 from megatron_mok.ops.fp8_gemm import (
     fp8_expert_gemm,
+    fp8_expert_gemm_push,
     fp8_expert_gemm_reference,
     fp8_expert_gemm_swiglu,
     fp8_expert_gemm_swiglu_reference,
@@ -105,6 +107,7 @@ __all__ = [
     "expert_gemm_wgrad_window",
     "extension_error",
     "fp8_expert_gemm",
+    "fp8_expert_gemm_push",
     "fp8_expert_gemm_reference",
     "fp8_expert_gemm_swiglu",
     "fp8_expert_gemm_swiglu_reference",

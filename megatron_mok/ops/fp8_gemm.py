@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from megatron_mok import quantization
-from megatron_mok.limits import FP8_BLOCK, fp8_scale_rows
+from megatron_mok.limits import FP8_BLOCK, MAX_EP_RANKS, fp8_scale_rows
 from megatron_mok.ops.extension import register_fake
 from megatron_mok.ops.tensor_checks import overlap
 
@@ -32,6 +32,8 @@ FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales")
 # The mainloops of ops.fp8_expert_gemm_swiglu: pingpong's turn barriers beside the SwiGLU epilogue's
 # registers spill, so that instance is not built.
 FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")
+# The mainloops of ops.fp8_expert_gemm_push (the instances built for it).
+FP8_PUSH_GEMM_VARIANTS = ("default", "overlap")
 
 
 @register_fake("fp8_expert_gemm")
@@ -42,6 +44,12 @@ def _fp8_expert_gemm_fake(a, a_scales, weight, weight_scales, expert_offsets, cl
 @register_fake("fp8_expert_gemm_into")
 def _fp8_expert_gemm_into_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant, out):
     return None  # writes out in place
+
+
+@register_fake("fp8_expert_gemm_push")
+def _fp8_expert_gemm_push_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, variant,
+                               slot_to_route, topk, num_tokens, own_combine, peer_combine_ptrs):
+    return None  # writes the combine regions in place
 
 
 @register_fake("fp8_expert_gemm_swiglu")
@@ -86,6 +94,79 @@ def fp8_expert_gemm(
         return torch.ops.megatron_mok.fp8_expert_gemm(*launch)
     torch.ops.megatron_mok.fp8_expert_gemm_into(*launch, out)
     return out
+
+
+def fp8_expert_gemm_push(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int,
+    group_m: int,
+    *,
+    slot_to_route: torch.Tensor,
+    topk: int,
+    num_tokens: int,
+    own_combine: torch.Tensor,
+    peer_combine_ptrs: list[int],
+    variant: str = "default",
+) -> None:
+    """fp8_expert_gemm's product pushed, in the epilogue, where ops.push_rows would move its rows:
+    row s (in a segment) goes to row r % (num_tokens * topk) of rank r // (num_tokens * topk)'s combine
+    region, r = slot_to_route[s] ((R,) int64; -1: not written). own_combine: this rank's region,
+    (num_tokens * topk, N) bf16; peer_combine_ptrs: every rank's address of it, rank order. The same
+    bytes as fp8_expert_gemm then push_rows, without the (R, N) product in memory; launches over
+    disjoint expert ranges (a slice of the offsets, as fp8_expert_gemm's) push their rows alone.
+    variant: one of FP8_PUSH_GEMM_VARIANTS. Ref: fp8_expert_gemm, then ops.push_rows."""
+    check_fp8_expert_gemm_push_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
+                                    slot_to_route, topk, num_tokens, own_combine, peer_combine_ptrs, variant)
+    torch.ops.megatron_mok.fp8_expert_gemm_push(
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant),
+        slot_to_route, topk, num_tokens, own_combine, list(peer_combine_ptrs),
+    )
+
+
+def check_fp8_expert_gemm_push_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
+                                    slot_to_route, topk, num_tokens, own_combine, peer_combine_ptrs, variant) -> None:
+    """fp8_expert_gemm_push's ValueErrors naming the argument, devices last (check_fp8_expert_gemm_args)."""
+    op = "fp8_expert_gemm_push"
+    if variant not in FP8_PUSH_GEMM_VARIANTS:
+        raise ValueError(f"{op}: variant must be one of {FP8_PUSH_GEMM_VARIANTS}, got {variant!r}")
+
+    def push_checks() -> None:
+        rows, n = a.shape[0], weight.shape[1]
+        if (not isinstance(slot_to_route, torch.Tensor) or slot_to_route.dtype != torch.int64
+                or tuple(slot_to_route.shape) != (rows,)):
+            raise ValueError(f"{op}: slot_to_route must be an int64 tensor of a's rows ({rows},), got "
+                             f"{_described(slot_to_route)}")
+        for name, value, least in (("topk", topk, 1), ("num_tokens", num_tokens, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{op}: {name} must be an int >= {least}, got {value!r}")
+        if (not isinstance(own_combine, torch.Tensor) or own_combine.dtype != torch.bfloat16
+                or tuple(own_combine.shape) != (num_tokens * topk, n)):
+            raise ValueError(f"{op}: own_combine must be torch.bfloat16 (num_tokens * topk, N) = "
+                             f"{(num_tokens * topk, n)}, got {_described(own_combine)}")
+        ptrs = list(peer_combine_ptrs)
+        if not (1 <= len(ptrs) <= MAX_EP_RANKS) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % 16 for v in ptrs):
+            raise ValueError(f"{op}: peer_combine_ptrs must hold 1 to {MAX_EP_RANKS} non-null 16-byte aligned "
+                             f"addresses, one per rank, got {ptrs!r}")
+        if len(ptrs) * num_tokens * topk >= 1 << 31:
+            raise ValueError(f"{op}: the group's routes (len(peer_combine_ptrs) * num_tokens * topk) must number "
+                             f"fewer than 2^31, got {len(ptrs) * num_tokens * topk}")
+        if own_combine.data_ptr() not in ptrs:
+            raise ValueError(f"{op}: own_combine's address must be one of peer_combine_ptrs (this rank's region)")
+
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op=op,
+                               more_checks=push_checks,
+                               more_tensors={"slot_to_route": slot_to_route, "own_combine": own_combine})
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def fp8_expert_gemm_reference(
@@ -155,11 +236,13 @@ def quantize_swiglu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_fp8_expert_gemm_args(
     a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op: str = "fp8_expert_gemm",
-    gated: bool = False, out=None,
+    gated: bool = False, out=None, more_checks=None, more_tensors: Optional[dict] = None,
 ) -> None:
     """ValueErrors naming the argument: types, dtypes, shapes and multiples first, contiguity, then
     devices (so everything but the device is checkable with CPU tensors). gated: weight holds F gate
-    then F up rows, F a multiple of 128. out: None, or the (R, N) bf16 output to write into."""
+    then F up rows, F a multiple of 128. out: None, or the (R, N) bf16 output to write into.
+    more_checks: an op's own checks (called once a and weight are valid, before contiguity);
+    more_tensors: {name: tensor} also checked for contiguity and a's device."""
 
     def fail(message: str) -> None:
         raise ValueError(f"{op}: {message}")
@@ -214,6 +297,9 @@ def check_fp8_expert_gemm_args(
             if overlap(out, t):
                 fail(f"out must not overlap {name} in memory")
         tensors["out"] = out
+    if more_checks is not None:
+        more_checks()
+    tensors.update(more_tensors or {})
     for name, t in tensors.items():
         if not t.is_contiguous():
             fail(f"{name} must be contiguous")

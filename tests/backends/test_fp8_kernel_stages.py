@@ -644,3 +644,72 @@ def test_the_weight_gradient_operands_from_the_ranks_regions_equal_the_pulled_ro
         assert called == (["columns_from_peers"] * 2 if from_peers else ["pull"] * 2), called
     for (q, scales), (want_q, want_scales) in zip(operands[True], operands[False]):
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_the_pushed_down_rows_and_dgrad_rows_equal_the_rows_pushed(num_ranks, simulated_kernels, monkeypatch):
+    """expert_down_pushed and dgrad_rows_pushed (tuning.FP8_PUSH_IN_EPILOGUE: ops.fp8_expert_gemm_push,
+    simulated: the reference product written where ops.push_rows puts a row; the regions CPU tensors
+    at their own addresses) leave every rank's combine region as expert_down and dgrad_rows followed
+    by the push do, bit for bit, through the dgrad's expert ranges too; the op's contract holds for
+    the stages' arguments."""
+    from megatron_mok.comm.exchange import PushTarget
+    from megatron_mok.schedule import build_schedule_from_gathered
+
+    t, h, f, e, k, rank = 70, 256, 128, 3, 2, num_ranks - 1
+    gen = torch.Generator().manual_seed(20 + num_ranks)
+    ids = torch.rand(num_ranks, t, num_ranks * e, generator=gen).topk(k, dim=2).indices
+    ids[0, 0, 0] = -1  # a dropped route
+    schedule = build_schedule_from_gathered(ids, rank=rank, num_local_experts=e, segment_alignment=128)
+    offsets, capacity = schedule.expert_offsets, schedule.slot_to_route.shape[0]
+    recipe = Fp8Recipe()
+    fc1 = torch.randn(e, 2 * f, h, generator=gen).bfloat16() / h**0.5
+    fc2 = torch.randn(e, h, f, generator=gen).bfloat16() / f**0.5
+    act_rows = _zero_past_end(torch.randn(capacity, f, generator=gen).bfloat16(), offsets)
+    q, scales = quantization.quantize_rowwise(act_rows)
+    act = kernel_fp8.GemmOperand(q, quantization.gemm_a_scales(scales))
+    grad_gate_up = _zero_past_end(torch.randn(capacity, 2 * f, generator=gen).bfloat16(), offsets)
+
+    def regions():
+        made = [torch.full((t * k, h), float("nan"), dtype=torch.bfloat16) for _ in range(num_ranks)]
+        return made, {r.data_ptr(): r for r in made}
+
+    def push_into(at, slot_rows, slot_to_route):
+        for slot, route in enumerate(slot_to_route.tolist()):
+            if route >= 0:
+                at_rank = list(at.values())[route // (t * k)]
+                at_rank[route % (t * k)] = slot_rows[slot]
+
+    pushed_launches = []
+
+    def sim_push(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, *, slot_to_route, topk,
+                 num_tokens, own_combine, peer_combine_ptrs, variant="default"):
+        _meets_the_op_contract(fp8_gemm.check_fp8_expert_gemm_push_args, a, a_scales, weight, weight_scales,
+                               expert_offsets, cluster_m, group_m, slot_to_route, topk, num_tokens, own_combine,
+                               peer_combine_ptrs, variant)
+        assert own_combine is at[peer_combine_ptrs[rank]] and (topk, num_tokens) == (k, t)
+        pushed_launches.append(weight.shape[0])
+        product = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
+        begin, end = int(expert_offsets[0]), int(expert_offsets[-1])
+        routes = torch.where(torch.arange(len(slot_to_route)).ge(begin) & torch.arange(len(slot_to_route)).lt(end),
+                             slot_to_route, -1)
+        push_into(at, product, routes)
+
+    monkeypatch.setattr(ops, "fp8_expert_gemm_push", sim_push)
+    monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", 2)  # two launches over E = 3 experts
+    for name, pushed, made in (
+        ("down", lambda target: kernel_fp8.expert_down_pushed(act, fc2, offsets, target, recipe=recipe),
+         lambda: kernel_fp8.expert_down(act, fc2, offsets, recipe=recipe)),
+        ("dgrad", lambda target: kernel_fp8.dgrad_rows_pushed(grad_gate_up, fc1, offsets, target, recipe=recipe),
+         lambda: kernel_fp8.dgrad_rows(grad_gate_up, fc1, offsets, recipe=recipe)),
+    ):
+        want, at = regions()
+        push_into(at, made(), schedule.slot_to_route)
+        got, at = regions()
+        pushed_launches.clear()
+        pushed(PushTarget(schedule.slot_to_route, k, t, got[rank], tuple(at)))
+        assert pushed_launches == ([3] if name == "down" else [2, 1]), f"{name}: launches over {pushed_launches} experts"
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name}: rank {index}'s region differs"
+    stages = stages_for("kernel", "auto", Fp8Recipe())
+    assert stages.expert_down_pushed is not None and stages.dgrad_rows_pushed is not None

@@ -154,6 +154,46 @@ def test_swiglu_checks_name_their_op_and_f():
 
 
 
+def push_args(**changes):
+    """Valid arguments of ops.fp8_expert_gemm_push (CPU tensors), with `changes` applied: a region
+    of 5 tokens x top-2 routes per rank, 3 ranks (this rank's region and two other addresses)."""
+    own = torch.zeros(5 * 2, N, dtype=torch.bfloat16)
+    args = dict(gemm_args(), slot_to_route=torch.full((R,), -1, dtype=torch.int64), topk=2, num_tokens=5,
+                own_combine=own, peer_combine_ptrs=[own.data_ptr(), 1 << 20, 1 << 21])
+    args.update(changes)
+    return args
+
+
+# name: (the changed arguments, the error's words)
+BAD_PUSH_ARGS = {
+    "variant_pingpong": (dict(variant="pingpong"), "fp8_expert_gemm_push: variant must be one of"),
+    "routes_int32": (dict(slot_to_route=torch.full((R,), -1, dtype=torch.int32)), "slot_to_route must be an int64 tensor"),
+    "routes_short": (dict(slot_to_route=torch.full((R - 1,), -1, dtype=torch.int64)), "slot_to_route must be an int64 tensor of a's rows"),
+    "topk_zero": (dict(topk=0), "topk must be an int >= 1"),
+    "tokens_negative": (dict(num_tokens=-1), "num_tokens must be an int >= 0"),
+    "combine_fp32": (dict(own_combine=torch.zeros(10, N)), r"own_combine must be torch.bfloat16 \(num_tokens \* topk, N\)"),
+    "combine_wrong_rows": (dict(own_combine=torch.zeros(9, N, dtype=torch.bfloat16)), "own_combine must be torch.bfloat16"),
+    "no_peers": (dict(peer_combine_ptrs=[]), "peer_combine_ptrs must hold 1 to 8"),
+    "nine_peers": (dict(peer_combine_ptrs=[1 << 20] * 9), "peer_combine_ptrs must hold 1 to 8"),
+    "misaligned_peer": (dict(peer_combine_ptrs=[1 << 20, (1 << 21) + 8]), "16-byte aligned"),
+    "own_not_a_peer": (dict(peer_combine_ptrs=[1 << 20, 1 << 21]), "own_combine's address must be one of peer_combine_ptrs"),
+    "a_bf16": (dict(a=torch.zeros(R, K, dtype=torch.bfloat16)), "fp8_expert_gemm_push: a must be torch.float8_e4m3fn"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSH_ARGS))
+def test_bad_push_argument_is_a_value_error_naming_it(case):
+    changes, words = BAD_PUSH_ARGS[case]
+    with pytest.raises(ValueError, match=words):
+        ops.fp8_expert_gemm_push(**push_args(**changes))
+
+
+def test_push_on_the_cpu_is_a_value_error_after_the_shape_checks():
+    """Every argument valid but the device: the error names the device, no kernel runs."""
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        ops.fp8_expert_gemm_push(**push_args())
+
+
 @pytest.fixture(scope="module")
 def compiled_bindings(tmp_path_factory):
     """(ptxas's log, its (kernel, spill bytes) list, the object's path) of csrc/bindings/fp8_gemm_ops.cu
@@ -168,8 +208,9 @@ def compiled_bindings(tmp_path_factory):
 @NEEDS_TOOLCHAIN
 def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings):
     """ptxas's verdict on every FP8 GEMM kernel the bindings instantiate (csrc/bindings/fp8_gemm_ops.cu
-    compiled as setup.py does): both epilogues in the default and overlap mainloops and the store
-    epilogue in the pingpong and overlap_late_scales ones, at both cluster sizes, all without a
+    compiled as setup.py does): the store, SwiGLU and push epilogues in the default and overlap
+    mainloops and the store epilogue in the pingpong and overlap_late_scales ones, at both cluster
+    sizes, all without a
     spill (the promoted sums, the partials and the scales fit the consumers' registers; the pingpong
     turns' bounded waits too), and none of the silent losses tests/ops/test_extension.py lists for
     the BF16 kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized), nor C7514 / C7517
@@ -181,8 +222,9 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings
         assert warning not in log, log
     kernels = [(name, spill) for name, spill in found if "Fp8ExpertGemmKernel" in name]
     # (cluster 1 and 2) x (SwiGLU default, SwiGLU overlap, store default, store pingpong, store overlap,
-    # store overlap_late_scales)
-    assert len(kernels) == 12, [name for name, _ in kernels] or log[-4000:]
+    # store overlap_late_scales, push default, push overlap)
+    assert len(kernels) == 16, [name for name, _ in kernels] or log[-4000:]
+    assert sum("Fp8PushEpilogue" in name for name, _ in kernels) == 4, [name for name, _ in kernels]
     for name, spill in kernels:
         assert spill == 0, f"{spill} bytes spilled in {name}"
 

@@ -22,6 +22,9 @@ Tolerances (SQNR = 20 log10(||ref|| / ||ref - got||)):
   issue the same wgmmas into a fresh fp32 partial per K block and promote with the same fmaf in the
   same order, so any difference is a bug (a partial read before its wgmmas completed, a stage
   released early, a wrong scale); exactness, not a tolerance, is what can catch a rare race.
+- The push epilogue (ops.fp8_expert_gemm_push): every rank's combine region torch.equal (as bytes)
+  to what ops.push_rows makes of ops.fp8_expert_gemm's rows: the same product rounded the same way,
+  moved to the same slots; a slot no row routes to keeps its sentinel.
 - The SwiGLU epilogue: gate_up as above; act and its scales exactly quantization.quantize_rowwise of
   ops.swiglu_forward(gate_up) (the same bf16 act, amax, IEEE division and round-to-nearest E4M3);
   the dequantized act against SwiGLU of the fp32 unquantized product >= 20 dB (gate and up each
@@ -39,7 +42,7 @@ import torch
 from megatron_mok import ops, quantization
 from megatron_mok.limits import fp8_scale_rows
 from megatron_mok.backends.tuning import FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M
-from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS
+from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_PUSH_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
 
 pytestmark = NEEDS_HOPPER_KERNELS
@@ -417,3 +420,92 @@ def test_kernel_checks_are_clear_errors(case, change, fragment):
     args, _, _ = make_case([10, 21], 128, 128, False, False, seed=5)
     with pytest.raises(RuntimeError, match=fragment):
         torch.ops.megatron_mok.fp8_expert_gemm(*change(*args), *LAUNCH)
+
+
+# The push epilogue: (case, expert span of the launches: None for one launch over all experts).
+PUSH_CASES = [("deepseek_v3_fc2", None), ("deepseek_v3_dgrad_fc1", 3), ("odd_segments_unpadded", None),
+              ("odd_segments_unpadded", 2), ("many_small_experts", 7), ("qwen3_30b_dgrad_fc1", None)]
+
+
+def push_problem(num_rows: int, end: int, num_ranks: int, seed: int, topk: int = 2):
+    """(slot_to_route (num_rows,) int64, num_tokens): the first `end` rows sent to distinct routes of a
+    group of num_ranks ranks (a tenth of them -1, as padding slots are), the rows past `end` -1 (no
+    schedule routes a slot past its end); more routes than rows, so some slots stay unwritten."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = -(-num_rows // (num_ranks * topk)) + 5
+    routes = torch.randperm(num_ranks * num_tokens * topk, generator=gen)[:num_rows]
+    routes[torch.rand(num_rows, generator=gen) < 0.1] = -1
+    routes[end:] = -1
+    return routes.cuda(), num_tokens
+
+
+def regions_with_sentinel(num_ranks: int, num_tokens: int, topk: int, n: int) -> list[torch.Tensor]:
+    return [torch.full((num_tokens * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(num_ranks)]
+
+
+def launch_push(args, routes, num_tokens, regions, own, span, variant, topk: int = 2):
+    qa, sa, qw, sw, offsets = args
+    experts = qw.shape[0]
+    span = span or experts
+    for first in range(0, experts, span):
+        last = min(experts, first + span)
+        ops.fp8_expert_gemm_push(
+            qa, sa, qw[first:last].contiguous(), sw[first:last].contiguous(), offsets[first:last + 1], *LAUNCH,
+            slot_to_route=routes, topk=topk, num_tokens=num_tokens, own_combine=regions[own],
+            peer_combine_ptrs=[r.data_ptr() for r in regions], variant=variant,
+        )
+
+
+@pytest.mark.parametrize("variant", FP8_PUSH_GEMM_VARIANTS)
+@pytest.mark.parametrize("num_ranks", [1, 3])
+@pytest.mark.parametrize("case,span", PUSH_CASES)
+def test_push_epilogue_writes_what_push_rows_moves(case, span, num_ranks, variant):
+    """fp8_expert_gemm_push (over expert ranges where span is given, as the dgrads launch) leaves every
+    rank's region bit for bit as fp8_expert_gemm then push_rows leave it; own region: the last rank's."""
+    args, _, end = case_args(case)
+    qa, _, qw, _, _ = args
+    topk, n = 2, qw.shape[1]
+    routes, num_tokens = push_problem(qa.shape[0], end, num_ranks, seed=zlib.crc32(f"{case}/{num_ranks}".encode()))
+    want = regions_with_sentinel(num_ranks, num_tokens, topk, n)
+    ops.push_rows(ops.fp8_expert_gemm(*args, *LAUNCH), routes, topk, num_tokens, want[-1], [r.data_ptr() for r in want])
+    got = regions_with_sentinel(num_ranks, num_tokens, topk, n)
+    launch_push(args, routes, num_tokens, got, num_ranks - 1, span, variant)
+    torch.cuda.synchronize()
+    assert ops.last_failure() is None
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"rank {rank}'s region differs"
+    written = sum(int((~torch.isnan(w.float())).all(dim=1).sum()) for w in want)
+    assert written == int(((routes >= 0) & (torch.arange(len(routes), device="cuda") < end)).sum()) > 0
+
+
+def test_push_epilogue_is_deterministic_and_replays_in_a_graph():
+    args, _, end = case_args("qwen3_30b_fc2")
+    routes, num_tokens = push_problem(args[0].shape[0], end, 2, seed=9)
+    eager = regions_with_sentinel(2, num_tokens, 2, args[2].shape[1])
+    launch_push(args, routes, num_tokens, eager, 0, None, "overlap")
+    regions = regions_with_sentinel(2, num_tokens, 2, args[2].shape[1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        launch_push(args, routes, num_tokens, regions, 0, None, "overlap")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_push(args, routes, num_tokens, regions, 0, None, "overlap")
+    for _ in range(2):
+        for r in regions:
+            r.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, w in zip(regions, eager):
+            assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+
+
+def test_fp8_expert_gemm_push_registration():
+    args, _, end = case_args("odd_segments_unpadded")
+    routes, num_tokens = push_problem(args[0].shape[0], end, 1, seed=3)
+    own = torch.zeros(num_tokens * 2, args[2].shape[1], dtype=torch.bfloat16, device="cuda")
+    op = torch.ops.megatron_mok.fp8_expert_gemm_push.default
+    # (test_faketensor only, as fp8_expert_gemm_into's)
+    torch.library.opcheck(op, (*args, *LAUNCH, 2, routes, 2, num_tokens, own, [own.data_ptr()]),
+                          test_utils=("test_faketensor",))
