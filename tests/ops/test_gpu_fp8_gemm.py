@@ -443,25 +443,28 @@ def regions_with_sentinel(num_ranks: int, num_tokens: int, topk: int, n: int) ->
     return [torch.full((num_tokens * topk, n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(num_ranks)]
 
 
-def launch_push(args, routes, num_tokens, regions, own, span, variant, topk: int = 2):
+def launch_push(args, routes, num_tokens, regions, own, span, variant, topk: int = 2, cluster_m: int = LAUNCH[0]):
     qa, sa, qw, sw, offsets = args
     experts = qw.shape[0]
     span = span or experts
     for first in range(0, experts, span):
         last = min(experts, first + span)
         ops.fp8_expert_gemm_push(
-            qa, sa, qw[first:last].contiguous(), sw[first:last].contiguous(), offsets[first:last + 1], *LAUNCH,
+            qa, sa, qw[first:last].contiguous(), sw[first:last].contiguous(), offsets[first:last + 1],
+            cluster_m, max(LAUNCH[1], cluster_m),
             slot_to_route=routes, topk=topk, num_tokens=num_tokens, own_combine=regions[own],
             peer_combine_ptrs=[r.data_ptr() for r in regions], variant=variant,
         )
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("variant", FP8_PUSH_GEMM_VARIANTS)
 @pytest.mark.parametrize("num_ranks", [1, 3])
 @pytest.mark.parametrize("case,span", PUSH_CASES)
-def test_push_epilogue_writes_what_push_rows_moves(case, span, num_ranks, variant):
-    """fp8_expert_gemm_push (over expert ranges where span is given, as the dgrads launch) leaves every
-    rank's region bit for bit as fp8_expert_gemm then push_rows leave it; own region: the last rank's."""
+def test_push_epilogue_writes_what_push_rows_moves(case, span, num_ranks, variant, cluster_m):
+    """fp8_expert_gemm_push (over expert ranges where span is given, as the dgrads launch; 2-CTA
+    clusters too) leaves every rank's region bit for bit as fp8_expert_gemm then push_rows leave it;
+    own region: the last rank's."""
     args, _, end = case_args(case)
     qa, _, qw, _, _ = args
     topk, n = 2, qw.shape[1]
@@ -469,7 +472,7 @@ def test_push_epilogue_writes_what_push_rows_moves(case, span, num_ranks, varian
     want = regions_with_sentinel(num_ranks, num_tokens, topk, n)
     ops.push_rows(ops.fp8_expert_gemm(*args, *LAUNCH), routes, topk, num_tokens, want[-1], [r.data_ptr() for r in want])
     got = regions_with_sentinel(num_ranks, num_tokens, topk, n)
-    launch_push(args, routes, num_tokens, got, num_ranks - 1, span, variant)
+    launch_push(args, routes, num_tokens, got, num_ranks - 1, span, variant, cluster_m=cluster_m)
     torch.cuda.synchronize()
     assert ops.last_failure() is None
     for rank, (g, w) in enumerate(zip(got, want)):
