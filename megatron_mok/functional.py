@@ -239,12 +239,19 @@ def _forward_window(stages, source, window, fc1, fc2, returned, config: MoKConfi
     act or None): what the context keeps of it when it is the first window."""
     offsets = window.schedule.expert_offsets
     rows, gate_up, act = stages.dispatch_gate_up(source, window.schedule, fc1, config.dispatch_ring_minibatches)
-    target = returned.push_target(window) if stages.expert_down_pushed is not None else None
-    if target is not None:
-        stages.expert_down_pushed(act, fc2, offsets, target)
-    else:
-        returned.push(stages.expert_down(act, fc2, offsets), window)
+    _return_rows(returned, window, stages.expert_down, stages.expert_down_pushed, act, fc2, offsets)
     return (rows if keep_rows else None), gate_up, (act if keep_rows else None)
+
+
+def _return_rows(returned, window, stage, pushed_stage, *args) -> None:
+    """A window's rows of `stage(*args)` to their sources: written into the exchange's push target by
+    the stage's pushing form (pushed_stage(*args, target)) where the backend has one and the exchange
+    offers a target, else made by the stage and pushed."""
+    target = returned.push_target(window) if pushed_stage is not None else None
+    if target is not None:
+        pushed_stage(*args, target)
+    else:
+        returned.push(stage(*args), window)
 
 
 def recompute_forward_context(
@@ -449,11 +456,7 @@ def _backward_window(
         _release_saved(ctx, "act")
     d_x = None
     if returned is not None:
-        target = returned.push_target(window) if stages.dgrad_rows_pushed is not None else None
-        if target is not None:
-            stages.dgrad_rows_pushed(grad_gate_up, fc1, offsets, target)
-        else:
-            returned.push(stages.dgrad_rows(grad_gate_up, fc1, offsets), window)
+        _return_rows(returned, window, stages.dgrad_rows, stages.dgrad_rows_pushed, grad_gate_up, fc1, offsets)
         if window.last:  # summed before the rows are pulled again, so the dX rows are freed first
             d_x = _return_grad_x(returned, ctx, stages, need_input_grads, dtype)
     if need_weight_grads:

@@ -31,6 +31,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/failure_codes.h"
 #include "common/fp8_block_math.cuh"
@@ -146,6 +147,17 @@ struct Fp8OnePassColumns {
   static __device__ __forceinline__ int b_row(const ExpertGemmProblem&, const TileCoord& c, int, int half) {
     return c.n0 + 64 * half;
   }
+
+  // The accumulators rounded once to bf16 pairs: packed[2 * j + h] holds columns 8 * j + 2 * (l % 4)
+  // + {0, 1} of row half h (the pair(j, h) of stage_columns and write_columns_direct).
+  static __device__ __forceinline__ void pack(const float (&acc)[Fp8GemmTile::kAccumulators],
+                                              uint32_t (&packed)[Fp8GemmTile::kAccumulators / 2]) {
+#pragma unroll
+    for (int j = 0; j < Fp8GemmTile::kAccumulators / 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
 };
 
 struct Fp8StoreEpilogue : Fp8OnePassColumns {
@@ -159,11 +171,7 @@ struct Fp8StoreEpilogue : Fp8OnePassColumns {
                                                     const float (&acc)[Fp8GemmTile::kAccumulators], const TileCoord& c,
                                                     int, State&, StagingRing& staging, int consumer, int thread) {
     uint32_t packed[Fp8GemmTile::kAccumulators / 2];
-#pragma unroll
-    for (int j = 0; j < Fp8GemmTile::kAccumulators / 4; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
+    pack(acc, packed);
     const auto pair = [&](int j, int h) { return packed[2 * j + h]; };
     if (c.rows >= 64 * (consumer + 1)) {
       uint8_t* buffer = staging.acquire();
@@ -201,11 +209,7 @@ struct Fp8PushEpilogue : Fp8OnePassColumns {
                                                     int, State&, StagingRing& staging, int consumer, int thread) {
     if (c.rows <= 64 * consumer) return;  // none of this warpgroup's rows lies in the segment
     uint32_t packed[Fp8GemmTile::kAccumulators / 2];
-#pragma unroll
-    for (int j = 0; j < Fp8GemmTile::kAccumulators / 4; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
+    pack(acc, packed);
     const int warp = thread / 32, lane = thread % 32;
     // The group route of the row this lane owns; negative (-1) for none, or for a row outside the
     // segment or the product, or of a padding slot: not written.
@@ -351,11 +355,7 @@ struct Fp8SwigluEpilogue {
 // per K block, not two): Fp8OnePassColumns' halves (the store and push epilogues') are rows n0 ..
 // n0 + 127 of a 128-aligned n0.
 template <class Epilogue>
-constexpr bool kFp8HalvesShareScaleBlock = false;
-template <>
-constexpr bool kFp8HalvesShareScaleBlock<Fp8StoreEpilogue> = true;
-template <>
-constexpr bool kFp8HalvesShareScaleBlock<Fp8PushEpilogue> = true;
+constexpr bool kFp8HalvesShareScaleBlock = std::is_base_of_v<Fp8OnePassColumns, Epilogue>;
 
 // The consumers' mainloops, chosen per launch (the op's `variant`, megatron_mok/ops/fp8_gemm.py
 // FP8_GEMM_VARIANTS names them in this order). Every one computes bitwise the same output: the same
