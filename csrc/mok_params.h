@@ -46,6 +46,7 @@ struct CombineParams {
   const int64_t* index;   // (num_tokens * topk,)
   const float* weights;   // (num_tokens, topk) or null
   void* out;              // (num_tokens, hidden), same dtype as table
+  void* keep;             // (num_table_rows, hidden) or null: each row read is copied to its row here
   int64_t num_tokens;
   int64_t num_table_rows;
   int64_t hidden;

@@ -211,8 +211,7 @@ def forward(
             del window_kept  # (a later window's gate/up is not kept)
     exchange.release(source)
     route_index = exchange.route_index(schedule, topk_ids)
-    route_table = returned.table(keep=True)
-    y = stages.combine(route_table, route_index, topk_weights, schedule.topk, x.dtype)
+    route_table, y = _combine_keeping_table(stages, returned, route_index, topk_weights, schedule.topk, x.dtype)
     ctx = ForwardContext(
         schedule=schedule,
         plan=plan,
@@ -232,6 +231,21 @@ def forward(
     if not torch.compiler.is_compiling():  # (inside torch.compile nothing is freed: _release_saved)
         ctx.made = {name: weakref.ref(t) for name in RELEASED_FIELDS if (t := getattr(ctx, name)) is not None}
     return y, ctx
+
+
+def _combine_keeping_table(stages, returned, route_index, topk_weights, topk: int, dtype: torch.dtype):
+    """-> (the route table backward reads, y). Where the table lies in a buffer the exchange reuses
+    (the in-kernel exchange's combine region), the combine writes backward's copy of every row it
+    reads as it reads it, and the region is released after it: the copy costs its writes, not a
+    read of the region of its own."""
+    if not returned.table_in_reused_buffer:
+        route_table = returned.table(keep=True)
+        return route_table, stages.combine(route_table, route_index, topk_weights, topk, dtype)
+    region = returned.table(keep=False)
+    route_table = torch.empty_like(region)
+    y = stages.combine(region, route_index, topk_weights, topk, dtype, keep=route_table)
+    returned.release()
+    return route_table, y
 
 
 def _forward_window(stages, source, window, fc1, fc2, returned, config: MoKConfig, keep_rows: bool):
@@ -365,8 +379,8 @@ def _release_saved(ctx: ForwardContext, name: str) -> None:
     Its storage is freed by resizing it to nothing, since autograd's saved tensors hold the tensor
     itself to backward's end. Only the tensor forward made (ctx.made: not a saved-tensor hook's copy
     or buffer, which its hook may still use) and only one that covers its storage exactly (the
-    exchanges' `ReturnedRows.table(keep=True)` returns a table of its own; the stages return fresh
-    tensors) is freed so; any other is only dropped. Inside torch.compile the compiled graph owns the
+    exchanges' `ReturnedRows.table(keep=True)` returns a table of its own, and the combine's kept copy
+    is one; the stages return fresh tensors) is freed so; any other is only dropped. Inside torch.compile the compiled graph owns the
     saved tensors' lifetimes, and the tensor is only dropped too."""
     tensor = getattr(ctx, name)
     setattr(ctx, name, None)

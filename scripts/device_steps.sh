@@ -136,6 +136,11 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The FP8 step over the in-kernel exchange timed both ways in one run (wall, kernels, ten steps queued
         # back to back): rows pushed by the push kernel, then by the GEMMs' epilogue.
         fp8_push_queued) echo 200 "for a in --push-kernel ''; do python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise --exchange symmetric \$a | grep -E 'wall'; done" ;;
+        # Forward's route table kept by the combine as it reads the region (functional._combine_keeping_table):
+        # the op against the combine (bitwise, the rows read copied, the others unwritten), the emulated
+        # ranks over the symmetric exchange bitwise EP = 1 (BF16, FP8), each pytest part in its own
+        # process; then one rank's step over the exchange both ways, BF16 and FP8, the same run.
+        table_keep) echo 560 "f=0; $PYTEST tests/backends/test_gpu_kernels.py -k 'data_movement or op_registration' || f=1; $PYTEST tests/comm/test_gpu_emulation.py || f=1; $PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric || f=1; [ \$f = 0 ] && for p in bf16 fp8_blockwise; do for a in --table-copy ''; do echo \"== \$p \${a:-kept by the combine}\"; python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision \$p --exchange symmetric \$a | grep -E 'wall|combine|^[a-z0-9_]+ '; done; done" ;;
         # The depth of CUDA's launch queue behind an unfinished kernel (emulation.py's symmetric form),
         # and the case it bounds: the reference backend over the emulated symmetric exchange at EP 4.
         launch_queue) echo 150 "python3 scripts/probe_launch_queue.py --streams 1,3 && $PYTEST -s tests/backends/test_gpu_fp8_kernel.py -k 'symmetric and 4-reference'" ;;

@@ -3,7 +3,7 @@ from torch.profiler, beside the step's event-timed wall time (the difference is 
 between kernels, e.g. waiting for the CPU to launch them).
 
     python3 scripts/profile_layer_kernels.py [--shapes deepseek_v3,qwen3_30b] [--expert-gemm auto] [--backward] [--timeline]
-        [--precision fp8_blockwise] [--exchange direct,symmetric] [--push-kernel]
+        [--precision fp8_blockwise] [--exchange direct,symmetric] [--push-kernel] [--table-copy]
 
 Each step's kernels are also summed by stage (STAGES: the quantization kernels of the FP8 recipe in
 a stage of their own, so their share of the layer shows), each with its share of the kernels' time;
@@ -11,7 +11,9 @@ with FP8, each quantization launch of one step is listed on its own with its sha
 symmetric runs the layer as one rank of megatron_mok.emulation over the in-kernel exchange (EP = 1:
 the path of a real EP launch, its pulls, pushes and signals, without another rank's traffic);
 several, comma-separated, profile each in turn. --push-kernel: FP8's rows pushed by the push kernel
-after the GEMMs (tuning.FP8_PUSH_IN_EPILOGUE off).
+after the GEMMs (tuning.FP8_PUSH_IN_EPILOGUE off). --table-copy: over the exchange, forward's route
+table copied out of the combine region before the combine reads it, instead of kept by the combine
+as it reads (functional._combine_keeping_table).
 """
 
 from __future__ import annotations
@@ -103,7 +105,13 @@ def main() -> None:
                         help="FP8 over the exchange: the rows pushed by the push kernel, not the GEMMs' epilogue")
     parser.add_argument("--exchange", default="direct",
                         help="direct (mok_moe on one GPU) or symmetric (one emulated rank over the in-kernel exchange); comma-separated")
+    parser.add_argument("--table-copy", action="store_true",
+                        help="over the exchange: forward's route table copied from the region, not kept by the combine")
     args = parser.parse_args()
+    if args.table_copy:
+        from megatron_mok.comm.symmetric_exchange import PushedRows
+
+        PushedRows.table_in_reused_buffer = False  # functional then takes table(keep=True), a copy
     if args.push_kernel:
         from megatron_mok.backends import tuning
 

@@ -156,8 +156,9 @@ at::Tensor pull_grad_rows_from_peers(const at::Tensor& own_grad_tokens, c10::Int
                                 slot_to_route, topk, expert_offsets);
 }
 
-at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
-                   int64_t topk) {
+// keep: null, or the (num_table_rows or more, hidden) tensor of table's dtype the rows read are copied to.
+at::Tensor combine_into(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
+                        int64_t topk, const at::Tensor* keep) {
   check_cuda(table, "table");
   check_index(index, "index");
   TORCH_CHECK(table.dim() == 2 && topk > 0 && index.numel() % topk == 0, "combine: bad shapes");
@@ -168,19 +169,38 @@ at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::
     TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == index.numel(),
                 "combine: weights must be float32 with one entry per route");
   }
+  if (keep != nullptr) {
+    check_cuda(*keep, "keep");
+    TORCH_CHECK(keep->scalar_type() == table.scalar_type() && keep->dim() == 2 && keep->size(1) == table.size(1) &&
+                    keep->size(0) >= table.size(0) && keep->is_contiguous() && keep->device() == table.device(),
+                "combine_keeping: keep must be a contiguous (table rows or more, hidden) tensor of table's dtype and "
+                "device");
+  }
   const c10::cuda::CUDAGuard guard(table.device());
   auto out = at::empty({num_tokens, table.size(1)}, table.options());
   if (out.numel() == 0) return out;
   CombineParams p{table.data_ptr(), index.data_ptr<int64_t>(),
                   weights.has_value() ? weights->data_ptr<float>() : nullptr, out.data_ptr(),
-                  num_tokens, table.size(0), table.size(1), topk};
-  dispatch_dtype(table.scalar_type(), row_packs_ok(p.hidden, table.scalar_type(), {table, out}), [&](auto tag) {
+                  keep != nullptr ? keep->data_ptr() : nullptr, num_tokens, table.size(0), table.size(1), topk};
+  const bool packs_ok =
+      row_packs_ok(p.hidden, table.scalar_type(), {table, out}) && (keep == nullptr || bindings::aligned16(*keep));
+  dispatch_dtype(table.scalar_type(), packs_ok, [&](auto tag) {
     using Cfg = decltype(tag);
     combine_kernel<typename Cfg::type, Cfg::kVec>
         <<<grid_for(num_tokens), kThreads, topk * (sizeof(int64_t) + sizeof(float)), c10::cuda::getCurrentCUDAStream()>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+at::Tensor combine(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
+                   int64_t topk) {
+  return combine_into(table, index, weights, topk, nullptr);
+}
+
+at::Tensor combine_keeping(const at::Tensor& table, const at::Tensor& index, const std::optional<at::Tensor>& weights,
+                           int64_t topk, at::Tensor& keep) {
+  return combine_into(table, index, weights, topk, &keep);
 }
 
 at::Tensor pull_grad_rows(const at::Tensor& grad_y_all, const at::Tensor& weights_all,
@@ -311,6 +331,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def("build_schedule(Tensor topk_ids_all, int rank, int num_local_experts, int alignment, int num_experts_checked) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dispatch_rows(Tensor x_all, Tensor slot_to_route, int topk, Tensor? expert_offsets=None) -> Tensor");
   m.def("combine(Tensor table, Tensor index, Tensor? weights, int topk) -> Tensor");
+  m.def("combine_keeping(Tensor table, Tensor index, Tensor? weights, int topk, Tensor(a!) keep) -> Tensor");
   m.def("pull_grad_rows(Tensor grad_y_all, Tensor weights_all, Tensor slot_to_route, int topk, Tensor? expert_offsets=None) -> Tensor");
   m.def("dispatch_rows_from_peers(Tensor own_tokens, int[] peer_token_ptrs, Tensor slot_to_route, int topk, "
         "Tensor? expert_offsets=None) -> Tensor");
@@ -326,6 +347,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("build_schedule", &build_schedule);
   m.impl("dispatch_rows", &dispatch_rows);
   m.impl("combine", &combine);
+  m.impl("combine_keeping", &combine_keeping);
   m.impl("pull_grad_rows", &pull_grad_rows);
   m.impl("dispatch_rows_from_peers", &dispatch_rows_from_peers);
   m.impl("pull_grad_rows_from_peers", &pull_grad_rows_from_peers);

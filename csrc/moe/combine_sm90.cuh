@@ -11,6 +11,10 @@ namespace mok {
 
 // One block per token: out[t] = sum_k w[t,k] * table[index[t,k]], k ascending, fp32. The
 // separately rounded multiply and add (no FMA contraction) match the reference bit for bit.
+// With p.keep, every row a route reads is also written to the same row of keep, as it is read: the
+// copy of a table that outlives its buffer costs the writes only (rows no route reads are not
+// written). Each route owns its row, so each kept element has one writer; were a row read by two
+// routes, both would write the same bits.
 // Routes of a token whose table loads a thread has in flight together in the combine.
 constexpr int kCombineBatch = 4;
 
@@ -46,6 +50,7 @@ __global__ void combine_kernel(const CombineParams p) {
         for (int b = 0; b < kCombineBatch; ++b) {
           const int64_t k = k0 + b;
           if (k >= p.topk || route_rows[k] < 0) continue;  // past topk, or a dropped route
+          if (p.keep != nullptr) reinterpret_cast<P*>(static_cast<T*>(p.keep) + route_rows[k] * p.hidden)[i] = values[b];
           if (p.weights != nullptr) {
             const float w = route_weights[k];
 #pragma unroll

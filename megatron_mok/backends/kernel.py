@@ -135,11 +135,14 @@ def dispatch_rows(source: RowSource, schedule: Schedule) -> torch.Tensor:
 
 
 def combine(
-    table: torch.Tensor, index: torch.Tensor, topk_weights: Optional[torch.Tensor], topk: int, dtype: torch.dtype
+    table: torch.Tensor, index: torch.Tensor, topk_weights: Optional[torch.Tensor], topk: int, dtype: torch.dtype,
+    keep: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     if table.dtype != dtype:
         raise ValueError(f"combine: table is {table.dtype}, expected {dtype}")
     weights = topk_weights.contiguous() if topk_weights is not None else None
+    if keep is not None:
+        return ops.combine_keeping(table, index, weights, topk, keep)
     return ops.combine(table, index, weights, topk)
 
 

@@ -148,13 +148,22 @@ def gather_route_rows(table: torch.Tensor, index: torch.Tensor, topk: int) -> to
 
 
 def combine(
-    table: torch.Tensor, index: torch.Tensor, topk_weights: Optional[torch.Tensor], topk: int, dtype: torch.dtype
+    table: torch.Tensor,
+    index: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    topk: int,
+    dtype: torch.dtype,
+    keep: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y[t] = sum over k (ascending) of w[t, k] * table[index[t, k]] in fp32, rounded once to dtype.
 
     Routes with index -1 are skipped whatever their weight; topk_weights None means all ones.
+    keep: (table rows or more, hidden), table's dtype: the whole table is copied into its first rows
+    (the kernel copies only the rows routes read; the others are not read after).
     Returns: (num_tokens, hidden) in dtype.
     """
+    if keep is not None:
+        keep[: table.shape[0]].copy_(table)
     route_rows = gather_route_rows(table, index, topk)
     acc = torch.zeros(route_rows.shape[0], route_rows.shape[2], dtype=torch.float32, device=table.device)
     for k in range(topk):

@@ -137,9 +137,12 @@ class DgradRowsPushed(Protocol):
 
 
 class Combine(Protocol):
-    def __call__(self, table: Tensor, index: Tensor, topk_weights: Optional[Tensor], topk: int, dtype: torch.dtype) -> Tensor:
+    def __call__(self, table: Tensor, index: Tensor, topk_weights: Optional[Tensor], topk: int, dtype: torch.dtype,
+                 keep: Optional[Tensor] = None) -> Tensor:
         """-> (T, H) in dtype: sum over k ascending of w[t, k] * table[index[t*K + k]] in fp32,
-        index -1 skipped, weights None = ones."""
+        index -1 skipped, weights None = ones. keep ((table rows or more, H), table's dtype): every
+        table row a route reads is also copied to the same row of keep (the rows no route reads are
+        the implementation's to copy or not): forward's copy of a table the exchange reuses."""
         ...
 
 

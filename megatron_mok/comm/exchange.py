@@ -148,6 +148,11 @@ class PushTarget:
 class ReturnedRows(Protocol):
     """One return of per-row results to the routes' sources (Exchange.open_return)."""
 
+    # Whether table(keep=False)'s tensor is a buffer the exchange reuses once release()d (the
+    # in-kernel exchange's combine region), so that keeping it means a copy: a caller that reads the
+    # table anyway (the combine) can make that copy as it reads (functional._combine_keeping_table).
+    table_in_reused_buffer: bool
+
     def push(self, slot_rows: torch.Tensor, window: "Window") -> None:
         """(window rows, hidden) results of a window of the schedule (receive.py), in its order."""
         ...
@@ -226,6 +231,8 @@ class CollectiveExchange:
 class CollectiveReturn:
     """The return as one equal-split all-to-all of every route's row (zeros for other owners' routes).
     Windows (a windowed subclass's, in tests) are copied into one (capacity, hidden) buffer first."""
+
+    table_in_reused_buffer = False  # the all-to-all's output is a tensor of the caller's own
 
     def __init__(self, group: ExpertParallelGroup, schedule: Schedule):
         self.group, self.schedule = group, schedule

@@ -134,6 +134,8 @@ class PushedRows:
     """The push combine (forward) or reverse-dispatch (backward) of one call: the owners push each
     row into slot t*K + k of its source's `combine` region, window by window."""
 
+    table_in_reused_buffer = True  # the region is the next call's
+
     def __init__(self, exchange: SymmetricExchange, schedule: Schedule, combine: SymmetricRegion):
         self.exchange, self.schedule, self.combine = exchange, schedule, combine
         self.freed = False

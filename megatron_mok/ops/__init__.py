@@ -2,7 +2,7 @@
 implementation beside its wrapper; the extension's loading and self-report in `extension.py`.
 
     schedule.py          build_schedule
-    dispatch_combine.py  dispatch_rows, combine, pull_grad_rows, route_weight_grads,
+    dispatch_combine.py  dispatch_rows, combine, combine_keeping, pull_grad_rows, route_weight_grads,
                          dispatch_rows_from_peers, pull_grad_rows_from_peers
     swiglu.py            swiglu_forward, swiglu_backward
     expert_gemm.py       expert_gemm, expert_gemm_swiglu, dispatch_expert_gemm_swiglu,
@@ -32,6 +32,7 @@ ops': the `*_reference` beside them, over megatron_mok/quantization.py).
 
 from megatron_mok.ops.dispatch_combine import (
     combine,
+    combine_keeping,
     dispatch_rows,
     dispatch_rows_from_peers,
     pull_grad_rows,
@@ -90,6 +91,7 @@ from megatron_mok.ops.swiglu import swiglu_backward, swiglu_forward
 __all__ = [
     "build_schedule",
     "combine",
+    "combine_keeping",
     "compiled_limits",
     "dispatch_expert_gemm_swiglu",
     "dispatch_expert_gemm_swiglu_from_peers",

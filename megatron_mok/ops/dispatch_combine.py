@@ -21,6 +21,11 @@ def _combine_fake(table, index, weights, topk):
     return table.new_empty((index.shape[0] // topk, table.shape[1]))
 
 
+@register_fake("combine_keeping")
+def _combine_keeping_fake(table, index, weights, topk, keep):
+    return table.new_empty((index.shape[0] // topk, table.shape[1]))
+
+
 @register_fake("pull_grad_rows")
 def _pull_grad_rows_fake(grad_y_all, weights_all, slot_to_route, topk, expert_offsets=None):
     return grad_y_all.new_empty((slot_to_route.shape[0], grad_y_all.shape[1]))
@@ -53,6 +58,15 @@ def dispatch_rows(
 def combine(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], topk: int) -> torch.Tensor:
     """(T, H) in table.dtype: fixed-order fp32 sum over k. Ref: reference.combine."""
     return torch.ops.megatron_mok.combine(table, index, weights, topk)
+
+
+def combine_keeping(
+    table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], topk: int, keep: torch.Tensor
+) -> torch.Tensor:
+    """combine, and every row a route reads written to the same row of keep ((table rows or more, H),
+    table's dtype) as it is read; rows no route reads are not written. Forward's copy of a table that
+    lies in a buffer the exchange reuses, made by the reads the combine does anyway."""
+    return torch.ops.megatron_mok.combine_keeping(table, index, weights, topk, keep)
 
 
 def pull_grad_rows(

@@ -231,6 +231,7 @@ SIMULATED = {
     "swiglu_forward": lambda gate_up, offsets: _zero_past_end(reference.swiglu(gate_up), offsets),
     "swiglu_backward": lambda gate_up, grad_act, offsets: _zero_past_end(reference.swiglu_backward(gate_up, grad_act), offsets),
     "combine": lambda table, index, weights, topk: reference.combine(table, index, weights, topk, table.dtype),
+    "combine_keeping": lambda table, index, weights, topk, keep: reference.combine(table, index, weights, topk, table.dtype, keep),
     "route_weight_grads": reference.route_weight_grads,
     # The BF16 sm90 weight gradient (fp8_weight_grad=False) reads only the segments' rows.
     "expert_gemm_wgrad": lambda g, x, offsets: reference.segment_weight_grad(_zero_past_end(g, offsets), _zero_past_end(x, offsets), offsets),

@@ -127,10 +127,17 @@ def test_data_movement_ops_match_reference_exactly(routing):
 
     table = torch.randn(schedule.capacity, s.hidden, device="cuda").bfloat16()
     index = _single_rank_exchange().route_index(schedule, ids)
+    read = torch.zeros(schedule.capacity, dtype=torch.bool, device="cuda")
+    read[index[index >= 0]] = True  # the table rows some route reads
     for weights in (w, None):
         got = ops.combine(table, index, weights, s.topk)
         want = reference.combine(table, index, weights, s.topk, torch.bfloat16)
         assert torch.equal(got, want)
+        # The kept copy: the same y, every row a route reads copied, the others not written (NaN stays).
+        keep = torch.full((schedule.capacity + 3, s.hidden), float("nan"), device="cuda").bfloat16()
+        assert torch.equal(ops.combine_keeping(table, index, weights, s.topk, keep), want)
+        assert torch.equal(keep[: schedule.capacity][read], table[read])
+        assert keep[: schedule.capacity][~read].isnan().all() and keep[schedule.capacity:].isnan().all()
 
     pulled = ops.pull_grad_rows(grad, w.reshape(-1), schedule.slot_to_route, s.topk)
     assert torch.equal(pulled, reference.pull_route_grads(GradSource(RowSource(grad), RowSource(w.reshape(-1))), schedule))
@@ -224,7 +231,8 @@ def test_swiglu_ops_match_reference_within_one_bf16_ulp():
     assert_within_ulps(grad[:250], reference.swiglu_backward(gate_up[:250], grad_act[:250]), 1, msg="swiglu backward")
 
 
-@pytest.mark.parametrize("op_name", ["build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward", "swiglu_backward"])
+@pytest.mark.parametrize("op_name", ["build_schedule", "dispatch_rows", "combine", "combine_keeping", "pull_grad_rows",
+                                     "route_weight_grads", "swiglu_forward", "swiglu_backward"])
 def test_op_registration(op_name):
     """Schema, fake (meta) implementation and torch.compile support of each custom op."""
     s = SHAPES["odd_tokens"]
@@ -236,6 +244,7 @@ def test_op_registration(op_name):
         "build_schedule": (ids.unsqueeze(0), 0, s.num_experts, 4, s.num_experts),
         "dispatch_rows": (x, schedule.slot_to_route, s.topk),
         "combine": (table, index, w, s.topk),
+        "combine_keeping": (table, index, w, s.topk, torch.empty_like(table)),
         "pull_grad_rows": (grad, w.reshape(-1), schedule.slot_to_route, s.topk),
         "route_weight_grads": (grad, table, index, s.topk),
         "swiglu_forward": (gate_up, schedule.expert_offsets),

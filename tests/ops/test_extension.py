@@ -12,7 +12,7 @@ from megatron_mok import limits
 from cuda_checks import NEEDS_TOOLCHAIN, TOOLCHAIN_PRESENT
 
 OPS = (
-    "build_schedule", "dispatch_rows", "combine", "pull_grad_rows", "route_weight_grads", "swiglu_forward",
+    "build_schedule", "dispatch_rows", "combine", "combine_keeping", "pull_grad_rows", "route_weight_grads", "swiglu_forward",
     "swiglu_backward", "expert_gemm", "expert_gemm_swiglu", "dispatch_expert_gemm_swiglu",
     "dispatch_expert_gemm_swiglu_from_peers", "expert_gemm_dgrad", "expert_gemm_dgrad_swiglu", "expert_gemm_wgrad",
     "expert_gemm_wgrad_window", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
