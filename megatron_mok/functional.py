@@ -242,9 +242,11 @@ def _combine_keeping_table(stages, returned, route_index, topk_weights, topk: in
         route_table = returned.table(keep=True)
         return route_table, stages.combine(route_table, route_index, topk_weights, topk, dtype)
     region = returned.table(keep=False)
-    route_table = torch.empty_like(region)
-    y = stages.combine(region, route_index, topk_weights, topk, dtype, keep=route_table)
-    returned.release()
+    try:
+        route_table = torch.empty_like(region)
+        y = stages.combine(region, route_index, topk_weights, topk, dtype, keep=route_table)
+    finally:  # (a failed combine still frees the region: the peers' next call waits for it)
+        returned.release()
     return route_table, y
 
 

@@ -84,6 +84,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_across_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
         # The FP8 GEMM's scale products after each block's wait (overlap_late_scales) beside the overlap mainloop, same run.
         fp8_late_scales_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,overlap_late_scales --fp8-clusters 1 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        # The FP8 GEMM's overlap_eager_retire mainloop (a block retired before the wait for a late next
+        # stage): its cases of the GEMM tests (bitwise the default's), then its time beside overlap's.
+        fp8_eager_retire_bench) echo 300 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'eager_retire or knows_every_variant' && python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,overlap_eager_retire --fp8-clusters 1 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
         # The FP8 GEMM's raster: the overlap mainloop at every group_m (m-tiles per raster group), fc1, fc2 and the dgrads.
         fp8_group_m_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-group-m 1,4,8,16,32,64 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
         # The FP8 weight gradients in every mainloop, and the gate/up GEMM with and without its SwiGLU
@@ -173,7 +176,7 @@ for step in $STEPS; do
     export bound
     timeout -k 5 "$bound" bash -c "$command" > "$log" 2>&1
     rc=$?
-    summary=$(grep -E "passed|failed|skipped|error|bitwise equal" "$log" | tail -1 | cut -c1-100)
+    summary=$(grep -E "[0-9]+ (passed|failed|skipped|errors?)|bitwise equal" "$log" | tail -1 | cut -c1-100)
     [ $rc = 124 ] && summary="killed at its $bound s bound; $summary"
     echo "| $step | $rc | $(( $(date +%s) - began )) | $summary |" >> "$table"
     { echo "== $step (rc $rc, bound $bound s)"; cat "$log"; echo; } >> "$steps_log"

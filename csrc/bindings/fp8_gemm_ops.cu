@@ -108,7 +108,8 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
 }
 
 // variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller. kWithPingpong false: the
-// epilogue has no kPingpong or kOverlapLateScales instance (the caller refuses those variants).
+// epilogue has no kPingpong, kOverlapLateScales or kOverlapEagerRetire instance (the caller refuses
+// those variants).
 template <class Epilogue, bool kWithPingpong = true, class... Maps>
 void launch_with_variant(int64_t variant, int64_t cluster_m,
                          const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const Maps&... maps) {
@@ -121,6 +122,9 @@ void launch_with_variant(int64_t variant, int64_t cluster_m,
       break;
     case Fp8Mainloop::kOverlapLateScales:
       if constexpr (kWithPingpong) launch_with_cluster<Epilogue, Fp8Mainloop::kOverlapLateScales>(cluster_m, params, maps...);
+      break;
+    case Fp8Mainloop::kOverlapEagerRetire:
+      if constexpr (kWithPingpong) launch_with_cluster<Epilogue, Fp8Mainloop::kOverlapEagerRetire>(cluster_m, params, maps...);
       break;
     default:
       launch_with_cluster<Epilogue>(cluster_m, params, maps...);

@@ -62,6 +62,22 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity)
   return done != 0;
 }
 
+// Whether the phase of `parity` has completed, at once (test_wait never suspends the thread, where
+// try_wait may for a while): for a caller with other work to do while the barrier is pending.
+__device__ __forceinline__ bool mbarrier_test_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // bar: the barrier's shared-memory address (smem_u32), for loops that keep it in a register.
 // kTrapOutOfLine: fail_if_timed_out's.
 template <bool kTrapOutOfLine = false>

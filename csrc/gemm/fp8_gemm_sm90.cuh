@@ -382,8 +382,13 @@ enum class Fp8Mainloop : int {
   // Here the A scales pass through after_wait_identity(., partial[0]) first: the same bits, but a
   // value ptxas must take as depending on a register the wait defines.
   kOverlapLateScales = 3,
+  // kOverlap, but where block k + 1's stage has not landed when block k's are issued and done
+  // with, block k is retired (waited for, its stage released, promoted) before the wait for the
+  // stage, so its promotion runs while the load is late instead of after it (mbarrier test_wait:
+  // the probe does not suspend). Where the stage has landed it runs as kOverlap.
+  kOverlapEagerRetire = 4,
 };
-constexpr int kFp8MainloopCount = 4;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 5;  // the op checks 0 <= variant < this
 
 // x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
 // the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the
@@ -417,7 +422,8 @@ struct Fp8ExpertGemmKernel {
   using Params = Fp8ExpertGemmParams<typename Epilogue::Params>;
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
   static constexpr bool kLateScales = kMainloop == Fp8Mainloop::kOverlapLateScales;
-  static constexpr bool kOverlapMainloop = kMainloop == Fp8Mainloop::kOverlap || kLateScales;
+  static constexpr bool kEagerRetire = kMainloop == Fp8Mainloop::kOverlapEagerRetire;
+  static constexpr bool kOverlapMainloop = kMainloop == Fp8Mainloop::kOverlap || kLateScales || kEagerRetire;
   static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
   static constexpr uint32_t kBHalfBytes = Tile::kBBytes / 2;  // one 64-row half of a stage's B
   // kOverlap's scales per K block held in registers: two A rows, then one B scale per B half or one
@@ -618,7 +624,7 @@ struct Fp8ExpertGemmKernel {
     consume_overlap(maps, p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
   }
 
-  // kOverlap and kOverlapLateScales. Per pass of k_blocks K blocks: block 0 issued into p0, then
+  // kOverlap, kOverlapLateScales and kOverlapEagerRetire. Per pass of k_blocks K blocks: block 0 issued into p0, then
   // for each block k, block k + 1 issued into the other partial (once its stage landed),
   // wait_group 1 (block k's wgmmas done, k + 1's may run), release k's stage, promote k. The
   // partials alternate by the parity of k, so the K loop is unrolled by two and every register
@@ -688,6 +694,23 @@ struct Fp8ExpertGemmKernel {
           if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[oldest]);
           promote_block(acc, partial, s);
         };
+        // The next block issued into `next` and the oldest in flight (in `oldest`, scales s) retired:
+        // after the issue (kOverlap), or, in kOverlapEagerRetire where the next stage has not landed
+        // yet, before the wait for it.
+        const auto issue_next_retire_oldest = [&](float (&next)[Tile::kAccumulators],
+                                                  float (&oldest)[Tile::kAccumulators], const float (&s)[kScales]) {
+          if constexpr (kEagerRetire) {
+            if (!sm90::mbarrier_test_wait(full0 + 8 * stage, phase)) {
+              sm90::wgmma_wait_group<0>();
+              retire(oldest, s, 1);
+              issue(next);
+              return;
+            }
+          }
+          issue(next);
+          sm90::wgmma_wait_group<1>();
+          retire(oldest, s, 2);
+        };
 #pragma unroll
         for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
         load_scales(0, s0);
@@ -696,19 +719,13 @@ struct Fp8ExpertGemmKernel {
         int kb = 0;  // the oldest block in flight, in p0
 #pragma unroll 1
         for (; kb + 2 < k_blocks; kb += 2) {
-          issue(p1);
-          sm90::wgmma_wait_group<1>();
-          retire(p0, s0, 2);
+          issue_next_retire_oldest(p1, p0, s0);
           load_scales(kb + 2, s0);
-          issue(p0);
-          sm90::wgmma_wait_group<1>();
-          retire(p1, s1, 2);
+          issue_next_retire_oldest(p0, p1, s1);
           if (kb + 3 < k_blocks) load_scales(kb + 3, s1);
         }
         if (kb + 1 < k_blocks) {  // two blocks left: kb in p0, kb + 1 into p1
-          issue(p1);
-          sm90::wgmma_wait_group<1>();
-          retire(p0, s0, 2);
+          issue_next_retire_oldest(p1, p0, s0);
           sm90::wgmma_wait_group<0>();
           retire(p1, s1, 1);
         } else {

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from megatron_mok.ops.extension import register_fake
+from megatron_mok.ops.tensor_checks import overlap
 
 
 @register_fake("dispatch_rows")
@@ -66,6 +67,8 @@ def combine_keeping(
     """combine, and every row a route reads written to the same row of keep ((table rows or more, H),
     table's dtype) as it is read; rows no route reads are not written. Forward's copy of a table that
     lies in a buffer the exchange reuses, made by the reads the combine does anyway."""
+    if overlap(keep, table):  # (rows written while other blocks read the table)
+        raise ValueError("combine_keeping: keep must not overlap table in memory")
     return torch.ops.megatron_mok.combine_keeping(table, index, weights, topk, keep)
 
 

@@ -28,7 +28,7 @@ E4M3 = torch.float8_e4m3fn
 # The consumers' mainloops of ops.fp8_expert_gemm, by name, in the order of the kernel's
 # Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); every one computes bitwise
 # the same output, so the choice is speed only. "default" is the one the backends use.
-FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales")
+FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales", "overlap_eager_retire")
 # The mainloops of ops.fp8_expert_gemm_swiglu: pingpong's turn barriers beside the SwiGLU epilogue's
 # registers spill, so that instance is not built.
 FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")

@@ -65,3 +65,11 @@ def test_the_reference_combine_copies_its_table_into_keep():
     assert torch.equal(y, reference.combine(table, index, weights, topk, torch.bfloat16))
     assert torch.equal(keep[: table.shape[0]], table)
     assert keep[table.shape[0]:].isnan().all()
+
+
+def test_a_kept_copy_overlapping_its_table_is_refused_before_any_kernel():
+    from megatron_mok import ops
+
+    table, index, weights, topk = _inputs(3)
+    with pytest.raises(ValueError, match="keep must not overlap table"):
+        ops.combine_keeping(table, index, weights, topk, table[1:])
