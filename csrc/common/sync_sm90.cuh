@@ -66,15 +66,8 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity)
 // try_wait may for a while): for a caller with other work to do while the barrier is pending.
 __device__ __forceinline__ bool mbarrier_test_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   return done != 0;
 }
 
