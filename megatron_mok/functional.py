@@ -381,9 +381,10 @@ def _release_saved(ctx: ForwardContext, name: str) -> None:
     Its storage is freed by resizing it to nothing, since autograd's saved tensors hold the tensor
     itself to backward's end. Only the tensor forward made (ctx.made: not a saved-tensor hook's copy
     or buffer, which its hook may still use) and only one that covers its storage exactly (the
-    exchanges' `ReturnedRows.table(keep=True)` returns a table of its own, and the combine's kept copy
-    is one; the stages return fresh tensors) is freed so; any other is only dropped. Inside torch.compile the compiled graph owns the
-    saved tensors' lifetimes, and the tensor is only dropped too."""
+    exchanges' `ReturnedRows.table(keep=True)` returns a table of its own, and the combine's kept
+    copy is one; the stages return fresh tensors) is freed so; any other is only dropped. Inside
+    torch.compile the compiled graph owns the saved tensors' lifetimes, and the tensor is only
+    dropped too."""
     tensor = getattr(ctx, name)
     setattr(ctx, name, None)
     made = ctx.made.get(name)

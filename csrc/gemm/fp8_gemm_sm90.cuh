@@ -624,8 +624,8 @@ struct Fp8ExpertGemmKernel {
     consume_overlap(maps, p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
   }
 
-  // kOverlap, kOverlapLateScales and kOverlapEagerRetire. Per pass of k_blocks K blocks: block 0 issued into p0, then
-  // for each block k, block k + 1 issued into the other partial (once its stage landed),
+  // kOverlap, kOverlapLateScales and kOverlapEagerRetire. Per pass of k_blocks K blocks: block 0
+  // issued into p0, then for each block k, block k + 1 issued into the other partial (once its stage landed),
   // wait_group 1 (block k's wgmmas done, k + 1's may run), release k's stage, promote k. The
   // partials alternate by the parity of k, so the K loop is unrolled by two and every register
   // index is static (wgmma accumulators must be); a warpgroup holds two stages at a time.
