@@ -232,6 +232,24 @@ struct Fp8SwigluEpilogueParams {
   int32_t act_scale_rows;  // num_rows rounded up to kFp8ScaleRowPad
 };
 
+// The FP8 SwiGLU-backward epilogue (gemm/epilogue_fp8_swiglu_bwd_sm90.cuh), the down projection's
+// dgrad: the product is d act (num_rows, n_out), rounded once to bf16 and never written; per row of a
+// segment the epilogue writes d gate_up = the SwiGLU backward of gate_up with it (fp32, rounded once
+// to bf16) and its 1x128 quantization along 2 n_out (E4M3 + scales in the GEMM-A layout): bit for bit
+// fp8_expert_gemm then fp8_quantize_swiglu_backward on the rows of the segments. Plain stores; the
+// one tensor map is the L2 prefetch's.
+struct Fp8SwigluBackwardEpilogueMaps {
+  const CUtensorMap* gate_up;  // gate_up in boxes of 128 rows x 64 columns: the L2 prefetch of a tile's spans
+};
+struct Fp8SwigluBackwardEpilogueParams {
+  const void* gate_up;   // (num_rows, 2 n_out) bf16, read
+  void* grad_gate_up;    // (num_rows, 2 n_out) bf16
+  uint8_t* rows_q;       // (num_rows, 2 n_out) e4m3
+  float* rows_scales;    // (2 n_out / 128, gemm_a_rows) fp32: column r of block b is row r's scale
+  int32_t gemm_a_rows;   // num_rows rounded up to kFp8ScaleRowPad
+  int32_t pow2;          // the scales rounded up to powers of two
+};
+
 // The FP8 push epilogue (gemm/fp8_gemm_sm90.cuh Fp8PushEpilogue), the down projection and the
 // gate/up dgrad over the in-kernel exchange: the product's row r, rounded once to bf16, goes where
 // push_rows_kernel (PushRowsParams) would move it, slot t * topk + k of its route's source rank's

@@ -171,6 +171,14 @@ def fp8_alternatives() -> dict:
     if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
         runs["mok_kernel_fp8_gemm_late_scales"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "overlap_late_scales",
                                                               mok_layer(FP8_KERNEL))
+    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide), beside tuning's mainloop.
+    if tuning.FP8_EXPERT_GEMM_VARIANT != "wide":
+        runs["mok_kernel_fp8_gemm_wide"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "wide", mok_layer(FP8_KERNEL))
+    # The SwiGLU backward in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward), beside
+    # tuning's launch of its own.
+    if not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:
+        runs["mok_kernel_fp8_swiglu_bwd_epilogue"] = with_tuning("FP8_SWIGLU_BACKWARD_IN_DGRAD", True,
+                                                                 mok_layer(FP8_KERNEL))
     return runs
 
 
@@ -402,7 +410,8 @@ def main() -> None:
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
             tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label in (
-                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales")
+                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales",
+                "mok_kernel_fp8_gemm_wide", "mok_kernel_fp8_swiglu_bwd_epilogue")
             if r is None and tuning_alternative:
                 continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
@@ -428,7 +437,8 @@ METHOD_LABELS = (
 FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_later_microbatch", "mok_kernel_fp8_uncached",
               "mok_kernel_fp8_bf16_wgrad",
               "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
-              "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales")
+              "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales", "mok_kernel_fp8_gemm_wide",
+              "mok_kernel_fp8_swiglu_bwd_epilogue")
 
 
 def _print_queued(results):

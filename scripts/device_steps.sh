@@ -88,6 +88,13 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # stage): its cases of the GEMM tests (bitwise the default's), then its time beside overlap's.
         fp8_eager_retire_bench) echo 300 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'eager_retire or knows_every_variant' && python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,overlap_eager_retire --fp8-clusters 1 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
         # The FP8 GEMM's raster: the overlap mainloop at every group_m (m-tiles per raster group), fc1, fc2 and the dgrads.
+        # The FP8 GEMM's 128 x 192 kernel (variant wide: one partial per warpgroup, B multicast at 2-CTA
+        # clusters) held bitwise to the default, then timed beside overlap at both cluster sizes.
+        fp8_wide_bench) echo 330 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'wide or knows_every_variant' && python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,wide --fp8-clusters 1,2 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        # The down dgrad with the SwiGLU backward in its epilogue: the op bitwise the two launches, the FP8 layer.
+        fp8_swiglu_bwd) echo 300 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'swiglu_backward' && $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
+        # The same op timed against the two launches it replaces (scripts/bench_swiglu_backward_epilogue.py).
+        fp8_swiglu_bwd_bench) echo 150 "python3 scripts/bench_swiglu_backward_epilogue.py" ;;
         fp8_group_m_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-group-m 1,4,8,16,32,64 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
         # The FP8 weight gradients in every mainloop, and the gate/up GEMM with and without its SwiGLU
         # epilogue (the layer's overlap mainloop), beside torch's.

@@ -1,7 +1,8 @@
 // Torch bindings of the FP8 blockwise grouped GEMM (gemm/fp8_gemm_sm90.cuh): ops fp8_expert_gemm
 // (bf16 out; fp8_expert_gemm_into writes the caller's; fp8_expert_gemm_push writes its rows into the
-// sources' combine regions of the in-kernel exchange) and fp8_expert_gemm_swiglu (gate_up bf16, act
-// E4M3 with its 1x128 scales) of the
+// sources' combine regions of the in-kernel exchange), fp8_expert_gemm_swiglu (gate_up bf16, act
+// E4M3 with its 1x128 scales) and fp8_expert_gemm_swiglu_backward_into (d gate_up bf16 and E4M3
+// with its scales, from the down projection's dgrad) of the
 // `megatron_mok` library (validated wrappers, fake implementations and references in
 // megatron_mok/ops/fp8_gemm.py, which raise ValueError before these run; the checks here are the
 // same, for callers of torch.ops directly). Each fills Fp8ExpertGemmParams (mok_params.h) once and
@@ -23,7 +24,9 @@
 #include "common/failure_record.h"
 #include "common/limits.h"
 #include "common/tensor_map.h"
+#include "gemm/epilogue_fp8_swiglu_bwd_sm90.cuh"
 #include "gemm/fp8_gemm_sm90.cuh"
+#include "gemm/fp8_gemm_wide_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
@@ -66,10 +69,14 @@ int fp8_resident_clusters(Kernel kernel, cudaLaunchConfig_t config, int cluster_
   return clusters;
 }
 
-// maps: A, B, then the epilogue's (Fp8ExpertGemmMaps<Epilogue::Maps> in order).
-template <class Epilogue, int kClusterM, Fp8Mainloop kMainloop, class... EpilogueMaps>
-void launch_fp8_expert_gemm(Fp8ExpertGemmParams<typename Epilogue::Params> params, const EpilogueMaps&... maps) {
-  using Kernel = Fp8ExpertGemmKernel<kClusterM, Epilogue, kMainloop>;
+// Launches Kernel (Fp8ExpertGemmKernel or Fp8ExpertGemmWideKernel, kClusterM CTAs per cluster) with
+// as many clusters as fit at once and its tiles need. maps: A, B, then the epilogue's
+// (Fp8ExpertGemmMaps<Epilogue::Maps> in order).
+template <class Kernel, int kClusterM, class... EpilogueMaps>
+void launch_fp8_gemm_kernel(typename Kernel::Params params, const EpilogueMaps&... maps) {
+  constexpr size_t kSmemBytes = Kernel::SharedStorage::kSmemBytes;
+  static_assert(Kernel::Tile::kThreads == Tile::kThreads && Kernel::Tile::kM == Tile::kM,
+                "fp8_resident_clusters counts Fp8GemmTile's threads and registers");
   const ExpertGemmProblem& g = params.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   params.failure_record = failure_record(stream);
@@ -89,12 +96,18 @@ void launch_fp8_expert_gemm(Fp8ExpertGemmParams<typename Epilogue::Params> param
   // The most cluster tiles any routing makes (each expert adds at most one partial m-tile), at most
   // as many clusters as fit at once (persistent: a waiting cluster would run its share late).
   constexpr int64_t kClusterRows = int64_t(Tile::kM) * kClusterM;
-  const int64_t max_tiles =
-      ((int64_t(g.num_rows) + kClusterRows - 1) / kClusterRows + g.num_experts) * (g.n_out / Tile::kN);
+  const int64_t max_tiles = ((int64_t(g.num_rows) + kClusterRows - 1) / kClusterRows + g.num_experts) *
+                            ((g.n_out + Kernel::Tile::kN - 1) / Kernel::Tile::kN);
   const int clusters = int(std::max<int64_t>(1, std::min<int64_t>(max_tiles, fp8_resident_clusters(kernel, config, kClusterM))));
   config.gridDim = dim3(clusters * kClusterM);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, maps..., params));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class Epilogue, int kClusterM, Fp8Mainloop kMainloop, class... EpilogueMaps>
+void launch_fp8_expert_gemm(const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
+                            const EpilogueMaps&... maps) {
+  launch_fp8_gemm_kernel<Fp8ExpertGemmKernel<kClusterM, Epilogue, kMainloop>, kClusterM>(params, maps...);
 }
 
 template <class Epilogue, Fp8Mainloop kMainloop = Fp8Mainloop::kDefault, class... Maps>
@@ -217,8 +230,21 @@ void fp8_expert_gemm_launch(const char* op, const at::Tensor& a, const at::Tenso
                                            group_m);
   p.epilogue = StoreEpilogueParams{out.data_ptr()};
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
-  const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
+  if (Fp8Mainloop(variant) == Fp8Mainloop::kWide) {
+    using WideTile = Fp8WideGemmTile;
+    TORCH_CHECK(Fp8WideGemmSharedStorage::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), op,
+                "this GPU has less shared memory per block than the wide kernel's ",
+                std::to_string(Fp8WideGemmSharedStorage::kSmemBytes), " bytes");
+    const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, WideTile::kBPartRows, "weight");
+    if (cluster_m == 1) {
+      launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1>, 1>(p, a_map, b_map, out_map);
+    } else {
+      launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2>, 2>(p, a_map, b_map, out_map);
+    }
+    return;
+  }
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
   launch_with_variant<Fp8StoreEpilogue>(variant, cluster_m, p, a_map, b_map, out_map);
 }
 
@@ -329,6 +355,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::
   return {gate_up, act, act_scales};
 }
 
+// The down projection's dgrad with the SwiGLU backward in its epilogue: per segment e, d act = a
+// times weight[e]^T (fp8_expert_gemm_launch's product, weight the transposed fc2 copy (E, F, H)),
+// rounded once to bf16 and not written; into the caller's grad_gate_up (rows, 2F) bf16, rows_q (rows,
+// 2F) e4m3 and rows_scales (2F/128, fp8_scale_rows(rows)) fp32 (the GEMM-A layout) go d gate_up =
+// the SwiGLU backward of gate_up (rows, 2F) bf16 with d act and its 1x128 quantization along 2F:
+// bit for bit fp8_expert_gemm then fp8_quantize_swiglu_backward on the segments' rows. Rows outside
+// the segments are not written (so launches over disjoint expert ranges fill one output). variant:
+// kDefault or kOverlap (the instances built for it).
+void fp8_expert_gemm_swiglu_backward_into(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
+                                          const at::Tensor& weight_scales, const at::Tensor& expert_offsets,
+                                          int64_t cluster_m, int64_t group_m, int64_t variant,
+                                          const at::Tensor& gate_up, const at::Tensor& grad_gate_up,
+                                          const at::Tensor& rows_q, const at::Tensor& rows_scales, bool pow2) {
+  constexpr const char* kOp = "fp8_expert_gemm_swiglu_backward_into: ";
+  TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
+  TORCH_CHECK(variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap), kOp,
+              "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default) or ",
+              std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap), got ", std::to_string(variant));
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto [experts, ffn, k, scale_rows] =
+      check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
+  const int64_t rows = a.size(0);
+  const std::tuple<const at::Tensor*, const char*, at::ScalarType> tensors[] = {
+      {&gate_up, "gate_up", at::kBFloat16}, {&grad_gate_up, "grad_gate_up", at::kBFloat16},
+      {&rows_q, "rows_q", at::kFloat8_e4m3fn}};
+  for (auto [t, name, dtype] : tensors) {
+    TORCH_CHECK(t->is_cuda() && t->device() == a.device() && t->is_contiguous() && t->scalar_type() == dtype &&
+                    t->dim() == 2 && t->size(0) == rows && t->size(1) == 2 * ffn,
+                kOp, name, " must be a contiguous ", c10::toString(dtype), " (rows, 2F) = (", std::to_string(rows),
+                ", ", std::to_string(2 * ffn), ") tensor on a's device, got ", sizes_str(*t));
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, kOp, name, " must start 16-byte aligned");
+  }
+  TORCH_CHECK(rows_scales.is_cuda() && rows_scales.device() == a.device() && rows_scales.is_contiguous() &&
+                  rows_scales.scalar_type() == at::kFloat && rows_scales.dim() == 2 &&
+                  rows_scales.size(0) == 2 * ffn / kFp8Block && rows_scales.size(1) == scale_rows,
+              kOp, "rows_scales must be a contiguous float32 (2F/128, fp8_scale_rows(rows)) = (",
+              std::to_string(2 * ffn / kFp8Block), ", ", std::to_string(scale_rows), ") tensor on a's device, got ",
+              sizes_str(rows_scales));
+  const at::Tensor* outputs[] = {&grad_gate_up, &rows_q, &rows_scales};
+  const at::Tensor* inputs[] = {&a, &a_scales, &weight, &weight_scales, &expert_offsets, &gate_up};
+  for (const at::Tensor* out : outputs) {
+    for (const at::Tensor* in : inputs) {
+      TORCH_CHECK(!contiguous_overlap(*out, *in), kOp,
+                  "grad_gate_up, rows_q and rows_scales must not overlap an input in memory");
+    }
+  }
+  TORCH_CHECK(!contiguous_overlap(grad_gate_up, rows_q) && !contiguous_overlap(grad_gate_up, rows_scales) &&
+                  !contiguous_overlap(rows_q, rows_scales),
+              kOp, "grad_gate_up, rows_q and rows_scales must not overlap each other");
+  if (rows == 0) return;
+  auto p = fp8_params<Fp8SwigluBackwardEpilogueParams>(a, a_scales, weight_scales, expert_offsets, experts, ffn, ffn, k,
+                                                       scale_rows, group_m);
+  p.epilogue = Fp8SwigluBackwardEpilogueParams{gate_up.data_ptr(), grad_gate_up.data_ptr(),
+                                               static_cast<uint8_t*>(rows_q.data_ptr()),
+                                               rows_scales.data_ptr<float>(), int32_t(scale_rows), int32_t(pow2)};
+  const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
+  const CUtensorMap b_map = e4m3_rows_map(weight, experts * ffn, k, Tile::kN / 2, "weight");
+  const CUtensorMap gate_up_map =
+      bf16_tensor_map_sw128(gate_up.data_ptr(), rows, 2 * ffn, 2 * ffn, Tile::kM, "gate_up");
+  launch_with_variant<Fp8SwigluBackwardEpilogue, false>(variant, cluster_m, p, a_map, b_map, gate_up_map);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
@@ -345,6 +433,10 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "fp8_expert_gemm_swiglu(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, Tensor expert_offsets, "
       "int cluster_m, int group_m, int variant=0) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_expert_gemm_swiglu_backward_into(Tensor a, Tensor a_scales, Tensor weight, Tensor weight_scales, "
+      "Tensor expert_offsets, int cluster_m, int group_m, int variant, Tensor gate_up, Tensor(a!) grad_gate_up, "
+      "Tensor(b!) rows_q, Tensor(c!) rows_scales, bool pow2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
@@ -352,6 +444,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_expert_gemm_into", &fp8_expert_gemm_into);
   m.impl("fp8_expert_gemm_push", &fp8_expert_gemm_push);
   m.impl("fp8_expert_gemm_swiglu", &fp8_expert_gemm_swiglu);
+  m.impl("fp8_expert_gemm_swiglu_backward_into", &fp8_expert_gemm_swiglu_backward_into);
 }
 
 }  // namespace mok

@@ -81,6 +81,13 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 
 // Starts fetching `bytes` (a multiple of 16) at a 16-byte aligned global address into L2, in the
 // background: one instruction puts a whole row's reads in flight.
+// Brings the box at (col, row) of `map` into L2 (no shared memory, no barrier; a box past the
+// tensor's edge is clipped as a load's would be).
+__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int32_t col, int32_t row) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global [%0, {%1, %2}];" ::"l"(map), "r"(col), "r"(row)
+               : "memory");
+}
+
 __device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
 }

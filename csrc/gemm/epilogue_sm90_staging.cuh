@@ -42,18 +42,19 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int q) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Visits this thread's share of 128 columns of its two rows: 8-column groups first_group ..
-// first_group + 3, as 16-byte chunks after the quad transpose. pair(j, h) gives the bf16 pair of
-// group j, row half h; write(h, r, column, chunk) gets row r of the warpgroup's 64 and the chunk's
-// first column counted from the first group's.
-template <typename PairFn, typename WriteFn>
+// Visits this thread's share of kColumns (128 or 192) columns of its two rows: 8-column groups
+// 4 * first_group .. + kColumns / 8 - 1, as 16-byte chunks after the quad transpose (a quad's four
+// chunks cover 32 columns). pair(j, h) gives the bf16 pair of group j, row half h; write(r, column,
+// chunk) gets row r of the warpgroup's 64 and the chunk's first column counted from the first group's.
+template <int kColumns = 128, typename PairFn, typename WriteFn>
 __device__ __forceinline__ void for_each_chunk(int thread, int first_group, PairFn pair, WriteFn write) {
+  static_assert(kColumns % 32 == 0, "whole quads of 8-column groups");
   const int warp = thread / 32, lane = thread % 32, q = lane % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = 16 * warp + lane / 4 + 8 * h;
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
+    for (int g = 0; g < kColumns / 32; ++g) {
       uint32_t v[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[i] = pair(4 * (first_group + g) + i, h);
@@ -67,14 +68,16 @@ __device__ __forceinline__ void for_each_chunk(int thread, int first_group, Pair
 // spread over all banks). The accumulator fragment is the stmatrix fragment: the 8x8 matrix of
 // column group j, row half h is pair(j, h) in every lane, so one stmatrix.x4 writes groups j and
 // j + 1 of the warp's 16 rows, without shuffles. first_group counts 32-column blocks (0 or 4).
-template <typename PairFn>
+// kColumns (128 or 192): the columns staged, in kColumns / 64 boxes.
+template <int kColumns = 128, typename PairFn>
 __device__ __forceinline__ void stage_columns(uint8_t* staging, int thread, int first_group, PairFn pair) {
+  static_assert(kColumns % 64 == 0, "whole 64-column boxes");
   const int warp = thread / 32, lane = thread % 32;
   const int matrix = lane / 8;  // the matrix whose row this lane addresses: (group + matrix / 2, half matrix % 2)
   const int r = 16 * warp + 8 * (matrix % 2) + lane % 8;
 #pragma unroll
-  for (int g = 0; g < 16; g += 2) {
-    const int group = g + matrix / 2;  // 8-column group inside the 128 columns
+  for (int g = 0; g < kColumns / 8; g += 2) {
+    const int group = g + matrix / 2;  // 8-column group inside the staged columns
     const int box = group / 8, chunk = group % 8;
     uint8_t* row_address = staging + box * ExpertGemmTile::kStoreBoxBytes + r * 128 + ((chunk ^ (r & 7)) << 4);
     const int j = 4 * first_group + g;
@@ -85,11 +88,12 @@ __device__ __forceinline__ void stage_columns(uint8_t* staging, int thread, int 
 // Straight to global memory, masked to the rows inside the segment and the output and the columns < n_out: the
 // epilogue of a warpgroup whose rows are not all inside the segment (a TMA box cannot be masked,
 // and the rows past the segment belong to the next expert). Every lane runs the shuffles.
-template <typename PairFn>
+// kColumns: for_each_chunk's.
+template <int kColumns = 128, typename PairFn>
 __device__ __forceinline__ void write_columns_direct(__nv_bfloat16* base, int64_t row_stride, const TileCoord& c,
                                                      const OutputExtent& out, int consumer, int thread,
                                                      int first_group, int col0, PairFn pair) {
-  for_each_chunk(thread, first_group, pair, [&](int r, int column, uint4 chunk) {
+  for_each_chunk<kColumns>(thread, first_group, pair, [&](int r, int column, uint4 chunk) {
     const int row_in_tile = 64 * consumer + r;
     const int64_t row = int64_t(c.row0) + row_in_tile;
     const int col = col0 + column;

@@ -351,6 +351,14 @@ struct Fp8SwigluEpilogue {
   }
 };
 
+// Whether an epilogue has work to start when the producer starts a tile (before_tile(maps, out_extent, c),
+// called by the producer thread before the tile's first load, so a few K blocks
+// ahead of the consumers): the SwiGLU-backward epilogue's L2 prefetch of the rows its epilogue
+// reads. The other epilogues have none (the consumers' registers are all taken: it runs there).
+template <class Epilogue>
+constexpr bool kFp8EpilogueStartsTiles = requires(const typename Epilogue::Maps& m, const OutputExtent& o,
+                                                  const TileCoord& c) { Epilogue::before_tile(m, o, c); };
+
 // Whether an epilogue's two B halves of a pass lie in one 128-row weight scale block (one B scale
 // per K block, not two): Fp8OnePassColumns' halves (the store and push epilogues') are rows n0 ..
 // n0 + 127 of a 128-aligned n0.
@@ -387,8 +395,11 @@ enum class Fp8Mainloop : int {
   // stage, so its promotion runs while the load is late instead of after it (mbarrier test_wait:
   // the probe does not suspend). Where the stage has landed it runs as kOverlap.
   kOverlapEagerRetire = 4,
+  // Not a mainloop of this kernel: the store epilogue's product from gemm/fp8_gemm_wide_sm90.cuh's
+  // 128 x 192 tiles (one partial per warpgroup, B multicast at 2-CTA clusters), the same bits.
+  kWide = 5,
 };
-constexpr int kFp8MainloopCount = 5;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 6;  // the op checks 0 <= variant < this
 
 // x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
 // the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the
@@ -485,6 +496,9 @@ struct Fp8ExpertGemmKernel {
     int stage = 0;
     uint32_t phase = 0;
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      if constexpr (kFp8EpilogueStartsTiles<Epilogue>) {
+        Epilogue::before_tile(maps.epilogue, scheduler.output_extent(), c);
+      }
       for (int pass = 0; pass < Epilogue::kPasses; ++pass) {
         const int b_row0 = b_row(p, c, pass, 0), b_row1 = b_row(p, c, pass, 1);
         for (int kb = 0; kb < k_blocks; ++kb) {

@@ -19,11 +19,11 @@
 #include "common/limits.h"
 #include "common/watchdog_sm90.cuh"
 #include "mok_params.h"
+#include "quant/row_block_sm90.cuh"
 
 namespace mok {
 
 constexpr int kQuantizeThreads = 256;
-constexpr int kRowsUnitThreads = kFp8Block / 8;  // 16 threads x 8 bf16 per 1x128 block
 constexpr int kRowsUnroll = 2;
 
 // A row index outside [-1, num_src_rows): record it, then trap (an index is the caller's input; a
@@ -31,16 +31,6 @@ constexpr int kRowsUnroll = 2;
 __device__ __noinline__ void fail_row_index_check(const Fp8QuantizeRowsParams& p) {
   record_failure(p.failure_record, kFp8QuantizeKernel, kCheckRowIndex, -1, -1);
   asm volatile("trap;");
-}
-
-// 8 bf16 (one 16-byte pack) -> 8 fp32, in order.
-__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[8]) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(words[i] << 16);  // bf16 -> fp32 is exact: the high half of the word
-    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-  }
 }
 
 // The GEMM-A layout's padding columns, (gemm_a_rows - num_rows) per block of columns: 1, as
@@ -64,27 +54,6 @@ struct HalfWarpLane {
         piece(threadIdx.x % kRowsUnitThreads),
         half((threadIdx.x / kRowsUnitThreads) % 2) {}
 };
-
-// The amax of a 1x128 block whose 128 values the 16 threads of a half-warp hold, 8 each: four
-// shuffles inside the half-warp (every lane of the warp calls it: both halves reduce their own block).
-__device__ __forceinline__ float half_warp_block_amax(const float (&v)[8]) {
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = max_nan(amax, fabsf(v[i]));
-#pragma unroll
-  for (int offset = kRowsUnitThreads / 2; offset > 0; offset /= 2) {
-    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  }
-  return amax;
-}
-
-// This thread's 8 bf16 values (exact in fp32) of a block with `scale` as 8 E4M3 bytes, one 8-byte
-// store at byte 8 * piece of the block's q.
-__device__ __forceinline__ void store_quantized_piece(uint8_t* block_q, int piece, float scale, const float (&v)[8]) {
-  const Fp8BlockQuantizer quantizer(scale, /*bf16_values=*/true);
-  reinterpret_cast<uint2*>(block_q)[piece] =
-      make_uint2(quantizer.quad(v[0], v[1], v[2], v[3]), quantizer.quad(v[4], v[5], v[6], v[7]));
-}
 
 template <bool kGather>
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_rows_kernel(const Fp8QuantizeRowsParams p) {

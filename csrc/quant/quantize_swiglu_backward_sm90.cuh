@@ -29,19 +29,9 @@
 #include "common/swiglu_math.cuh"
 #include "mok_params.h"
 #include "quant/quantize_rows_sm90.cuh"
+#include "quant/row_block_sm90.cuh"
 
 namespace mok {
-
-// 8 fp32 values -> one 16-byte pack of 8 bf16, each rounded to nearest even.
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
-  uint32_t words[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);  // (low half: v[2i])
-    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
 
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_swiglu_backward_kernel(
     const Fp8QuantizeSwigluBackwardParams p) {

@@ -290,15 +290,44 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
     FP8 weight gradients a GradGateUp (both copies are made even where no weight gradient, or no input
     gradient, is wanted: the stage cannot tell; an untaken copy lives as long as the GradGateUp);
     with BF16 ones the bf16 tensor, which the BF16 weight gradient reads as it is."""
-    grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
-    if not recipe.weight_grad:
-        return ops.swiglu_backward(gate_up, grad_act, offsets)
-    values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
-        kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
-    )
-    del grad_act
+    if recipe.weight_grad and tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:
+        values, rows, rows_scales = _dgrad_with_swiglu_backward(grad_out, fc2, kernel_ready(gate_up), offsets,
+                                                                recipe=recipe)
+    else:
+        grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
+        if not recipe.weight_grad:
+            return ops.swiglu_backward(gate_up, grad_act, offsets)
+        values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
+            kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
+        )
+        del grad_act
     columns = quantize_columns(values, offsets, recipe.pow2_scales)
     return GradGateUp(GemmOperand(rows, rows_scales), columns, tuple(values.shape))
+
+
+def _dgrad_with_swiglu_backward(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *,
+                                recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
+    """The down dgrad with the SwiGLU backward and d gate_up's row-wise quantization in its epilogue
+    (ops.fp8_expert_gemm_swiglu_backward), range of experts by range as _dgrad's (each range's
+    transposed copy made, multiplied into the one output, freed) -> (d gate_up (capacity, 2F) bf16,
+    its e4m3 rows, their GEMM-A scales): fp8_quantize_swiglu_backward's outputs of _dgrad's d act, bit
+    for bit on the segments' rows, with no d act in memory."""
+    copy_of = functools.partial(fp8_weights.transposed_experts, fc2, pow2=recipe.pow2_scales,
+                                cache=recipe.cache_weights)
+    values, scales = grad_out.values, gemm_a_layout(grad_out.scales)
+    num_experts = fc2.shape[0]
+    span = tuning.fp8_dgrad_expert_span(num_experts)
+    out = None
+    for first in range(0, num_experts, span):
+        end = min(num_experts, first + span)
+        range_offsets = offsets[first:end + 1]
+        copy = copy_of(first, end, expert_offsets=range_offsets)
+        out = ops.fp8_expert_gemm_swiglu_backward(
+            values, scales, copy.values, copy.scales, range_offsets, **_LAUNCH, gate_up=gate_up,
+            pow2=recipe.pow2_scales, variant=tuning.FP8_SWIGLU_BACKWARD_GEMM_VARIANT, out=out,
+        )
+        del copy  # (before the next range's copy is made)
+    return out
 
 
 def dgrad_rows(grad_gate_up, fc1: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,

@@ -73,6 +73,17 @@ FP8_EXPERT_GEMM_VARIANT = "overlap"
 # FP8_EXPERT_GEMM_VARIANT must be one of them (ops.fp8_expert_gemm_push refuses the others by name).
 FP8_PUSH_IN_EPILOGUE = True
 FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
+# With FP8 weight gradients and this on, the down projection's dgrad runs the SwiGLU backward and d
+# gate_up's row-wise quantization in its epilogue (ops.fp8_expert_gemm_swiglu_backward) instead of
+# writing d act (capacity, F) bf16 for ops.fp8_quantize_swiglu_backward to read back in a launch of
+# its own: the same bytes of d gate_up and its FP8 copy on the segments' rows
+# (tests/ops/test_gpu_fp8_gemm.py). Off: the epilogue's fp32 SwiGLU backward and quantization run on
+# the GEMM's eight consumer warps per SM with the tensor cores idle, ~50 us a tile, where the
+# standalone kernel hides the same arithmetic behind a full SM of warps: the op took 5.17 ms against
+# 2.67 for the two launches at DeepSeek-V3 EP 8, 3.01 against 1.01 at Qwen3-30B (H100,
+# docs/performance.md, 2026-12-06).
+FP8_SWIGLU_BACKWARD_IN_DGRAD = False
+FP8_SWIGLU_BACKWARD_GEMM_VARIANT = "overlap"
 
 # Where the forward's act is quantized (the same bytes either way in the rows before the schedule's
 # end, the only ones read: tests/ops/test_gpu_fp8_quant.py, tests/ops/test_gpu_fp8_gemm.py):

@@ -11,7 +11,9 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          expert_gemm_wgrad_window (and wgrad_carry_numel, its carries' size)
     fp8_gemm.py          fp8_expert_gemm (FP8 blockwise, fprop and dgrad), fp8_expert_gemm_push (the same,
                          its rows pushed into the sources' combine regions), fp8_expert_gemm_swiglu (gate/up
-                         with SwiGLU, act quantized 1x128); their references beside them
+                         with SwiGLU, act quantized 1x128), fp8_expert_gemm_swiglu_backward (the down
+                         dgrad with the SwiGLU backward and d gate_up's 1x128 quantization); their
+                         references beside them
     fp8_wgrad.py         fp8_expert_wgrad (FP8 blockwise weight gradients, column-wise operands, fp32 out
                          accumulated across receive windows); its reference beside it
     fp8_quant.py         fp8_quantize_rows (1x128 along C, optional gather), fp8_quantize_swiglu (SwiGLU
@@ -64,6 +66,8 @@ from megatron_mok.ops.fp8_gemm import (
     fp8_expert_gemm_push,
     fp8_expert_gemm_reference,
     fp8_expert_gemm_swiglu,
+    fp8_expert_gemm_swiglu_backward,
+    fp8_expert_gemm_swiglu_backward_reference,
     fp8_expert_gemm_swiglu_reference,
 )
 from megatron_mok.ops.fp8_wgrad import fp8_expert_wgrad, fp8_expert_wgrad_reference
@@ -112,6 +116,8 @@ __all__ = [
     "fp8_expert_gemm_push",
     "fp8_expert_gemm_reference",
     "fp8_expert_gemm_swiglu",
+    "fp8_expert_gemm_swiglu_backward",
+    "fp8_expert_gemm_swiglu_backward_reference",
     "fp8_expert_gemm_swiglu_reference",
     "fp8_expert_wgrad",
     "fp8_expert_wgrad_reference",

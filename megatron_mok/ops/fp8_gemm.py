@@ -26,14 +26,17 @@ from megatron_mok.ops.tensor_checks import overlap
 E4M3 = torch.float8_e4m3fn
 
 # The consumers' mainloops of ops.fp8_expert_gemm, by name, in the order of the kernel's
-# Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); every one computes bitwise
-# the same output, so the choice is speed only. "default" is the one the backends use.
-FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales", "overlap_eager_retire")
+# Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); "wide" is another kernel,
+# 128 x 192 tiles with one partial per warpgroup (csrc/gemm/fp8_gemm_wide_sm90.cuh). Every one
+# computes bitwise the same output, so the choice is speed only (backends/tuning.py's).
+FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales", "overlap_eager_retire", "wide")
 # The mainloops of ops.fp8_expert_gemm_swiglu: pingpong's turn barriers beside the SwiGLU epilogue's
 # registers spill, so that instance is not built.
 FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")
 # The mainloops of ops.fp8_expert_gemm_push (the instances built for it).
 FP8_PUSH_GEMM_VARIANTS = ("default", "overlap")
+# The mainloops of ops.fp8_expert_gemm_swiglu_backward (the instances built for it).
+FP8_SWIGLU_BACKWARD_GEMM_VARIANTS = ("default", "overlap")
 
 
 @register_fake("fp8_expert_gemm")
@@ -94,6 +97,107 @@ def fp8_expert_gemm(
         return torch.ops.megatron_mok.fp8_expert_gemm(*launch)
     torch.ops.megatron_mok.fp8_expert_gemm_into(*launch, out)
     return out
+
+
+@register_fake("fp8_expert_gemm_swiglu_backward_into")
+def _fp8_expert_gemm_swiglu_backward_into_fake(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
+                                               variant, gate_up, grad_gate_up, rows_q, rows_scales, pow2):
+    return None
+
+
+def fp8_expert_gemm_swiglu_backward(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    cluster_m: int,
+    group_m: int,
+    *,
+    gate_up: torch.Tensor,
+    pow2: bool = False,
+    variant: str = "default",
+    out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The down projection's dgrad with the SwiGLU backward in its epilogue: d act = fp8_expert_gemm's
+    product (a (R, H) e4m3 rows of dY, weight (E, F, H) the transposed fc2 copy), rounded once to bf16
+    and never written, and with gate_up (R, 2F) bf16 -> (grad_gate_up (R, 2F) bf16, rows_q (R, 2F)
+    float8_e4m3fn, rows_scales (2F/128, fp8_scale_rows(R)) float32, the GEMM-A layout): bit for bit
+    fp8_expert_gemm then ops.fp8_quantize_swiglu_backward on the rows of the segments, without d act in
+    memory and without the second launch. Rows outside the segments are not written (the scales'
+    padding columns of a new output hold 1, as gemm_a_scales makes them); with `out` (the three tensors,
+    written in place and returned) launches over disjoint expert ranges (a slice of the offsets with
+    the matching experts' weights) fill one output, bitwise one launch over all of them. variant: one
+    of FP8_SWIGLU_BACKWARD_GEMM_VARIANTS. Ref: fp8_expert_gemm_swiglu_backward_reference."""
+    op = "fp8_expert_gemm_swiglu_backward"
+    if variant not in FP8_SWIGLU_BACKWARD_GEMM_VARIANTS:
+        raise ValueError(f"{op}: variant must be one of {FP8_SWIGLU_BACKWARD_GEMM_VARIANTS}, got {variant!r}")
+    rows = two_ffn = 0  # (set once a and weight passed their checks)
+    outputs = {}
+
+    def swiglu_checks() -> None:
+        nonlocal rows, two_ffn
+        rows, two_ffn = a.shape[0], 2 * weight.shape[1]
+        if not isinstance(pow2, bool):
+            raise ValueError(f"{op}: pow2 must be a bool, got {type(pow2).__name__}")
+        if not isinstance(gate_up, torch.Tensor) or gate_up.dtype != torch.bfloat16 or tuple(gate_up.shape) != (rows, two_ffn):
+            raise ValueError(f"{op}: gate_up must be torch.bfloat16 (R, 2F) = {(rows, two_ffn)} (F: weight's N), "
+                             f"got {_described(gate_up)}")
+        if out is None:
+            return
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ValueError(f"{op}: out must be None or (grad_gate_up, rows_q, rows_scales), got {_described(out)}")
+        wants = (("grad_gate_up", torch.bfloat16, (rows, two_ffn)), ("rows_q", E4M3, (rows, two_ffn)),
+                 ("rows_scales", torch.float32, (two_ffn // FP8_BLOCK, fp8_scale_rows(rows))))
+        for t, (name, dtype, shape) in zip(out, wants):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"{op}: out's {name} must be {dtype} {shape}, got {_described(t)}")
+            outputs[name] = t
+        inputs = {"a": a, "a_scales": a_scales, "weight": weight, "weight_scales": weight_scales,
+                  "expert_offsets": expert_offsets, "gate_up": gate_up}
+        for name, t in outputs.items():
+            for other, u in [*inputs.items(), *((o, v) for o, v in outputs.items() if o != name)]:
+                if overlap(t, u):
+                    raise ValueError(f"{op}: out's {name} must not overlap {other} in memory")
+
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op=op,
+                               more_checks=swiglu_checks, more_tensors={"gate_up": gate_up})
+    for name, t in outputs.items():  # (checked as more_tensors are; they exist only once the shapes passed)
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: out's {name} must be contiguous")
+        if t.device != a.device:
+            raise ValueError(f"{op}: out's {name} must be on a's device {a.device}, got {t.device}")
+    if gate_up.data_ptr() % 16 or any(t.data_ptr() % 16 for t in outputs.values()):
+        raise ValueError(f"{op}: gate_up and the outputs must start 16-byte aligned")
+    if out is None:
+        out = (torch.empty((rows, two_ffn), dtype=torch.bfloat16, device=a.device),
+               torch.empty((rows, two_ffn), dtype=E4M3, device=a.device),
+               torch.empty((two_ffn // FP8_BLOCK, fp8_scale_rows(rows)), dtype=torch.float32, device=a.device))
+        out[2][:, rows:] = 1.0
+    torch.ops.megatron_mok.fp8_expert_gemm_swiglu_backward_into(
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant),
+        gate_up, *out, pow2,
+    )
+    return tuple(out)
+
+
+def fp8_expert_gemm_swiglu_backward_reference(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8_expert_gemm_swiglu_backward through PyTorch: the recipe's product rounded to bf16, then
+    fp8_quant.fp8_quantize_swiglu_backward_reference (rows at or past expert_offsets[-1] zero, scale 1;
+    torch's sigmoid, which may differ from the kernels' by an ulp). Reads the offsets on the host:
+    tests and references only."""
+    from megatron_mok.ops import fp8_quant  # (imported when called, as fp8_quant imports this module's names)
+
+    grad_act = fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
+    return fp8_quant.fp8_quantize_swiglu_backward_reference(gate_up, grad_act, expert_offsets, pow2)
 
 
 def fp8_expert_gemm_push(

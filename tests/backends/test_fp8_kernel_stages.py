@@ -98,6 +98,32 @@ def _sim_fp8_expert_gemm_swiglu(a, a_scales, weight, weight_scales, expert_offse
     return _unwritten(gate_up.bfloat16(), expert_offsets), _unwritten(act, expert_offsets), act_scales
 
 
+def _sim_fp8_expert_gemm_swiglu_backward(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, *,
+                                         gate_up, pow2=False, variant="default", out=None):
+    """The product rounded to bf16, then fp8_quantize_swiglu_backward's simulation, on the rows of the
+    given segments only: with `out`, the rows of other segments keep what they hold, and those past
+    this launch's segments hold NaN until a later range writes them (as _sim_fp8_expert_gemm's)."""
+    assert variant in fp8_gemm.FP8_SWIGLU_BACKWARD_GEMM_VARIANTS, variant
+    _meets_the_op_contract(lambda *args: fp8_gemm.fp8_expert_gemm_swiglu_backward(
+        *args, gate_up=gate_up, pow2=pow2, variant=variant, out=out),
+        a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m)
+    grad_act = ops.fp8_expert_gemm_reference(a, a_scales, weight, weight_scales, expert_offsets).bfloat16()
+    made = _sim_fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, pow2=pow2)
+    begin, end = int(expert_offsets[0]), int(expert_offsets[-1])
+    if out is None:
+        rows = a.shape[0]
+        out = (torch.full_like(made[0], float("nan")), made[1].clone(), made[2].clone())
+        out[1].view(torch.uint8)[:] = 0x7F
+        out[2][:, :rows] = float("nan")
+    out[0][end:] = float("nan")
+    out[1].view(torch.uint8)[end:] = 0x7F
+    out[2][:, end:a.shape[0]] = float("nan")
+    out[0][begin:end] = made[0][begin:end]
+    out[1][begin:end] = made[1][begin:end]
+    out[2][:, begin:end] = made[2][:, begin:end]
+    return out
+
+
 def _zero_past_end(t, offsets):
     t = t.clone()
     t[_end(offsets):] = 0
@@ -227,6 +253,7 @@ SIMULATED = {
     "pull_grad_rows": _sim_pull_grad_rows,
     "fp8_expert_gemm": _sim_fp8_expert_gemm,
     "fp8_expert_gemm_swiglu": _sim_fp8_expert_gemm_swiglu,
+    "fp8_expert_gemm_swiglu_backward": _sim_fp8_expert_gemm_swiglu_backward,
     "fp8_expert_wgrad": _sim_fp8_expert_wgrad,
     "swiglu_forward": lambda gate_up, offsets: _zero_past_end(reference.swiglu(gate_up), offsets),
     "swiglu_backward": lambda gate_up, grad_act, offsets: _zero_past_end(reference.swiglu_backward(gate_up, grad_act), offsets),
@@ -379,13 +406,18 @@ def test_kernel_fp8_weight_grads_over_windows_equal_one_window_bitwise(simulated
     assert torch.equal(carried.view(torch.int16), one.view(torch.int16))
 
 
+@pytest.mark.parametrize("in_dgrad", [True, False])
 @pytest.mark.parametrize("weight_grad", [True, False])
-def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_kernels, monkeypatch, weight_grad):
+def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_kernels, monkeypatch, weight_grad,
+                                                                   in_dgrad):
     """With FP8 weight gradients the SwiGLU backward quantizes d gate_up for the gate/up dgrad as it
-    writes it (ops.fp8_quantize_swiglu_backward): neither swiglu_backward nor a row quantization of
-    d gate_up runs; with BF16 weight gradients swiglu_backward makes the bf16 d gate_up the BF16
-    weight gradient reads, and the dgrad quantizes it. The layer bitwise the reference's either way."""
+    writes it: in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward, with
+    tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD) or in a pass of its own after that dgrad
+    (ops.fp8_quantize_swiglu_backward, without); neither swiglu_backward nor a row quantization of d
+    gate_up runs. With BF16 weight gradients swiglu_backward makes the bf16 d gate_up the BF16 weight
+    gradient reads, and the dgrad quantizes it. The layer bitwise the reference's every way."""
     called = []
+    monkeypatch.setattr(tuning, "FP8_SWIGLU_BACKWARD_IN_DGRAD", in_dgrad)
 
     def record(name, sim):
         def op(*args, **kwargs):
@@ -394,13 +426,17 @@ def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_ker
             return sim(*args, **kwargs)
         return op
 
-    for name in ("swiglu_backward", "fp8_quantize_swiglu_backward", "fp8_quantize_rows"):
+    names = ("swiglu_backward", "fp8_quantize_swiglu_backward", "fp8_expert_gemm_swiglu_backward", "fp8_quantize_rows")
+    for name in names:
         monkeypatch.setattr(ops, name, record(name, SIMULATED[name]))
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=9)
     kernel_config, reference_config = _configs(weight_grad=weight_grad)
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "d gate_up")
-    fused, separate = {"fp8_quantize_swiglu_backward"}, {"swiglu_backward", "d gate_up rows"}
-    wanted, unwanted = (fused, separate) if weight_grad else (separate, fused)
+    if not weight_grad:
+        wanted = {"swiglu_backward", "d gate_up rows"}
+    else:
+        wanted = {"fp8_expert_gemm_swiglu_backward" if in_dgrad else "fp8_quantize_swiglu_backward"}
+    unwanted = {*names, "d gate_up rows"} - wanted - {"fp8_quantize_rows"}
     assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
 
 

@@ -18,6 +18,7 @@ OPS = (
     "expert_gemm_wgrad_window", "dispatch_rows_from_peers", "pull_grad_rows_from_peers",
     "exchange_begin", "exchange_signal", "exchange_wait_ready", "push_rows", "gather_peer_regions", "fp8_expert_wgrad",
     "fp8_quantize_swiglu_backward", "fp8_expert_gemm_into", "fp8_quantize_columns_from_peers",
+    "fp8_expert_gemm_swiglu_backward_into",
 )
 
 

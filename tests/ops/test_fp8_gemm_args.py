@@ -194,6 +194,59 @@ def test_push_on_the_cpu_is_a_value_error_after_the_shape_checks():
         ops.fp8_expert_gemm_push(**push_args())
 
 
+def swiglu_backward_args(**changes):
+    """Valid fp8_expert_gemm_swiglu_backward arguments (but for the device: CPU tensors): weight the
+    transposed fc2 copy (E, F, H) with F = N, gate_up (R, 2F)."""
+    args = dict(gemm_args(), gate_up=torch.zeros(R, 2 * N, dtype=torch.bfloat16), pow2=False)
+    args.update(changes)
+    return args
+
+
+def swiglu_backward_out(**changes):
+    out = dict(grad_gate_up=torch.zeros(R, 2 * N, dtype=torch.bfloat16), rows_q=torch.zeros(R, 2 * N, dtype=E4M3),
+               rows_scales=torch.ones(2 * N // 128, fp8_scale_rows(R)))
+    out.update(changes)
+    return tuple(out.values())
+
+
+BAD_SWIGLU_BACKWARD_ARGS = {
+    "wide_variant": (dict(variant="wide"), "variant must be one of"),
+    "gate_up_fp32": (dict(gate_up=torch.zeros(R, 2 * N)), r"gate_up must be torch.bfloat16 \(R, 2F\)"),
+    "gate_up_f_columns": (dict(gate_up=torch.zeros(R, N, dtype=torch.bfloat16)), r"gate_up must be torch.bfloat16 \(R, 2F\)"),
+    "pow2_int": (dict(pow2=1), "pow2 must be a bool"),
+    "out_pair": (dict(out=swiglu_backward_out()[:2]), "out must be None or"),
+    "out_q_bf16": (dict(out=swiglu_backward_out(rows_q=torch.zeros(R, 2 * N, dtype=torch.bfloat16))),
+                   "out's rows_q must be torch.float8_e4m3fn"),
+    "out_scales_unpadded": (dict(out=swiglu_backward_out(rows_scales=torch.ones(2 * N // 128, R))),
+                            "out's rows_scales must be torch.float32"),
+    "a_bf16": (dict(a=torch.zeros(R, K, dtype=torch.bfloat16)), "a must be torch.float8_e4m3fn"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SWIGLU_BACKWARD_ARGS))
+def test_bad_swiglu_backward_argument_is_a_value_error_naming_it(case):
+    changes, words = BAD_SWIGLU_BACKWARD_ARGS[case]
+    with pytest.raises(ValueError, match="fp8_expert_gemm_swiglu_backward: " + words):
+        ops.fp8_expert_gemm_swiglu_backward(**swiglu_backward_args(**changes))
+
+
+def test_swiglu_backward_out_overlapping_an_input_or_another_output_is_a_value_error():
+    args = swiglu_backward_args()
+    with pytest.raises(ValueError, match="out's grad_gate_up must not overlap gate_up"):
+        ops.fp8_expert_gemm_swiglu_backward(**args, out=(args["gate_up"], *swiglu_backward_out()[1:]))
+    shared = torch.zeros(R, 2 * N, dtype=torch.bfloat16)
+    q = shared.view(torch.uint8)[:, : 2 * N].view(E4M3)  # rows_q's bytes inside grad_gate_up's
+    with pytest.raises(ValueError, match="out's grad_gate_up must not overlap rows_q"):
+        ops.fp8_expert_gemm_swiglu_backward(**args, out=(shared, q, swiglu_backward_out()[2]))
+
+
+def test_swiglu_backward_on_the_cpu_is_a_value_error_after_the_shape_checks():
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        ops.fp8_expert_gemm_swiglu_backward(**swiglu_backward_args())
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        ops.fp8_expert_gemm_swiglu_backward(**swiglu_backward_args(out=swiglu_backward_out()))
+
+
 @pytest.fixture(scope="module")
 def compiled_bindings(tmp_path_factory):
     """(ptxas's log, its (kernel, spill bytes) list, the object's path) of csrc/bindings/fp8_gemm_ops.cu
@@ -220,10 +273,13 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings
     log, found, _ = compiled_bindings
     for warning in ("C7510", "C7507", "C7518", "C7515", "C7514", "C7517"):
         assert warning not in log, log
-    kernels = [(name, spill) for name, spill in found if "Fp8ExpertGemmKernel" in name]
+    kernels = [(name, spill) for name, spill in found if "Fp8ExpertGemmKernel" in name or "Fp8ExpertGemmWideKernel" in name]
     # (cluster 1 and 2) x (SwiGLU default, SwiGLU overlap, store default, store pingpong, store overlap,
-    # store overlap_late_scales, store overlap_eager_retire, push default, push overlap)
-    assert len(kernels) == 18, [name for name, _ in kernels] or log[-4000:]
+    # store overlap_late_scales, store overlap_eager_retire, push default, push overlap, SwiGLU backward
+    # default, SwiGLU backward overlap, wide)
+    assert len(kernels) == 24, [name for name, _ in kernels] or log[-4000:]
+    assert sum("Fp8SwigluBackwardEpilogue" in name for name, _ in kernels) == 4, [name for name, _ in kernels]
+    assert sum("Fp8ExpertGemmWideKernel" in name for name, _ in kernels) == 2, [name for name, _ in kernels]
     assert sum("Fp8PushEpilogue" in name for name, _ in kernels) == 4, [name for name, _ in kernels]
     for name, spill in kernels:
         assert spill == 0, f"{spill} bytes spilled in {name}"

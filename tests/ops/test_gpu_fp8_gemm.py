@@ -42,7 +42,8 @@ import torch
 from megatron_mok import ops, quantization
 from megatron_mok.limits import fp8_scale_rows
 from megatron_mok.backends.tuning import FP8_EXPERT_GEMM_CLUSTER_M, FP8_EXPERT_GEMM_GROUP_M
-from megatron_mok.ops.fp8_gemm import FP8_GEMM_VARIANTS, FP8_PUSH_GEMM_VARIANTS, FP8_SWIGLU_GEMM_VARIANTS
+from megatron_mok.ops.fp8_gemm import (FP8_GEMM_VARIANTS, FP8_PUSH_GEMM_VARIANTS, FP8_SWIGLU_BACKWARD_GEMM_VARIANTS,
+                                       FP8_SWIGLU_GEMM_VARIANTS)
 from cuda_checks import NEEDS_HOPPER_KERNELS, poison_allocator
 
 pytestmark = NEEDS_HOPPER_KERNELS
@@ -512,3 +513,117 @@ def test_fp8_expert_gemm_push_registration():
     # (test_faketensor only, as fp8_expert_gemm_into's)
     torch.library.opcheck(op, (*args, *LAUNCH, 2, routes, 2, num_tokens, own, [own.data_ptr()]),
                           test_utils=("test_faketensor",))
+
+
+# ---- the SwiGLU-backward epilogue (ops.fp8_expert_gemm_swiglu_backward) ------------------------
+# Its oracle is the two launches it replaces, fp8_expert_gemm then fp8_quantize_swiglu_backward (each
+# held to its reference by its own tests): the same rounding of d act, the same fp32 SwiGLU backward,
+# the same amax and quantization, so the bar is bit for bit on every row of the segments.
+SWIGLU_BACKWARD_CASES = {
+    "deepseek_v3": ([257, 0, 1023], 7168, 2048, True, True),
+    "qwen3_30b": ([40, 0, 300, 7] * 8, 2048, 768, True, True),
+    "odd_segments_unpadded": CASES["odd_segments_unpadded"],
+    "many_small_experts": CASES["many_small_experts"],
+}
+
+
+def swiglu_backward_case(name):
+    """(the GEMM's args, gate_up (R, 2F) bf16, the schedule's end); gate_up from a normal draw with
+    large values among them (the SwiGLU backward's sigmoid saturates, d up grows with |gate|)."""
+    rows, k, n, padded, transposed = SWIGLU_BACKWARD_CASES[name]
+    args, _, end = make_case(rows, k, n, padded, transposed, seed=zlib.crc32(name.encode()) % 1000)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    gate_up = (torch.randn(args[0].shape[0], 2 * n, device="cuda", generator=gen) * 3).bfloat16()
+    return args, gate_up, end
+
+
+def two_launches(args, gate_up, cluster_m, pow2):
+    grad_act = ops.fp8_expert_gemm(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M)
+    return ops.fp8_quantize_swiglu_backward(gate_up, grad_act, args[4], pow2=pow2)
+
+
+def assert_swiglu_backward_equal(got, want, end):
+    grad_gate_up, q, scales = got
+    assert torch.equal(grad_gate_up[:end], want[0][:end])
+    assert torch.equal(q[:end].view(torch.uint8), want[1][:end].view(torch.uint8))
+    assert torch.equal(scales[:, :end], want[2][:, :end])
+
+
+@pytest.mark.parametrize("variant", FP8_SWIGLU_BACKWARD_GEMM_VARIANTS)
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("case", list(SWIGLU_BACKWARD_CASES))
+def test_swiglu_backward_epilogue_equals_the_two_launches(case, cluster_m, variant):
+    args, gate_up, end = swiglu_backward_case(case)
+    want = two_launches(args, gate_up, cluster_m, pow2=False)
+    poison_allocator()
+    got = ops.fp8_expert_gemm_swiglu_backward(*args, cluster_m, FP8_EXPERT_GEMM_GROUP_M, gate_up=gate_up,
+                                              variant=variant)
+    assert_swiglu_backward_equal(got, want, end)
+    rows = args[0].shape[0]
+    assert torch.equal(got[2][:, rows:], torch.ones_like(got[2][:, rows:])), "the scales' padding columns hold 1"
+    assert ops.last_failure() is None
+
+
+def test_swiglu_backward_epilogue_power_of_two_scales():
+    args, gate_up, end = swiglu_backward_case("qwen3_30b")
+    want = two_launches(args, gate_up, LAUNCH[0], pow2=True)
+    got = ops.fp8_expert_gemm_swiglu_backward(*args, *LAUNCH, gate_up=gate_up, pow2=True, variant="overlap")
+    assert_swiglu_backward_equal(got, want, end)
+    scales = got[2][:, :end]
+    assert torch.equal(scales, torch.exp2(torch.log2(scales).round())), "a scale not a power of two"
+
+
+@pytest.mark.parametrize("span", [1, 3])
+def test_swiglu_backward_expert_ranges_into_one_output_equal_one_launch(span):
+    """dgrad's expert ranges (backends/kernel_fp8.py): launches over consecutive ranges into one output
+    give one launch's bits, and write no row past their segments."""
+    args, gate_up, end = swiglu_backward_case("qwen3_30b")
+    qa, sa, qw, sw, offsets = args
+    want = ops.fp8_expert_gemm_swiglu_backward(*args, *LAUNCH, gate_up=gate_up, variant="overlap")
+    rows, two_ffn = gate_up.shape
+    out = (torch.full_like(gate_up, float("nan")), torch.full_like(want[1].view(torch.uint8), 0x7F).view(E4M3),
+           torch.full_like(want[2], float("nan")))
+    experts = qw.shape[0]
+    for first in range(0, experts, span):
+        last = min(experts, first + span)
+        got = ops.fp8_expert_gemm_swiglu_backward(qa, sa, qw[first:last].contiguous(), sw[first:last].contiguous(),
+                                                  offsets[first:last + 1], *LAUNCH, gate_up=gate_up,
+                                                  variant="overlap", out=out)
+        assert all(g is o for g, o in zip(got, out))
+        assert torch.isnan(out[0][int(offsets[last]):].float()).all(), f"range [{first}, {last}) wrote past its rows"
+    assert_swiglu_backward_equal(out, want, end)
+    assert torch.isnan(out[0][end:].float()).all()
+
+
+def test_swiglu_backward_epilogue_is_deterministic_and_replays_in_a_graph():
+    args, gate_up, end = swiglu_backward_case("qwen3_30b")
+    run = lambda: ops.fp8_expert_gemm_swiglu_backward(*args, *LAUNCH, gate_up=gate_up, variant="overlap")  # noqa: E731
+    eager = [t.clone() for t in run()]
+    assert_swiglu_backward_equal(run(), eager, end)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(2):
+        out[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_swiglu_backward_equal(out, eager, end)
+
+
+def test_fp8_expert_gemm_swiglu_backward_registration():
+    args, gate_up, _ = swiglu_backward_case("odd_segments_unpadded")
+    out = ops.fp8_expert_gemm_swiglu_backward(*args, *LAUNCH, gate_up=gate_up)
+    op = torch.ops.megatron_mok.fp8_expert_gemm_swiglu_backward_into.default
+    # (test_faketensor only, as fp8_expert_gemm_into's: the schema check compares float8 tensors with
+    # an op float8 lacks; the inputs are checked unwritten by hand)
+    torch.library.opcheck(op, (*args, *LAUNCH, 0, gate_up, *out, False), test_utils=("test_faketensor",))
+    before = [t.clone() for t in (*args, gate_up)]
+    op(*args, *LAUNCH, 0, gate_up, *out, False)
+    for was, now in zip(before, (*args, gate_up)):
+        assert torch.equal(was.view(torch.uint8) if was.dtype == E4M3 else was,
+                           now.view(torch.uint8) if now.dtype == E4M3 else now), "an input was written"

@@ -1,0 +1,330 @@
+// The FP8 blockwise grouped GEMM in 128 x 192 tiles (sm_90a; op variant "wide" of ops.fp8_expert_gemm,
+// the store epilogue): the product of gemm/fp8_gemm_sm90.cuh's Fp8StoreEpilogue, bit for bit, from a
+// kernel shaped the other way round. Where that kernel keeps the tensor cores fed by overlapping
+// each warpgroup's promotion with its next K block (two partials of 64 columns), this one reads less
+// per FLOP and relies on the two consumer warpgroups drifting apart on the shared tensor cores:
+//   - one wgmma m64n192k32 per 32 of K: A is read from shared memory once per 192 columns, not once
+//     per 128 (the B operand's share per FLOP is the same at any N);
+//   - with 2-CTA clusters (vertically adjacent m-tiles of one expert) each CTA loads one 96-row half
+//     of the B slice and multicasts it into both: L2 -> SM bytes per FLOP 28 KB / (128 x 192 x 128)
+//     against 32 KB / (128 x 128 x 128), 42% fewer;
+//   - one fp32 partial per warpgroup (96 registers beside the 96 promoted sums), its K block's four
+//     wgmmas waited for, the stage released, then promoted; 4 stages of 40 KB.
+//   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
+//     an odd number of m-tiles) loads no A and issues no MMA: its CTA only passes its half of B on.
+//     The same for a warpgroup whose 64 rows lie past the segment.
+// A tile's 192 columns [n0, n0 + 192) span two 128-row weight scale blocks (n0 is a multiple of 192,
+// so n0 % 128 is 0 or 64: the second block starts at tile column 128 or 64); the promotion takes a
+// uniform branch per tile between two unrolled forms. N need not be a multiple of 192: in an
+// expert's last n-tile the columns past N are computed from the next expert's B rows (or TMA zero
+// fill) with the second scale block clamped inside the expert, and not stored (TMA stores of whole
+// boxes past N are skipped; N is a multiple of 128, so a box is wholly inside or wholly past it).
+//
+// Arithmetic as Fp8Mainloop::kDefault's: per K block four wgmmas into a fresh partial (the first
+// with scale_d = 0), then acc = fmaf(scale_a[row] * scale_b[block], partial, acc) in ascending K
+// blocks. Each output's wgmma sums are the same at n128 and n192 (its row of A, its column of B, the
+// same 32 of K per instruction), so the output equals the 128-wide kernel's bit for bit
+// (tests/ops/test_gpu_fp8_gemm.py holds every variant to the default's).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "common/failure_codes.h"
+#include "common/fp8_block_math.cuh"
+#include "common/limits.h"
+#include "common/pipeline_sm90.cuh"
+#include "common/sync_sm90.cuh"
+#include "common/tma_sm90.cuh"
+#include "common/watchdog_sm90.cuh"
+#include "common/wgmma_fp8_sm90.cuh"
+#include "common/wgmma_sm90.cuh"
+#include "gemm/epilogue_sm90_staging.cuh"
+#include "gemm/fp8_gemm_sm90.cuh"
+#include "gemm/tile_scheduler_sm90.cuh"
+#include "gemm/tile_sm90.cuh"
+#include "mok_params.h"
+
+namespace mok {
+
+// Fp8GemmTile's roles, rows, K block, registers and A operand; its own width, B, staging and depth.
+struct Fp8WideGemmTile : Fp8GemmTile {
+  static constexpr int kN = 192;  // output columns (B rows) per tile: one wgmma m64n192
+  static constexpr int kAccumulators = 64 * kN / kNumThreadsPerWarpGroup;  // 96: the sum and the partial each
+  static constexpr int kGroups = kN / 8;  // 8-column groups of the accumulator fragment
+  static constexpr uint32_t kBBytes = kN * kK;
+  static constexpr int kBPartRows = kN / 2;  // one TMA box of B: a CTA's share with 2-CTA clusters
+  static constexpr uint32_t kBPartBytes = kBPartRows * kK;
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  // One staging buffer per consumer: its 64 rows x 192 bf16 columns, three 64 x 64 TMA store boxes.
+  static constexpr int kStoreBoxes = kN / ExpertGemmTile::kStoreBox;
+  static constexpr int kStagingBuffers = 1;
+  static constexpr uint32_t kStagingBytes = kStoreBoxes * ExpertGemmTile::kStoreBoxBytes;
+  static constexpr int kStages = 4;  // 4 x 40 KB beside 48 KB of staging in the 227 KB an sm90 block may opt into
+  static_assert(kABytes % kSwizzleAlign == 0 && kBPartBytes % kSwizzleAlign == 0 &&
+                    kConsumerABytes % kSwizzleAlign == 0 && kStagingBytes % kSwizzleAlign == 0,
+                "every operand box, wgmma base and staging buffer starts on a 1024-byte swizzle atom");
+};
+
+// The dynamic shared memory, from a 1024-byte aligned base, S = kStages:
+//   a        S * kABytes (16 KB)       the stages' A tiles
+//   b        S * kBBytes (24 KB)       the stages' B tiles (two 96-row boxes each)
+//   staging  2 * kStagingBytes (24 KB) each consumer warpgroup's staging buffer
+//   full, empty  S * 8 each            the stage barriers
+//   watch    the bounded waits' watch (WaitWatch)
+struct Fp8WideGemmSharedStorage {
+  using Tile = Fp8WideGemmTile;
+  static constexpr size_t kBytes = size_t(Tile::kStages) * Tile::kStageBytes + 2 * Tile::kStagingBytes +
+                                   2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+  static constexpr size_t kSmemBytes = Tile::kSwizzleAlign + kBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm90 block may opt into");
+
+  __device__ explicit Fp8WideGemmSharedStorage(uint8_t* smem_raw)
+      : a(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + Tile::kSwizzleAlign - 1) &
+                                     ~uintptr_t(Tile::kSwizzleAlign - 1))),
+        b(a + Tile::kStages * Tile::kABytes),
+        staging(b + Tile::kStages * Tile::kBBytes),
+        full(reinterpret_cast<uint64_t*>(staging + 2 * Tile::kStagingBytes)),
+        empty(full + Tile::kStages),
+        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)) {}
+
+  uint8_t* a;
+  uint8_t* b;
+  uint8_t* staging;
+  uint64_t* full;
+  uint64_t* empty;
+  sm90::WaitWatch* watch;
+};
+
+// kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast. Launched through
+// gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM>, Maps, Params, CUtensorMap x 3> (A in boxes of
+// 128 rows, B in boxes of 96 rows, out in 64 x 64 boxes) with a cluster dimension of kClusterM.
+template <int kClusterM>
+struct Fp8ExpertGemmWideKernel {
+  using Tile = Fp8WideGemmTile;
+  using SharedStorage = Fp8WideGemmSharedStorage;
+  using Scheduler = ExpertTileScheduler<kClusterM, Tile::kN>;
+  using Maps = Fp8ExpertGemmMaps<StoreEpilogueMaps>;
+  using Params = Fp8ExpertGemmParams<StoreEpilogueParams>;
+  static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
+  static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
+
+  static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
+    SharedStorage shared(smem_raw);
+    if (threadIdx.x == 0) {
+      sm90::init_stage_barriers<Tile::kStages>(shared.full, shared.empty, kEmptyArrivals);
+      shared.watch->failed = 0;
+      shared.watch->finished = 0;
+    }
+    if (threadIdx.x == 32) {
+      sm90::prefetch_tensor_map(maps.a);
+      sm90::prefetch_tensor_map(maps.b);
+      sm90::prefetch_tensor_map(maps.epilogue.out);
+    }
+    // Every CTA's barriers exist before a peer multicasts into or arrives on them.
+    sm90::cluster_sync();
+    // Each role builds its own scheduler: nothing computed before the register split stays live
+    // across it (the consumers need every register of their budget).
+    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    if (warpgroup == 0) {
+      sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
+      if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertGemmKernel);
+      if (threadIdx.x == 0) {
+        Scheduler scheduler(p.problem);
+        produce(maps, p, scheduler, shared);
+      }
+      return;
+    }
+    sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
+    Scheduler scheduler(p.problem);
+    consume(maps, p, scheduler, shared, warpgroup - 1, threadIdx.x % kNumThreadsPerWarpGroup);
+  }
+
+ private:
+  // Thread 0 of the producer warpgroup: per tile and K block, a free stage, then the tile's A rows
+  // (none for an m-tile wholly past its segment) and its B slice, whole (cluster 1) or this CTA's
+  // half multicast into both CTAs (cluster 2), onto the stage's full barrier.
+  static __device__ __forceinline__ void produce(const Maps& maps, const Params& p, Scheduler& scheduler,
+                                                 const SharedStorage& shared) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int cta_rank = scheduler.cta_rank();
+    const int k_blocks = p.problem.k / Tile::kK;
+    TileCoord c;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      const bool load_a = c.rows > 0;
+      const int b_row0 = c.expert * p.problem.n_weight_rows + c.n0;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
+        // The whole B slice lands in every CTA of the cluster (its own half and the peer's multicast).
+        sm90::mbarrier_arrive_expect_tx(&shared.full[stage], (load_a ? Tile::kABytes : 0) + Tile::kBBytes);
+        uint8_t* b = shared.b + stage * Tile::kBBytes;
+        if (load_a) {
+          sm90::tma_load_2d(shared.a + stage * Tile::kABytes, maps.a, &shared.full[stage], kb * Tile::kK, c.row0);
+        }
+        if constexpr (kClusterM == 1) {
+          sm90::tma_load_2d(b, maps.b, &shared.full[stage], kb * Tile::kK, b_row0);
+          sm90::tma_load_2d(b + Tile::kBPartBytes, maps.b, &shared.full[stage], kb * Tile::kK,
+                            b_row0 + Tile::kBPartRows);
+        } else {
+          sm90::tma_load_2d_multicast(b + cta_rank * Tile::kBPartBytes, maps.b, &shared.full[stage], kb * Tile::kK,
+                                      b_row0 + cta_rank * Tile::kBPartRows, (1u << kClusterM) - 1);
+        }
+        sm90::advance_stage<Tile::kStages>(stage, phase);
+      }
+    }
+    // Every stage released by all consumers of the cluster: no remote arrival or multicast is still
+    // to come into this CTA's shared memory when it exits.
+    for (int i = 0; i < Tile::kStages; ++i) {
+      sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
+      sm90::advance_stage<Tile::kStages>(stage, phase);
+    }
+    sm90::mark_finished(watch);
+  }
+
+  // Consumer warpgroup `consumer` (rows 64 * consumer .. + 63 of each tile), thread `thread` of it.
+  // Registers are the constraint (96 promoted sums and a 96-register partial of the 232): as in
+  // the overlap mainloop, the scales are addressed from the params (constant memory) by 32-bit
+  // indices, the stage's descriptors and barrier are stage 0's plus an offset, and the bounded waits
+  // trap out of line.
+  static __device__ __forceinline__ void consume(const Maps& maps, const Params& p, Scheduler& scheduler,
+                                                 const SharedStorage& shared, int consumer, int thread) {
+    sm90::WaitWatch* watch = shared.watch;
+    const int k_blocks = p.problem.k / Tile::kK;
+    const int fragment_row = 64 * consumer + 16 * (thread / 32) + (thread % 32) / 4;
+    const OutputExtent out_extent = scheduler.output_extent();
+    const uint64_t a_desc0 = sm90::smem_descriptor_sw128(shared.a + consumer * Tile::kConsumerABytes);
+    const uint64_t b_desc0 = sm90::smem_descriptor_sw128(shared.b);
+    const uint32_t full0 = sm90::smem_u32(shared.full);
+    int stage = 0;
+    uint32_t phase = 0;
+    float acc[Tile::kAccumulators];
+    float partial[Tile::kAccumulators];
+    TileCoord c;
+    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+      if (c.rows <= 64 * consumer) {
+        // None of this warpgroup's rows lies in the segment: hand each stage back once it landed
+        // (the producer may refill a stage only after its loads completed).
+#pragma unroll 1
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
+          if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[stage]);
+          sm90::advance_stage<Tile::kStages>(stage, phase);
+        }
+        continue;
+      }
+      // The thread's two rows' A scales, from rows clamped inside the schedule (a row past it is
+      // computed and not stored; the clamp keeps its scale read inside the scales' rows).
+      const int row = c.row0 + fragment_row;
+      const int last_row = p.problem.num_rows - 1;
+      const int scale_rows[2] = {min(row, last_row), min(row + 8, last_row)};
+      // The tile's two weight scale blocks (rows of the (experts * N / 128, K / 128) scales), the
+      // second clamped inside the expert (its columns past N are not stored).
+      const int expert_row0 = c.expert * p.problem.n_weight_rows;
+      const int b_block0 = (expert_row0 + c.n0) / kFp8Block;
+      const int b_block1 = min(b_block0 + 1, (expert_row0 + p.problem.n_weight_rows) / kFp8Block - 1);
+      const bool second_block_at_128 = c.n0 % kFp8Block == 0;  // else at tile column 64
+      // s: the raw scales of block kb (A of the two rows, then B of the two blocks), loaded a block ahead.
+      float s[4];
+      const auto load_scales = [&](int kb, float (&to)[4]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) to[h] = __ldg(p.scales.a + (int64_t(kb) * p.scales.a_rows + scale_rows[h]));
+        to[2] = __ldg(p.scales.b + (int64_t(b_block0) * k_blocks + kb));
+        to[3] = __ldg(p.scales.b + (int64_t(b_block1) * k_blocks + kb));
+      };
+      load_scales(0, s);
+#pragma unroll
+      for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
+#pragma unroll 1
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        // scale[h][block]: row half h (the thread's two rows), weight scale block of the columns.
+        float scale[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int block = 0; block < 2; ++block) scale[h][block] = s[h] * s[2 + block];
+        }
+        if (kb + 1 < k_blocks) load_scales(kb + 1, s);  // in flight during this block's MMAs
+        sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
+        const uint64_t a_desc = sm90::descriptor_plus(a_desc0, stage * (Tile::kABytes >> 4));
+        const uint64_t b_desc = sm90::descriptor_plus(b_desc0, stage * (Tile::kBBytes >> 4));
+        sm90::wgmma_fence();
+        sm90::wgmma_m64n192k32_e4m3_fresh(partial, a_desc, b_desc);
+#pragma unroll
+        for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
+          sm90::wgmma_m64n192k32_e4m3(partial, sm90::descriptor_plus(a_desc, 2 * kk),
+                                      sm90::descriptor_plus(b_desc, 2 * kk), 1);
+        }
+        sm90::wgmma_commit_group();
+        sm90::wgmma_wait_group<0>();
+        sm90::fence_accumulators(partial);
+        // The MMAs have read the stage: hand it back before promoting.
+        if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[stage]);
+        sm90::advance_stage<Tile::kStages>(stage, phase);
+        if (second_block_at_128) {
+          promote<Tile::kGroups * 2 / 3>(acc, partial, scale);
+        } else {
+          promote<Tile::kGroups / 3>(acc, partial, scale);
+        }
+      }
+      store(maps, p, out_extent, acc, c, shared.staging + consumer * Tile::kStagingBytes, consumer, thread);
+    }
+    if (thread == 0) {
+      sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
+      sm90::mark_finished(watch);
+    }
+  }
+
+  // acc += scale[h][block] * partial: kFirstGroups 8-column groups in the first weight scale block,
+  // the rest in the second. i = 4 * j + 2 * h + c: column group j, row half h.
+  template <int kFirstGroups>
+  static __device__ __forceinline__ void promote(float (&acc)[Tile::kAccumulators],
+                                                 const float (&partial)[Tile::kAccumulators],
+                                                 const float (&scale)[2][2]) {
+#pragma unroll
+    for (int i = 0; i < Tile::kAccumulators; ++i) {
+      acc[i] = fmaf(scale[(i / 2) % 2][i / 4 < kFirstGroups ? 0 : 1], partial[i], acc[i]);
+    }
+  }
+
+  // Fp8StoreEpilogue's rounding and layout over 192 columns: through the warpgroup's staging buffer
+  // and up to three TMA stores (boxes past N skipped) when its 64 rows lie inside the segment, else
+  // from registers with row and column masks.
+  static __device__ __forceinline__ void store(const Maps& maps, const Params& p, const OutputExtent& out_extent,
+                                               const float (&acc)[Tile::kAccumulators], const TileCoord& c,
+                                               uint8_t* staging, int consumer, int thread) {
+    uint32_t packed[Tile::kAccumulators / 2];
+#pragma unroll
+    for (int j = 0; j < Tile::kGroups; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    const auto pair = [&](int j, int h) { return packed[2 * j + h]; };
+    if (c.rows >= 64 * (consumer + 1)) {
+      // The buffer is free once the previous tile's stores have read it.
+      if (thread == 0) sm90::bulk_wait_read<0>();
+      sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);
+      stage_columns<Tile::kN>(staging, thread, 0, pair);
+      sm90::fence_async_shared();
+      sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);
+      if (thread == 0) {
+#pragma unroll
+        for (int box = 0; box < Tile::kStoreBoxes; ++box) {
+          const int col = c.n0 + box * ExpertGemmTile::kStoreBox;
+          if (col < out_extent.n_out) {
+            sm90::tma_store_2d(maps.epilogue.out, staging + box * ExpertGemmTile::kStoreBoxBytes, col,
+                               c.row0 + 64 * consumer);
+          }
+        }
+        sm90::bulk_commit_group();
+      }
+    } else {
+      write_columns_direct<Tile::kN>(static_cast<__nv_bfloat16*>(p.epilogue.out), out_extent.n_out, c, out_extent,
+                                     consumer, thread, 0, c.n0, pair);
+    }
+  }
+};
+
+}  // namespace mok
