@@ -95,6 +95,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_swiglu_bwd) echo 300 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'swiglu_backward' && $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
         # The same op timed against the two launches it replaces (scripts/bench_swiglu_backward_epilogue.py).
         fp8_swiglu_bwd_bench) echo 150 "python3 scripts/bench_swiglu_backward_epilogue.py" ;;
+        # The SM clock and power while the FP8 GEMM runs (is the ~900-950 TFLOP/s ceiling the card's
+        # power limit?): nvidia-smi sampled every 250 ms beside the fc1 and dgrad fc1 benchmark.
+        fp8_gemm_clocks) echo 150 "nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.active --format=csv,noheader,nounits -lms 250 > \$OUT/clocks.csv & s=\$!; python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8 --fp8-variants overlap --fp8-clusters 1 --fp8-projections fc1,dgrad_fc1; kill \$s; python3 -c \"import csv,statistics as st; r=[x for x in csv.reader(open('\$OUT/clocks.csv')) if len(x)==5]; busy=[x for x in r if float(x[2])>300]; print('samples',len(r),'over 300 W',len(busy)); [print(n, min(v), st.median(v), max(v)) for n,v in (('sm MHz',[float(x[0]) for x in busy]),('W',[float(x[2]) for x in busy]))] if busy else None; print('max MHz',r[0][1] if r else None,'limit W',r[0][3] if r else None,'reasons',sorted({x[4].strip() for x in busy}))\"" ;;
         fp8_group_m_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-group-m 1,4,8,16,32,64 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
         # The FP8 weight gradients in every mainloop, and the gate/up GEMM with and without its SwiGLU
         # epilogue (the layer's overlap mainloop), beside torch's.
