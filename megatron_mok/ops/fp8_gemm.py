@@ -134,6 +134,9 @@ def fp8_expert_gemm_swiglu_backward(
         raise ValueError(f"{op}: variant must be one of {FP8_SWIGLU_BACKWARD_GEMM_VARIANTS}, got {variant!r}")
     rows = two_ffn = 0  # (set once a and weight passed their checks)
     outputs = {}
+    # Checked for contiguity and device by check_fp8_expert_gemm_args after swiglu_checks, which adds
+    # the outputs once their shapes passed.
+    more_tensors = {"gate_up": gate_up}
 
     def swiglu_checks() -> None:
         nonlocal rows, two_ffn
@@ -152,7 +155,7 @@ def fp8_expert_gemm_swiglu_backward(
         for t, (name, dtype, shape) in zip(out, wants):
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"{op}: out's {name} must be {dtype} {shape}, got {_described(t)}")
-            outputs[name] = t
+            outputs[name] = more_tensors[name] = t
         inputs = {"a": a, "a_scales": a_scales, "weight": weight, "weight_scales": weight_scales,
                   "expert_offsets": expert_offsets, "gate_up": gate_up}
         for name, t in outputs.items():
@@ -161,12 +164,7 @@ def fp8_expert_gemm_swiglu_backward(
                     raise ValueError(f"{op}: out's {name} must not overlap {other} in memory")
 
     check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op=op,
-                               more_checks=swiglu_checks, more_tensors={"gate_up": gate_up})
-    for name, t in outputs.items():  # (checked as more_tensors are; they exist only once the shapes passed)
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: out's {name} must be contiguous")
-        if t.device != a.device:
-            raise ValueError(f"{op}: out's {name} must be on a's device {a.device}, got {t.device}")
+                               more_checks=swiglu_checks, more_tensors=more_tensors)
     if gate_up.data_ptr() % 16 or any(t.data_ptr() % 16 for t in outputs.values()):
         raise ValueError(f"{op}: gate_up and the outputs must start 16-byte aligned")
     if out is None:

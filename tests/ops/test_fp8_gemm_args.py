@@ -219,6 +219,8 @@ BAD_SWIGLU_BACKWARD_ARGS = {
                    "out's rows_q must be torch.float8_e4m3fn"),
     "out_scales_unpadded": (dict(out=swiglu_backward_out(rows_scales=torch.ones(2 * N // 128, R))),
                             "out's rows_scales must be torch.float32"),
+    "out_not_contiguous": (dict(out=swiglu_backward_out(grad_gate_up=torch.zeros(2 * N, R, dtype=torch.bfloat16).t())),
+                           "grad_gate_up must be contiguous"),
     "a_bf16": (dict(a=torch.zeros(R, K, dtype=torch.bfloat16)), "a must be torch.float8_e4m3fn"),
 }
 
