@@ -85,6 +85,9 @@ SHAPES = {
     "deepseek_v3_ep8": (8192, 7168, 2048, 32, 8),
     "h4096_f1536": (8192, 4096, 1536, 16, 8),
     "qwen3_30b": (16384, 2048, 768, 128, 8),
+    # One expert, every token routed to it: fc1 is the dense 8192^3 GEMM, where torch has FP8 blockwise
+    # (torch fp8 bw column), so our mainloop is compared with CUTLASS's blockwise one without grouping.
+    "dense_8192": (8192, 8192, 4096, 1, 1),
 }
 
 
@@ -149,6 +152,7 @@ def make_fp8_inputs(shape, seed, columnwise=False):
     for name in ("rows", "act", "grad_out", "gate_up"):
         q, scales = quantization.quantize_rowwise(s[name])
         s[name + "_fp8"] = (q, quantization.gemm_a_scales(scales))
+        s[name + "_row_scales"] = scales
         amax = s[name].float().abs().amax(dim=1).clamp(min=1e-12)
         s[name + "_rowwise"] = ((s[name].float() * (448 / amax)[:, None]).to(torch.float8_e4m3fn), amax / 448)
     for name in ("fc1", "fc2"):
@@ -170,6 +174,45 @@ def torch_fp8_rowwise(s, a_name, w_name):
     qa, sa = s[a_name + "_rowwise"]
     qw, sw = s[w_name + "_rowwise"]
     return torch._scaled_grouped_mm(qa, qw.transpose(1, 2), sa, sw, offs=s["offsets"][1:], out_dtype=torch.bfloat16)
+
+
+def torch_fp8_blockwise_dense(s, a_name, w_name):
+    """torch.nn.functional.scaled_mm with 1x128 blocks for a and 128x128 for w on the one expert's operands
+    (dense: torch has no grouped blockwise FP8 on sm90). The scale layouts torch takes are found once, by
+    checking each candidate's output against ours (relative error under 1e-2), outside the timed calls."""
+    key = ("torch fp8 bw", a_name, w_name)
+    if key not in s:
+        from torch.nn.functional import ScalingType, scaled_mm
+
+        qa, _ = s[a_name + "_fp8"]
+        qw, w_scales = s[w_name + "_fp8"]
+        a_scales = s[a_name + "_row_scales"]  # (M, K / 128) fp32
+        expected = ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], 1, tuning.FP8_EXPERT_GEMM_GROUP_M).float()
+        mat_b = qw[0].t()  # (K, N), column-major
+        chosen, tried = None, []
+        for sa in (a_scales.t().contiguous().t(), a_scales):
+            for sb in (w_scales[0].t(), w_scales[0], w_scales[0].t().contiguous(), w_scales[0].t().contiguous().t()):
+                try:
+                    out = scaled_mm(qa, mat_b, sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+                                    output_dtype=torch.bfloat16)
+                except (RuntimeError, ValueError, TypeError) as error:
+                    tried.append(f"{tuple(sa.stride())} {tuple(sb.shape)}{tuple(sb.stride())}: {str(error)[:160]}")
+                    continue
+                error = ((out.float() - expected).norm() / expected.norm()).item()
+                if error < 1e-2:
+                    chosen = (qa, mat_b, sa, sb)
+                    break
+                tried.append(f"{tuple(sa.stride())} {tuple(sb.shape)}{tuple(sb.stride())}: relative error {error:.3g}")
+            if chosen:
+                break
+        s[key] = chosen if chosen else "; ".join(tried)
+    if not isinstance(s[key], tuple):
+        raise RuntimeError(f"no scale layout of torch's FP8 blockwise scaled_mm matches ours: {s[key]}")
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    qa, mat_b, sa, sb = s[key]
+    return scaled_mm(qa, mat_b, sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+                     output_dtype=torch.bfloat16)
 
 
 def fp8_column(variant: str, cluster_m: int, group_m: int | None = None) -> str:
@@ -311,6 +354,13 @@ def main_fp8(args) -> None:
             except (RuntimeError, NotImplementedError) as error:  # no grouped FP8 rowwise in this build
                 print(f"torch._scaled_grouped_mm unavailable: {str(error).splitlines()[0]}")
                 del fns["torch fp8 rw"]
+            if e == 1 and label in ("fc1", "fc2"):
+                try:
+                    torch_fp8_blockwise_dense(sets[0], a_name, w_name)
+                    torch_fp8_blockwise_dense(sets[1], a_name, w_name)
+                    fns["torch fp8 bw"] = lambda s: torch_fp8_blockwise_dense(s, a_name, w_name)
+                except (ImportError, RuntimeError) as error:
+                    print(f"torch FP8 blockwise unavailable: {str(error)[:1200]}")
             fp8_op = ops.fp8_expert_gemm
             if label == "fc1+swiglu":
                 fp8_op = ops.fp8_expert_gemm_swiglu
@@ -333,6 +383,8 @@ def main_fp8(args) -> None:
             cols = " ".join(f"{cell.get(n, 'n/a'):>16}" for n in ["torch bf16", "ours bf16", "torch fp8 rw"])
             fp8_cols = " ".join(f"{cell.get(column, 'n/a'):>{width}}" for *_, column in ours)
             print(f"{name:<16} {label:<10} {cols} {fp8_cols} {ratio}", flush=True)
+            if "torch fp8 bw" in cell:
+                print(f"{name:<16} {label:<10} torch FP8 blockwise (dense scaled_mm): {cell['torch fp8 bw']}", flush=True)
         if wgrad_labels:
             print("weight gradients, bf16 out; TFLOP/s (ms); x: ours bf16 over our fastest FP8 mainloop; "
                   f"fp8 acc: {WGRAD_ACCUMULATE_VARIANT}, accumulating into an fp32 out (a later receive window); "

@@ -32,7 +32,7 @@ def main(path: str, top: int = 8) -> None:
             if match:
                 stalls[match.group(1)] = number
             elif column.endswith((".avg.pct_of_peak_sustained_active", ".avg.pct_of_peak_sustained_elapsed",
-                                  "__time_duration.sum")):  # the pipe activity, throughputs and time asked for
+                                  "__time_duration.sum", ".avg.per_second")):  # pipe activity, throughputs, time, clock
                 others[column] = number
         total = sum(stalls.values())
         best = sorted(stalls.items(), key=lambda kv: -kv[1])[:top]

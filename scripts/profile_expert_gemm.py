@@ -24,6 +24,7 @@ from bench_expert_gemm import (  # noqa: E402
     SHAPES,
     make_fp8_inputs,
     make_inputs,
+    torch_fp8_blockwise_dense,
     torch_fp8_rowwise,
 )
 
@@ -41,14 +42,18 @@ from megatron_mok.backends.tuning import (  # noqa: E402
 
 
 def profile_fp8(shape: str, projection: str, variants=FP8_GEMM_VARIANTS) -> None:
-    """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM and
-    ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, in each variant it has,
+    """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM (and
+    at one expert its dense blockwise GEMM) and ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, in each variant it has,
     then our plain fc1 in the layer's variant beside it: what the epilogue costs)."""
     s = make_fp8_inputs(SHAPES[shape], seed=0)
     a_name, w_name, _ = FP8_PROJECTIONS[projection]
     launch = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
+    # One expert (dense_8192): torch's dense FP8 blockwise GEMM too, after the rowwise one.
+    blockwise = SHAPES[shape][3] == 1 and projection in ("fc1", "fc2")
     for _ in range(3):
         torch_fp8_rowwise(s, a_name, w_name)
+        if blockwise:
+            torch_fp8_blockwise_dense(s, a_name, w_name)
         if projection == "fc1+swiglu":
             for variant in FP8_SWIGLU_GEMM_VARIANTS:
                 ops.fp8_expert_gemm_swiglu(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], **launch,
