@@ -86,7 +86,7 @@ SHAPES = {
     "h4096_f1536": (8192, 4096, 1536, 16, 8),
     "qwen3_30b": (16384, 2048, 768, 128, 8),
     # One expert, every token routed to it: fc1 is the dense 8192^3 GEMM, where torch has FP8 blockwise
-    # (torch fp8 bw column), so our mainloop is compared with CUTLASS's blockwise one without grouping.
+    # (torch fp8 bw column), so our mainloop is compared with cuBLASLt's blockwise one without grouping.
     "dense_8192": (8192, 8192, 4096, 1, 1),
 }
 
@@ -184,10 +184,12 @@ def torch_fp8_blockwise_dense(s, a_name, w_name):
     if key not in s:
         from torch.nn.functional import ScalingType, scaled_mm
 
-        qa, _ = s[a_name + "_fp8"]
+        rows = int(s["offsets"][-1])  # the expert's rows (the schedule's capacity holds padding past them)
+        qa = s[a_name + "_fp8"][0][:rows]
         qw, w_scales = s[w_name + "_fp8"]
-        a_scales = s[a_name + "_row_scales"]  # (M, K / 128) fp32
-        expected = ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], 1, tuning.FP8_EXPERT_GEMM_GROUP_M).float()
+        a_scales = s[a_name + "_row_scales"][:rows]  # (M, K / 128) fp32
+        expected = ops.fp8_expert_gemm(*s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], 1,
+                                       tuning.FP8_EXPERT_GEMM_GROUP_M)[:rows].float()
         mat_b = qw[0].t()  # (K, N), column-major
         chosen, tried = None, []
         for sa in (a_scales.t().contiguous().t(), a_scales):
