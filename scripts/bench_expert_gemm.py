@@ -180,10 +180,10 @@ def torch_fp8_blockwise_dense(s, a_name, w_name):
     """torch.nn.functional.scaled_mm with 1x128 blocks for a and 128x128 for w on the one expert's operands
     (dense: torch has no grouped blockwise FP8 on sm90). The scale layouts torch takes are found once, by
     checking each candidate's output against ours (relative error under 1e-2), outside the timed calls."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
     key = ("torch fp8 bw", a_name, w_name)
     if key not in s:
-        from torch.nn.functional import ScalingType, scaled_mm
-
         rows = int(s["offsets"][-1])  # the expert's rows (the schedule's capacity holds padding past them)
         qa = s[a_name + "_fp8"][0][:rows]
         qw, w_scales = s[w_name + "_fp8"]
@@ -200,18 +200,16 @@ def torch_fp8_blockwise_dense(s, a_name, w_name):
                 except (RuntimeError, ValueError, TypeError) as error:
                     tried.append(f"{tuple(sa.stride())} {tuple(sb.shape)}{tuple(sb.stride())}: {str(error)[:160]}")
                     continue
-                error = ((out.float() - expected).norm() / expected.norm()).item()
-                if error < 1e-2:
+                relative = ((out.float() - expected).norm() / expected.norm()).item()
+                if relative < 1e-2:
                     chosen = (qa, mat_b, sa, sb)
                     break
-                tried.append(f"{tuple(sa.stride())} {tuple(sb.shape)}{tuple(sb.stride())}: relative error {error:.3g}")
+                tried.append(f"{tuple(sa.stride())} {tuple(sb.shape)}{tuple(sb.stride())}: relative error {relative:.3g}")
             if chosen:
                 break
         s[key] = chosen if chosen else "; ".join(tried)
     if not isinstance(s[key], tuple):
         raise RuntimeError(f"no scale layout of torch's FP8 blockwise scaled_mm matches ours: {s[key]}")
-    from torch.nn.functional import ScalingType, scaled_mm
-
     qa, mat_b, sa, sb = s[key]
     return scaled_mm(qa, mat_b, sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
                      output_dtype=torch.bfloat16)
