@@ -3,10 +3,12 @@ clock, with nvidia-smi sampling the SM clock and power meanwhile: the steady rat
 torch's beside the clock each one runs at, and the share of the tensor cores' E4M3 peak at that
 clock (132 SMs x 8192 FLOP per SM per cycle on an H100 / H200 SXM).
 
-    python3 scripts/bench_gemm_sustained.py [--shape dense_8192] [--projection fc1] [--seconds 3]
+    python3 scripts/bench_gemm_sustained.py [--shape dense_8192] [--projection fc1] [--seconds 3] \
+        [--variants overlap,wide] [--clusters 1,2]
 
 Kernels: torch's FP8 rowwise GEMM (grouped; CUTLASS, no promotion), at one expert torch's dense
-FP8 blockwise GEMM (cuBLASLt, promotion per 128 of K), and ours in each mainloop of --variants.
+FP8 blockwise GEMM (cuBLASLt, promotion per 128 of K), and ours in each mainloop of --variants at
+each cluster size of --clusters (default: tuning's).
 The short interleaved timing of scripts/bench_expert_gemm.py gives rates at whatever clock the card
 had; this gives each kernel's own steady state.
 """
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--shape", default="dense_8192", choices=list(SHAPES))
     parser.add_argument("--projection", default="fc1", choices=[p for p in FP8_PROJECTIONS if "+" not in p])
     parser.add_argument("--variants", default="overlap")
+    parser.add_argument("--clusters", default=str(FP8_EXPERT_GEMM_CLUSTER_M),
+                        help="cluster sizes (CTAs sharing a B tile by multicast), comma-separated")
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
     t, h, f, e, k = SHAPES[args.shape]
@@ -86,10 +90,12 @@ def main() -> None:
             fns["torch fp8 blockwise"] = lambda: torch_fp8_blockwise_dense(s, a_name, w_name)
         except (ImportError, RuntimeError) as error:
             print(f"torch FP8 blockwise unavailable: {str(error)[:1200]}")
+    clusters = [int(c) for c in args.clusters.split(",")]
     for variant in args.variants.split(","):
-        fns[f"ours {variant}"] = lambda v=variant: ops.fp8_expert_gemm(
-            *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], FP8_EXPERT_GEMM_CLUSTER_M,
-            FP8_EXPERT_GEMM_GROUP_M, variant=v)
+        for cluster_m in clusters:
+            name = f"ours {variant}" + (f" c{cluster_m}" if len(clusters) > 1 else "")
+            fns[name] = lambda v=variant, c=cluster_m: ops.fp8_expert_gemm(
+                *s[a_name + "_fp8"], *s[w_name + "_fp8"], s["offsets"], c, FP8_EXPERT_GEMM_GROUP_M, variant=v)
     print(f"device: {torch.cuda.get_device_name()}; {args.shape} {args.projection}, {args.seconds} s per kernel; "
           "MHz and W: medians of the second half of nvidia-smi's samples")
     print(f"{'kernel':<22} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>6} {'peak at MHz':>12} {'share':>6}")
