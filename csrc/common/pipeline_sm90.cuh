@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "common/failure_codes.h"
 #include "common/sync_sm90.cuh"
 
 namespace mok::sm90 {
@@ -40,6 +41,18 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   } else {
 #pragma unroll
     for (int r = 0; r < kClusterM; ++r) mbarrier_arrive_in_cta(empty, r);
+  }
+}
+
+// The producer's last wait before its CTA exits: every stage released by all consumers of the
+// cluster, from `stage` (the next the producer would fill, at `phase`) once round the ring, so that
+// no remote arrival or multicast is still to come into this CTA's shared memory.
+template <int kStages>
+__device__ __forceinline__ void wait_all_stages_released(uint64_t* empty, int stage, uint32_t phase,
+                                                         WaitWatch* watch) {
+  for (int i = 0; i < kStages; ++i) {
+    mbarrier_wait(&empty[stage], phase ^ 1, kWaitFreeStage, watch);
+    advance_stage<kStages>(stage, phase);
   }
 }
 

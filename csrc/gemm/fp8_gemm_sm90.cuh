@@ -470,7 +470,7 @@ struct Fp8ExpertGemmKernel {
       return;
     }
     Scheduler scheduler(p.problem);
-    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    const int warpgroup = warpgroup_index();
     if (warpgroup == 0) {
       sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
       if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertGemmKernel);
@@ -518,12 +518,7 @@ struct Fp8ExpertGemmKernel {
         }
       }
     }
-    // Every stage released by all consumers of the cluster: no remote arrival or multicast is still
-    // to come into this CTA's shared memory when it exits.
-    for (int i = 0; i < Tile::kStages; ++i) {
-      sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
-      sm90::advance_stage<Tile::kStages>(stage, phase);
-    }
+    sm90::wait_all_stages_released<Tile::kStages>(shared.empty, stage, phase, watch);
     sm90::mark_finished(watch);
   }
 
@@ -623,7 +618,7 @@ struct Fp8ExpertGemmKernel {
   // register split stays live across it (the consumers need every register of their budget).
   static __device__ __forceinline__ void run_roles_overlap(const Maps& maps, const Params& p,
                                                            const SharedStorage& shared) {
-    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    const int warpgroup = warpgroup_index();
     if (warpgroup == 0) {
       sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
       if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertGemmKernel);

@@ -126,7 +126,7 @@ struct Fp8ExpertGemmWideKernel {
     sm90::cluster_sync();
     // Each role builds its own scheduler: nothing computed before the register split stays live
     // across it (the consumers need every register of their budget).
-    const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
+    const int warpgroup = warpgroup_index();
     if (warpgroup == 0) {
       sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
       if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertGemmKernel);
@@ -175,12 +175,7 @@ struct Fp8ExpertGemmWideKernel {
         sm90::advance_stage<Tile::kStages>(stage, phase);
       }
     }
-    // Every stage released by all consumers of the cluster: no remote arrival or multicast is still
-    // to come into this CTA's shared memory when it exits.
-    for (int i = 0; i < Tile::kStages; ++i) {
-      sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
-      sm90::advance_stage<Tile::kStages>(stage, phase);
-    }
+    sm90::wait_all_stages_released<Tile::kStages>(shared.empty, stage, phase, watch);
     sm90::mark_finished(watch);
   }
 

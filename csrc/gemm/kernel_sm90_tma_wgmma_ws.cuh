@@ -142,11 +142,7 @@ struct GemmKernelSm90 {
       }
     }
     if constexpr (Mainloop::kClusterLaunch) {
-      // Every stage released by all consumers of the cluster: no remote arrival is still to come.
-      for (int i = 0; i < Tile::kStages; ++i) {
-        sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
-        sm90::advance_stage<Tile::kStages>(stage, phase);
-      }
+      sm90::wait_all_stages_released<Tile::kStages>(shared.empty, stage, phase, watch);
     }
     sm90::mark_finished(watch);
   }

@@ -18,6 +18,14 @@ namespace mok {
 // unit of the kernels' roles (a producer warpgroup, two consumer warpgroups).
 constexpr int kNumThreadsPerWarpGroup = 128;
 
+// This thread's warpgroup, as a value the compiler knows to be the same in every lane of the warp
+// (lane 0's, by shuffle): what a consumer derives from it and from its loop counters (the stages'
+// shared-memory descriptors, their barriers' addresses) then lives in uniform registers, so each
+// wgmma takes its descriptors as they are instead of after register-to-uniform moves.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, int(threadIdx.x / kNumThreadsPerWarpGroup), 0);
+}
+
 struct ExpertGemmTile {
   static constexpr int kConsumerWarpGroups = 2;
   static constexpr int kConsumerThreads = kConsumerWarpGroups * kNumThreadsPerWarpGroup;
