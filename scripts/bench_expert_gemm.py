@@ -176,6 +176,18 @@ def torch_fp8_rowwise(s, a_name, w_name):
     return torch._scaled_grouped_mm(qa, qw.transpose(1, 2), sa, sw, offs=s["offsets"][1:], out_dtype=torch.bfloat16)
 
 
+def torch_fp8_blockwise_ready(input_sets, a_name, w_name) -> bool:
+    """Whether torch's dense FP8 blockwise GEMM runs on these operands: finds its scale layouts for
+    each input set (torch_fp8_blockwise_dense, outside any timing), or prints why it cannot."""
+    try:
+        for s in input_sets:
+            torch_fp8_blockwise_dense(s, a_name, w_name)
+    except (ImportError, RuntimeError) as error:
+        print(f"torch FP8 blockwise unavailable: {str(error)[:1200]}")
+        return False
+    return True
+
+
 def torch_fp8_blockwise_dense(s, a_name, w_name):
     """torch.nn.functional.scaled_mm with 1x128 blocks for a and 128x128 for w on the one expert's operands
     (dense: torch has no grouped blockwise FP8 on sm90). The scale layouts torch takes are found once, by
@@ -354,13 +366,8 @@ def main_fp8(args) -> None:
             except (RuntimeError, NotImplementedError) as error:  # no grouped FP8 rowwise in this build
                 print(f"torch._scaled_grouped_mm unavailable: {str(error).splitlines()[0]}")
                 del fns["torch fp8 rw"]
-            if e == 1 and label in ("fc1", "fc2"):
-                try:
-                    torch_fp8_blockwise_dense(sets[0], a_name, w_name)
-                    torch_fp8_blockwise_dense(sets[1], a_name, w_name)
-                    fns["torch fp8 bw"] = lambda s: torch_fp8_blockwise_dense(s, a_name, w_name)
-                except (ImportError, RuntimeError) as error:
-                    print(f"torch FP8 blockwise unavailable: {str(error)[:1200]}")
+            if e == 1 and label in ("fc1", "fc2") and torch_fp8_blockwise_ready(sets, a_name, w_name):
+                fns["torch fp8 bw"] = lambda s: torch_fp8_blockwise_dense(s, a_name, w_name)
             fp8_op = ops.fp8_expert_gemm
             if label == "fc1+swiglu":
                 fp8_op = ops.fp8_expert_gemm_swiglu

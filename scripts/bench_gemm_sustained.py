@@ -30,6 +30,7 @@ from bench_expert_gemm import (  # noqa: E402
     SHAPES,
     make_fp8_inputs,
     torch_fp8_blockwise_dense,
+    torch_fp8_blockwise_ready,
     torch_fp8_rowwise,
 )
 
@@ -84,12 +85,8 @@ def main() -> None:
     flops = t * k * flops_per_row(h, f)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fns = {"torch fp8 rowwise": lambda: torch_fp8_rowwise(s, a_name, w_name)}
-    if e == 1:
-        try:
-            torch_fp8_blockwise_dense(s, a_name, w_name)
-            fns["torch fp8 blockwise"] = lambda: torch_fp8_blockwise_dense(s, a_name, w_name)
-        except (ImportError, RuntimeError) as error:
-            print(f"torch FP8 blockwise unavailable: {str(error)[:1200]}")
+    if e == 1 and torch_fp8_blockwise_ready([s], a_name, w_name):
+        fns["torch fp8 blockwise"] = lambda: torch_fp8_blockwise_dense(s, a_name, w_name)
     clusters = [int(c) for c in args.clusters.split(",")]
     for variant in args.variants.split(","):
         for cluster_m in clusters:

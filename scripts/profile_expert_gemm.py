@@ -25,6 +25,7 @@ from bench_expert_gemm import (  # noqa: E402
     make_fp8_inputs,
     make_inputs,
     torch_fp8_blockwise_dense,
+    torch_fp8_blockwise_ready,
     torch_fp8_rowwise,
 )
 
@@ -49,13 +50,8 @@ def profile_fp8(shape: str, projection: str, variants=FP8_GEMM_VARIANTS) -> None
     a_name, w_name, _ = FP8_PROJECTIONS[projection]
     launch = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
     # One expert (dense_8192): torch's dense FP8 blockwise GEMM too, after the rowwise one.
-    blockwise = SHAPES[shape][3] == 1 and projection in ("fc1", "fc2")
-    if blockwise:
-        try:
-            torch_fp8_blockwise_dense(s, a_name, w_name)
-        except RuntimeError as error:
-            print(f"torch FP8 blockwise unavailable: {str(error)[:1200]}")
-            blockwise = False
+    blockwise = (SHAPES[shape][3] == 1 and projection in ("fc1", "fc2")
+                 and torch_fp8_blockwise_ready([s], a_name, w_name))
     for _ in range(3):
         torch_fp8_rowwise(s, a_name, w_name)
         if blockwise:
