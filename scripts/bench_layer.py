@@ -171,9 +171,12 @@ def fp8_alternatives() -> dict:
     if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
         runs["mok_kernel_fp8_gemm_late_scales"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "overlap_late_scales",
                                                               mok_layer(FP8_KERNEL))
-    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide), beside tuning's mainloop.
-    if tuning.FP8_EXPERT_GEMM_VARIANT != "wide":
-        runs["mok_kernel_fp8_gemm_wide"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "wide", mok_layer(FP8_KERNEL))
+    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide) and in the 128 x 128 overlap
+    # mainloop, whichever tuning does not choose, beside tuning's.
+    for variant in ("wide", "overlap"):
+        if tuning.FP8_EXPERT_GEMM_VARIANT != variant:
+            runs["mok_kernel_fp8_gemm_" + variant] = with_tuning("FP8_EXPERT_GEMM_VARIANT", variant,
+                                                                 mok_layer(FP8_KERNEL))
     # The SwiGLU backward in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward), beside
     # tuning's launch of its own.
     if not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:
@@ -411,7 +414,7 @@ def main() -> None:
             r = row.get(label)
             tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label in (
                 "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales",
-                "mok_kernel_fp8_gemm_wide", "mok_kernel_fp8_swiglu_bwd_epilogue")
+                "mok_kernel_fp8_gemm_wide", "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
             if r is None and tuning_alternative:
                 continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
@@ -438,7 +441,7 @@ FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_later_mic
               "mok_kernel_fp8_bf16_wgrad",
               "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
               "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales", "mok_kernel_fp8_gemm_wide",
-              "mok_kernel_fp8_swiglu_bwd_epilogue")
+              "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
 
 
 def _print_queued(results):

@@ -4,11 +4,13 @@ several (MoKConfig.receive_capacity_factor below 1 splits a rank's rows into win
 that sends a rank more rows than the factor does at EP > 1), BF16 and FP8 blockwise, and for FP8 the
 dgrads multiplied in one expert range per window or in tuning.FP8_DGRAD_EXPERT_RANGES ranges,
 (--columns-from-peers) the FP8 weight gradients' operands quantized straight from the ranks' regions
-(tuning.FP8_WGRAD_COLUMNS_FROM_PEERS) or from pulled rows, and (--push-in-epilogue) the FP8 GEMMs'
-rows pushed by their epilogue (tuning.FP8_PUSH_IN_EPILOGUE) or by the push kernel after them.
+(tuning.FP8_WGRAD_COLUMNS_FROM_PEERS) or from pulled rows, (--push-in-epilogue) the FP8 GEMMs'
+rows pushed by their epilogue (tuning.FP8_PUSH_IN_EPILOGUE) or by the push kernel after them, and
+(--gemm-variants overlap,wide) the plain FP8 GEMMs' mainloop, the storing and the pushing ones alike
+(tuning.FP8_EXPERT_GEMM_VARIANT, FP8_PUSH_GEMM_VARIANT).
 
     python scripts/bench_windows.py [--shapes deepseek_v3,qwen3_30b] [--factors 1.0,0.25] [--columns-from-peers]
-        [--push-in-epilogue]
+        [--push-in-epilogue] [--gemm-variants overlap,wide]
 
 Each row: ms forward + backward (median, fresh inputs alternated, L2 flushed: scripts/timing.py),
 the windows, and the ratio to the same precision's one-window row of tuning's settings, same run.
@@ -33,13 +35,30 @@ from megatron_mok.memory import layer_memory_bound  # noqa: E402
 
 
 # The FP8 settings a row may change, as (tuning attribute, values to try when its option is given).
-SETTINGS = ("FP8_DGRAD_EXPERT_RANGES", "FP8_WGRAD_COLUMNS_FROM_PEERS", "FP8_PUSH_IN_EPILOGUE")
+# GEMM_VARIANTS stands for two attributes, set to one value (VARIANT_ATTRIBUTES).
+SETTINGS = ("FP8_DGRAD_EXPERT_RANGES", "FP8_WGRAD_COLUMNS_FROM_PEERS", "FP8_PUSH_IN_EPILOGUE", "GEMM_VARIANTS")
+VARIANT_ATTRIBUTES = ("FP8_EXPERT_GEMM_VARIANT", "FP8_PUSH_GEMM_VARIANT")
+
+
+def tuning_settings() -> dict:
+    """tuning's values of SETTINGS (GEMM_VARIANTS: the (store, push) pair)."""
+    values = {name: getattr(tuning, name) for name in SETTINGS[:-1]}
+    values["GEMM_VARIANTS"] = tuple(getattr(tuning, name) for name in VARIANT_ATTRIBUTES)
+    return values
+
+
+def apply(settings: dict) -> None:
+    for name, value in settings.items():
+        if name == "GEMM_VARIANTS":
+            for attribute, variant in zip(VARIANT_ATTRIBUTES, value):
+                setattr(tuning, attribute, variant)
+        else:
+            setattr(tuning, name, value)
 
 
 def step(group: EmulatedGroup, config: MoKConfig, settings: dict):
     def run(inputs):
-        for name, value in settings.items():
-            setattr(tuning, name, value)
+        apply(settings)
         leaves = [inputs[name].detach().requires_grad_() for name in ("x", "weights", "fc1", "fc2")]
         (y,) = group.mok_moe([leaves[0]], [inputs["ids"]], [leaves[1]], [leaves[2]], [leaves[3]], config=config)
         y.backward(inputs["grad"])
@@ -49,11 +68,13 @@ def step(group: EmulatedGroup, config: MoKConfig, settings: dict):
 
 def fp8_settings(args) -> list[dict]:
     """Every combination of the settings tried: tuning's value, and the alternatives the options ask for."""
-    default = {name: getattr(tuning, name) for name in SETTINGS}
+    default = tuning_settings()
     choices = {
         "FP8_DGRAD_EXPERT_RANGES": sorted({1, default["FP8_DGRAD_EXPERT_RANGES"]}),
         "FP8_WGRAD_COLUMNS_FROM_PEERS": [False, True] if args.columns_from_peers else [default["FP8_WGRAD_COLUMNS_FROM_PEERS"]],
         "FP8_PUSH_IN_EPILOGUE": [False, True] if args.push_in_epilogue else [default["FP8_PUSH_IN_EPILOGUE"]],
+        "GEMM_VARIANTS": ([(v, v) for v in args.gemm_variants.split(",")] if args.gemm_variants
+                          else [default["GEMM_VARIANTS"]]),
     }
     combos = [{}]
     for name in SETTINGS:
@@ -69,8 +90,11 @@ def main() -> None:
                         help="FP8 rows with the weight gradients' operands from pulled rows and from the regions")
     parser.add_argument("--push-in-epilogue", action="store_true",
                         help="FP8 rows with the rows pushed by the push kernel and by the GEMMs' epilogue")
+    parser.add_argument("--gemm-variants", default="",
+                        help="FP8 rows with each of these mainloops (ops.fp8_gemm.FP8_PUSH_GEMM_VARIANTS) in the "
+                             "storing and the pushing GEMMs alike, e.g. overlap,wide")
     args = parser.parse_args()
-    default = {name: getattr(tuning, name) for name in SETTINGS}
+    default = tuning_settings()
     group = EmulatedGroup(1, "cuda", exchange="symmetric")
     rows = []
     try:
@@ -93,15 +117,15 @@ def main() -> None:
                            if other[0] == key[0] and windows[other] == 1 and other[2:] == tuple(default[n] for n in SETTINGS))
                 rows.append((name, *key, windows[key], ms, ms / base))
     finally:
-        for name, value in default.items():
-            setattr(tuning, name, value)
+        apply(default)
     print(f"\n{torch.cuda.get_device_name()}\n")
-    print("| shape | precision | factor | windows | dgrad ranges | wgrad operands | push | fwd+bwd ms | vs one window |")
-    print("| --- | --- | ---: | ---: | ---: | --- | --- | ---: | ---: |")
-    for name, precision, factor, ranges, from_peers, push, m, ms, ratio in rows:
+    print("| shape | precision | factor | windows | dgrad ranges | wgrad operands | push | GEMMs (store, push) | fwd+bwd ms | vs one window |")
+    print("| --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
+    for name, precision, factor, ranges, from_peers, push, variants, m, ms, ratio in rows:
         operands = "from the regions" if from_peers else "pulled rows"
         pushed = "GEMM epilogue" if push else "push kernel"
-        print(f"| {name} | {precision} | {factor} | {m} | {ranges} | {operands} | {pushed} | {ms:.2f} | {ratio:.3f} |")
+        print(f"| {name} | {precision} | {factor} | {m} | {ranges} | {operands} | {pushed} | {', '.join(variants)} | "
+              f"{ms:.2f} | {ratio:.3f} |")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The FP8 GEMM's 128 x 192 kernel (variant wide: one partial per warpgroup, B multicast at 2-CTA
         # clusters) held bitwise to the default, then timed beside overlap at both cluster sizes.
         fp8_wide_bench) echo 330 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'wide or knows_every_variant' && python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,wide --fp8-clusters 1,2 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        # The push op's tests (every variant, the wide kernel's among them, bitwise the GEMM then push_rows).
+        fp8_wide_push) echo 200 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'push or knows_every_variant'" ;;
+        # The one-rank layer over the in-kernel exchange with the plain FP8 GEMMs (storing and pushing) in overlap and in wide.
+        fp8_wide_push_bench) echo 200 "python3 scripts/bench_windows.py --factors 1.0 --gemm-variants overlap,wide" ;;
         # The down dgrad with the SwiGLU backward in its epilogue: the op bitwise the two launches, the FP8 layer.
         fp8_swiglu_bwd) echo 300 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'swiglu_backward' && $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'not symmetric'" ;;
         # The same op timed against the two launches it replaces (scripts/bench_swiglu_backward_epilogue.py).
@@ -137,9 +141,10 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # Where the plain FP8 GEMM's warps stall (overlap mainloop, fc1, DeepSeek-V3 EP 8 shape), per SASS instruction (PC sampling).
         fp8_gemm_hot_sass) echo 300 "ncu --section SourceCounters --section WarpStateStats --kernel-name-base demangled --kernel-name regex:'Fp8StoreEpilogue.*Mainloop.2' --launch-skip 2 --launch-count 1 -o \$OUT/gemm python3 scripts/profile_expert_gemm.py --fp8 --projection fc1 --fp8-variants overlap > /dev/null && ncu -i \$OUT/gemm.ncu-rep --page source --csv --print-source sass > /tmp/gemm_sass.csv && python3 scripts/ncu_hot_sass.py /tmp/gemm_sass.csv 60; rm -f \$OUT/*.ncu-rep" ;;
         # The dense 8192^3 fc1 GEMM's SASS with PC sampling per instruction, cuBLASLt's blockwise kernel and
-        # ours (overlap) side by side: the whole source pages stay in \$OUT (nvjet_sass.csv, ours_sass.csv),
+        # ours (wide at 2-CTA clusters, as cuBLASLt runs) side by side: the whole source pages stay in \$OUT
+        # (nvjet_sass.csv, wide_c2_sass.csv),
         # the hottest instructions of each are printed (scripts/ncu_hot_sass.py).
-        fp8_dense_sass) echo 300 "for k in nvjet:nvjet Fp8StoreEpilogue.*Mainloop.2:ours; do ncu --section SourceCounters --section WarpStateStats --kernel-name-base demangled --kernel-name regex:\"\${k%%:*}\" --launch-skip 2 --launch-count 1 -o /tmp/\${k##*:} python3 scripts/profile_expert_gemm.py --fp8 --shape dense_8192 --projection fc1 --fp8-variants overlap > /dev/null && ncu -i /tmp/\${k##*:}.ncu-rep --page source --csv --print-source sass > \$OUT/\${k##*:}_sass.csv && python3 scripts/ncu_hot_sass.py \$OUT/\${k##*:}_sass.csv 40; done" ;;
+        fp8_dense_sass) echo 300 "for k in nvjet:nvjet:overlap:1 'WideKernel<.{0,6}2,:wide_c2:wide:2'; do IFS=: read -r r n v c <<< \$k; ncu --section SourceCounters --section WarpStateStats --kernel-name-base demangled --kernel-name regex:\"\$r\" --launch-skip 2 --launch-count 1 -o /tmp/\$n python3 scripts/profile_expert_gemm.py --fp8 --shape dense_8192 --projection fc1 --fp8-variants \$v --fp8-cluster \$c > /dev/null && ncu -i /tmp/\$n.ncu-rep --page source --csv --print-source sass > \$OUT/\${n}_sass.csv && python3 scripts/ncu_hot_sass.py \$OUT/\${n}_sass.csv 40; done" ;;
         # Shared memory's load on the FP8 GEMM (fc1, every mainloop, beside torch's FP8 rowwise) and weight gradient (fc2):
         # bank reads and writes (the wgmmas' operand reads, the TMA writes, the promotion's loads) against the tensor pipe.
         fp8_smem) echo 240 "for p in fc1 wgrad_fc2; do ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'Fp8ExpertGemm|Fp8ExpertWgrad|cutlass' --launch-skip 2 --launch-count 4 --csv --page raw --metrics 'l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --projection \$p > \$OUT/smem_\$p.csv && python3 scripts/ncu_stalls.py \$OUT/smem_\$p.csv; done" ;;

@@ -42,13 +42,13 @@ from megatron_mok.backends.tuning import (  # noqa: E402
 )
 
 
-def profile_fp8(shape: str, projection: str, variants=FP8_GEMM_VARIANTS) -> None:
+def profile_fp8(shape: str, projection: str, variants=FP8_GEMM_VARIANTS, cluster_m: int = FP8_EXPERT_GEMM_CLUSTER_M) -> None:
     """Three launches each (ncu --launch-skip 2 keeps the last): torch's FP8 rowwise grouped GEMM (and
     at one expert its dense blockwise GEMM) and ours in every mainloop variant (fc1+swiglu: ours with the SwiGLU epilogue, in each variant it has,
     then our plain fc1 in the layer's variant beside it: what the epilogue costs)."""
     s = make_fp8_inputs(SHAPES[shape], seed=0)
     a_name, w_name, _ = FP8_PROJECTIONS[projection]
-    launch = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
+    launch = dict(cluster_m=cluster_m, group_m=max(FP8_EXPERT_GEMM_GROUP_M, cluster_m))
     # One expert (dense_8192): torch's dense FP8 blockwise GEMM too, after the rowwise one.
     blockwise = (SHAPES[shape][3] == 1 and projection in ("fc1", "fc2")
                  and torch_fp8_blockwise_ready([s], a_name, w_name))
@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the FP8 blockwise GEMM's variants and torch's FP8 rowwise")
     parser.add_argument("--fp8-variants", default=",".join(FP8_GEMM_VARIANTS),
                         help="with --fp8: comma-separated ops.fp8_gemm.FP8_GEMM_VARIANTS to launch, in order")
+    parser.add_argument("--fp8-cluster", type=int, default=FP8_EXPERT_GEMM_CLUSTER_M, choices=(1, 2),
+                        help="with --fp8: CTAs per cluster of our plain FP8 GEMMs (default tuning's)")
     args = parser.parse_args()
     if args.fp8:
         projection = args.projection or "fc1"
@@ -103,7 +105,7 @@ def main() -> None:
         unknown = [v for v in variants if v not in FP8_GEMM_VARIANTS]
         if unknown:
             parser.error(f"--fp8-variants: {unknown} not in {FP8_GEMM_VARIANTS}")
-        profile_fp8(args.shape, projection, variants)
+        profile_fp8(args.shape, projection, variants, args.fp8_cluster)
         return
     args.projection = args.projection or "down"
     if args.projection not in ("down", "gate_up"):

@@ -120,6 +120,22 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
   }
 }
 
+// The wide kernel (Fp8ExpertGemmWideKernel: 128 x 192 tiles, B in boxes of 96 rows of weight (b_rows,
+// k) e4m3) with Epilogue's store or push; maps: A, then the epilogue's.
+template <class Epilogue, class... Maps>
+void launch_wide(const char* op, int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
+                 const at::Tensor& weight, int64_t b_rows, int64_t k, const CUtensorMap& a_map, const Maps&... maps) {
+  TORCH_CHECK(Fp8WideGemmSharedStorage::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), op,
+              "this GPU has less shared memory per block than the wide kernel's ",
+              std::to_string(Fp8WideGemmSharedStorage::kSmemBytes), " bytes");
+  const CUtensorMap b_map = e4m3_rows_map(weight, b_rows, k, Fp8WideGemmTile::kBPartRows, "weight");
+  if (cluster_m == 1) {
+    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1, Epilogue>, 1>(params, a_map, b_map, maps...);
+  } else {
+    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2, Epilogue>, 2>(params, a_map, b_map, maps...);
+  }
+}
+
 // The ops whose epilogues are built in the kDefault and kOverlap mainloops only (launch_with_variant's
 // kWithPingpong false) refuse every other variant here, before anything is launched.
 void check_default_or_overlap(const char* op, int64_t variant) {
@@ -240,16 +256,7 @@ void fp8_expert_gemm_launch(const char* op, const at::Tensor& a, const at::Tenso
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
   if (Fp8Mainloop(variant) == Fp8Mainloop::kWide) {
-    using WideTile = Fp8WideGemmTile;
-    TORCH_CHECK(Fp8WideGemmSharedStorage::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), op,
-                "this GPU has less shared memory per block than the wide kernel's ",
-                std::to_string(Fp8WideGemmSharedStorage::kSmemBytes), " bytes");
-    const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, WideTile::kBPartRows, "weight");
-    if (cluster_m == 1) {
-      launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1>, 1>(p, a_map, b_map, out_map);
-    } else {
-      launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2>, 2>(p, a_map, b_map, out_map);
-    }
+    launch_wide<Fp8StoreEpilogue>(op, cluster_m, p, weight, experts * n, k, a_map, out_map);
     return;
   }
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
@@ -282,14 +289,18 @@ void fp8_expert_gemm_into(const at::Tensor& a, const at::Tensor& a_scales, const
 // its route's source rank, at the route's slot t * topk + k (push_rows' destination: exchange_ops.cu),
 // nothing for a row of route -1; rows outside the segments not written. slot_to_route (rows,) int64;
 // own_combine (num_tokens * topk, N) bf16, this rank's region, stands for every rank's (peer ptrs in
-// rank order, each 16-byte aligned). variant: kDefault or kOverlap (the instances built for it).
+// rank order, each 16-byte aligned). variant: kDefault, kOverlap or kWide (the instances built for it).
 void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
                           int64_t group_m, int64_t variant, const at::Tensor& slot_to_route, int64_t topk,
                           int64_t num_tokens, const at::Tensor& own_combine, c10::IntArrayRef peer_combine_ptrs) {
   constexpr const char* kOp = "fp8_expert_gemm_push: ";
   TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
-  check_default_or_overlap(kOp, variant);
+  TORCH_CHECK(variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap) ||
+                  variant == int64_t(Fp8Mainloop::kWide),
+              kOp, "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default), ",
+              std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap) or ", std::to_string(int(Fp8Mainloop::kWide)),
+              " (wide), got ", std::to_string(variant));
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, n, k, scale_rows] =
       check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
@@ -319,6 +330,10 @@ void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const
                                              group_m);
   p.epilogue = epilogue;
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
+  if (Fp8Mainloop(variant) == Fp8Mainloop::kWide) {
+    launch_wide<Fp8PushEpilogue>(kOp, cluster_m, p, weight, experts * n, k, a_map);
+    return;
+  }
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
   launch_with_variant<Fp8PushEpilogue, false>(variant, cluster_m, p, a_map, b_map);
 }

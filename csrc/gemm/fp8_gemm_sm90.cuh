@@ -184,14 +184,52 @@ struct Fp8StoreEpilogue : Fp8OnePassColumns {
   }
 };
 
+// What the push epilogues (Fp8PushEpilogue and the wide kernel's) share. Lane l < 16 of warp w of a
+// consumer warpgroup owns row 2 w + l % 2 + 8 (l / 2) of the warpgroup's 64 (a warp's 16 rows): it
+// finds that row's destination once, its route loaded before the tile is staged so that the load's
+// latency passes meanwhile, and the threads that copy the row's chunks take it by shuffle.
+
+// The group route of the row lane (< 16) of warp owns; -1 for none, or for a row outside the segment
+// or the product, or of a padding slot (not written).
+__device__ __forceinline__ int64_t push_owned_route(const Fp8PushEpilogueParams& e, const OutputExtent& out_extent,
+                                                    const TileCoord& c, int consumer, int warp, int lane) {
+  const int row_in_tile = 64 * consumer + 2 * warp + lane % 2 + 8 * (lane / 2);
+  const int64_t row = int64_t(c.row0) + row_in_tile;
+  return row_in_tile < c.rows && row < out_extent.num_rows ? e.slot_to_route[row] : -1;
+}
+
+// The address of column col0 of a group route's row in its source rank's combine region, 0 for none
+// (group_route < 0). A route past the group's is a schedule bug: trap, as push_rows does (out of line:
+// an inline trap holds ptxas to the launch's 168 registers in this code). Past the check the route is
+// 32-bit: the op refuses a group of 2^31 routes or more.
+__device__ __forceinline__ uint64_t push_owned_address(const Fp8PushEpilogueParams& e, int64_t group_route,
+                                                       int n_out, int col0) {
+  if (group_route >= int64_t(e.num_ranks) * e.routes_per_rank) sm90::trap_out_of_line();
+  if (group_route < 0) return 0;
+  const BlockRow32 at = locate_block_row(int(group_route), e.routes_per_rank, e.num_ranks);
+  return reinterpret_cast<uint64_t>(static_cast<__nv_bfloat16*>(pick_rank(e.peer_tables, at.block)) +
+                                    int64_t(at.row) * n_out + col0);
+}
+
+// The owned address of lane `owner` of this warp (every lane of the warp calls it).
+__device__ __forceinline__ uint64_t push_owner_address(uint64_t owned, int owner) {
+  return (uint64_t(__shfl_sync(0xffffffffu, uint32_t(owned >> 32), owner)) << 32) |
+         __shfl_sync(0xffffffffu, uint32_t(owned), owner);
+}
+
+// Chunk `chunk` (16 bytes: columns 8 chunk .. + 7 of the box) of row r of a 64 x 64 staged box
+// (stage_columns' swizzled layout).
+__device__ __forceinline__ uint4 staged_chunk(const uint8_t* box, int r, int chunk) {
+  return *reinterpret_cast<const uint4*>(box + r * 128 + ((chunk ^ (r & 7)) << 4));
+}
+
 // The product's rows straight into the sources' combine regions (mok_params.h Fp8PushEpilogueParams):
 // the push of the in-kernel exchange (moe/push_combine_sm90.cuh push_rows_kernel) in the epilogue,
 // so the (rows, n_out) bf16 product is never written to this rank's memory and read back. Row r of
 // the tile goes to row at.row of rank at.block's region, at = locate_block_row(slot_to_route[r]),
 // rounded once to bf16 as the store epilogue rounds it; a route is the destination of exactly one
 // row of one rank, so the sources' fixed-order combine reads what push_rows would have written, bit
-// for bit. A route past the group's is a schedule bug: trap, as push_rows does
-// (through sm90::trap_out_of_line, common/watchdog_sm90.cuh says why).
+// for bit.
 struct Fp8PushEpilogue : Fp8OnePassColumns {
   using Maps = Fp8PushEpilogueMaps;
   using Params = Fp8PushEpilogueParams;
@@ -199,11 +237,9 @@ struct Fp8PushEpilogue : Fp8OnePassColumns {
 
   // Through the warpgroup's staging buffer (stage_columns: the store epilogue's stmatrix layout),
   // then out of it in 16-byte chunks: thread t copies chunk t % 16 of rows r_i = t / 16 + 8 i
-  // (i < 8), so a warp's stores cover two whole rows (512 contiguous bytes of the two destinations).
-  // A warp's rows are 16 (two per i): lane l < 16 finds the destination of the one it owns, row
-  // 2 warp + l % 2 + 8 (l / 2), once, its route loaded before the tile is staged so that the load's
-  // latency passes meanwhile, and the chunks' threads take it by shuffle. The accumulators die in
-  // the staging, before any of this takes registers.
+  // (i < 8), so a warp's stores cover two whole rows (512 contiguous bytes of the two destinations);
+  // row r_i's owner is lane t % 32 / 16 + 2 i (push_owned_route). The accumulators die in the
+  // staging, before any of this takes registers.
   static __device__ __forceinline__ void after_pass(const Maps&, const Params& e, const OutputExtent& out_extent,
                                                     const float (&acc)[Fp8GemmTile::kAccumulators], const TileCoord& c,
                                                     int, State&, StagingRing& staging, int consumer, int thread) {
@@ -211,26 +247,11 @@ struct Fp8PushEpilogue : Fp8OnePassColumns {
     uint32_t packed[Fp8GemmTile::kAccumulators / 2];
     pack(acc, packed);
     const int warp = thread / 32, lane = thread % 32;
-    // The group route of the row this lane owns; negative (-1) for none, or for a row outside the
-    // segment or the product, or of a padding slot: not written.
-    int64_t group_route = -1;
-    if (lane < 16) {
-      const int row_in_tile = 64 * consumer + 2 * warp + lane % 2 + 8 * (lane / 2);
-      const int64_t row = int64_t(c.row0) + row_in_tile;
-      if (row_in_tile < c.rows && row < out_extent.num_rows) group_route = e.slot_to_route[row];
-    }
+    const int64_t group_route = lane < 16 ? push_owned_route(e, out_extent, c, consumer, warp, lane) : -1;
     uint8_t* buffer = staging.acquire();
     stage_columns(buffer, thread, 0, [&](int j, int h) { return packed[2 * j + h]; });
     sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);  // every row staged
-    // (Out of line: an inline trap holds ptxas to the launch's 168 registers in this code. Past it
-    // the route is 32-bit: the op refuses a group of 2^31 routes or more.)
-    if (group_route >= int64_t(e.num_ranks) * e.routes_per_rank) sm90::trap_out_of_line();
-    uint64_t owned = 0;  // the owned row's first element of this tile's columns, 0 for none
-    if (group_route >= 0) {
-      const BlockRow32 at = locate_block_row(int(group_route), e.routes_per_rank, e.num_ranks);
-      owned = reinterpret_cast<uint64_t>(static_cast<__nv_bfloat16*>(pick_rank(e.peer_tables, at.block)) +
-                                         int64_t(at.row) * out_extent.n_out + c.n0);
-    }
+    const uint64_t owned = push_owned_address(e, group_route, out_extent.n_out, c.n0);
     const int chunk = lane % 16;  // 16-byte chunk of a row: columns 8 * chunk .. + 7
     // (A generic pointer: a 32-bit shared address here is formed before the K loop and held across
     // it, which spills.)
@@ -238,12 +259,10 @@ struct Fp8PushEpilogue : Fp8OnePassColumns {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = thread / 16 + 8 * i;  // row of the warpgroup's 64, owned by lane lane / 16 + 2 i
-      const int owner = lane / 16 + 2 * i;
-      const uint64_t destination = (uint64_t(__shfl_sync(0xffffffffu, uint32_t(owned >> 32), owner)) << 32) |
-                                   __shfl_sync(0xffffffffu, uint32_t(owned), owner);
+      const uint64_t destination = push_owner_address(owned, lane / 16 + 2 * i);
       if (destination == 0) continue;
-      const uint4 value = *reinterpret_cast<const uint4*>(box + r * 128 + (((chunk % 8) ^ (r & 7)) << 4));
-      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(destination) + 8 * chunk) = value;
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(destination) + 8 * chunk) =
+          staged_chunk(box, r, chunk % 8);
     }
   }
 };

@@ -1,6 +1,6 @@
-// The FP8 blockwise grouped GEMM in 128 x 192 tiles (sm_90a; op variant "wide" of ops.fp8_expert_gemm,
-// the store epilogue): the product of gemm/fp8_gemm_sm90.cuh's Fp8StoreEpilogue, bit for bit, from a
-// kernel shaped the other way round. Where that kernel keeps the tensor cores fed by overlapping
+// The FP8 blockwise grouped GEMM in 128 x 192 tiles (sm_90a; op variant "wide" of ops.fp8_expert_gemm
+// and ops.fp8_expert_gemm_push): the product of gemm/fp8_gemm_sm90.cuh's Fp8StoreEpilogue (or its rows
+// where Fp8PushEpilogue pushes them), bit for bit, from a kernel shaped the other way round. Where that kernel keeps the tensor cores fed by overlapping
 // each warpgroup's promotion with its next K block (two partials of 64 columns), this one reads less
 // per FLOP and relies on the two consumer warpgroups drifting apart on the shared tensor cores:
 //   - one wgmma m64n192k32 per 32 of K: A is read from shared memory once per 192 columns, not once
@@ -30,6 +30,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/failure_codes.h"
 #include "common/fp8_block_math.cuh"
@@ -97,16 +98,21 @@ struct Fp8WideGemmSharedStorage {
   sm90::WaitWatch* watch;
 };
 
-// kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast. Launched through
-// gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM>, Maps, Params, CUtensorMap x 3> (A in boxes of
-// 128 rows, B in boxes of 96 rows, out in 64 x 64 boxes) with a cluster dimension of kClusterM.
-template <int kClusterM>
+// kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast. Epilogue: Fp8StoreEpilogue (the
+// rows stored through TMA) or Fp8PushEpilogue (pushed into the sources' combine regions); only its
+// Maps, Params and tensor-map prefetch are taken, the 192-column forms are this kernel's (store, push).
+// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue>, Maps, Params,
+// CUtensorMap...> (A in boxes of 128 rows, B in boxes of 96 rows, then the store's out in 64 x 64
+// boxes) with a cluster dimension of kClusterM.
+template <int kClusterM, class Epilogue = Fp8StoreEpilogue>
 struct Fp8ExpertGemmWideKernel {
   using Tile = Fp8WideGemmTile;
   using SharedStorage = Fp8WideGemmSharedStorage;
   using Scheduler = ExpertTileScheduler<kClusterM, Tile::kN>;
-  using Maps = Fp8ExpertGemmMaps<StoreEpilogueMaps>;
-  using Params = Fp8ExpertGemmParams<StoreEpilogueParams>;
+  using Maps = Fp8ExpertGemmMaps<typename Epilogue::Maps>;
+  using Params = Fp8ExpertGemmParams<typename Epilogue::Params>;
+  static constexpr bool kPush = std::is_same_v<Epilogue, Fp8PushEpilogue>;
+  static_assert(kPush || std::is_same_v<Epilogue, Fp8StoreEpilogue>, "the store or the push epilogue");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
   static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
 
@@ -120,7 +126,7 @@ struct Fp8ExpertGemmWideKernel {
     if (threadIdx.x == 32) {
       sm90::prefetch_tensor_map(maps.a);
       sm90::prefetch_tensor_map(maps.b);
-      sm90::prefetch_tensor_map(maps.epilogue.out);
+      Epilogue::prefetch_tensor_maps(maps.epilogue);
     }
     // Every CTA's barriers exist before a peer multicasts into or arrives on them.
     sm90::cluster_sync();
@@ -264,7 +270,12 @@ struct Fp8ExpertGemmWideKernel {
           promote<Tile::kGroups / 3>(acc, partial, scale);
         }
       }
-      store(maps, p, out_extent, acc, c, shared.staging + consumer * Tile::kStagingBytes, consumer, thread);
+      uint8_t* staging = shared.staging + consumer * Tile::kStagingBytes;
+      if constexpr (kPush) {
+        push(p.epilogue, out_extent, acc, c, staging, consumer, thread);
+      } else {
+        store(maps, p, out_extent, acc, c, staging, consumer, thread);
+      }
     }
     if (thread == 0) {
       sm90::bulk_wait_all();  // the last tile's stores are complete before the CTA exits
@@ -284,6 +295,57 @@ struct Fp8ExpertGemmWideKernel {
     }
   }
 
+  // The accumulators rounded once to bf16 pairs, as Fp8OnePassColumns::pack rounds 128 columns:
+  // packed[2 * j + h] holds columns 8 * j + 2 * (lane % 4) + {0, 1} of row half h.
+  static __device__ __forceinline__ void pack(const float (&acc)[Tile::kAccumulators],
+                                              uint32_t (&packed)[Tile::kAccumulators / 2]) {
+#pragma unroll
+    for (int j = 0; j < Tile::kGroups; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
+
+  // Fp8PushEpilogue's rows over 192 columns: the warpgroup's 64 rows staged as store() stages them
+  // (three 64 x 64 boxes), then copied out in 16-byte chunks to each row's route in its source's
+  // combine region (push_owned_route, push_owned_address): boxes 0 and 1 as Fp8PushEpilogue copies
+  // its two (thread t: chunk t % 16 of rows t / 16 + 8 i, i < 8), box 2 eight chunks a row (thread t:
+  // chunk t % 8 of the warp's row q = 4 i + lane / 8, i < 4, owned by lane q). Boxes past N are not
+  // copied (N is a multiple of 128 and n0 of 192, so a box lies wholly inside or wholly past N).
+  static __device__ __forceinline__ void push(const Fp8PushEpilogueParams& e, const OutputExtent& out_extent,
+                                              const float (&acc)[Tile::kAccumulators], const TileCoord& c,
+                                              uint8_t* staging, int consumer, int thread) {
+    uint32_t packed[Tile::kAccumulators / 2];
+    pack(acc, packed);
+    const int warp = thread / 32, lane = thread % 32;
+    const int64_t group_route = lane < 16 ? push_owned_route(e, out_extent, c, consumer, warp, lane) : -1;
+    // The buffer is free once every thread of the warpgroup has copied the previous tile's rows out.
+    sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);
+    stage_columns<Tile::kN>(staging, thread, 0, [&](int j, int h) { return packed[2 * j + h]; });
+    sm90::named_barrier_sync(kConsumerBarrier + consumer, kNumThreadsPerWarpGroup);  // every row staged
+    const uint64_t owned = push_owned_address(e, group_route, out_extent.n_out, c.n0);
+    const int chunk = lane % 16;
+    const uint8_t* box = staging + (chunk / 8) * ExpertGemmTile::kStoreBoxBytes;
+    const bool chunk_inside = c.n0 + 8 * chunk < out_extent.n_out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t destination = push_owner_address(owned, lane / 16 + 2 * i);
+      if (destination == 0 || !chunk_inside) continue;
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(destination) + 8 * chunk) =
+          staged_chunk(box, thread / 16 + 8 * i, chunk % 8);
+    }
+    if (c.n0 + 2 * ExpertGemmTile::kStoreBox >= out_extent.n_out) return;  // box 2 past N (uniform)
+    const uint8_t* last_box = staging + 2 * ExpertGemmTile::kStoreBoxBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q = 4 * i + lane / 8;  // the warp's row, owned by lane q
+      const uint64_t destination = push_owner_address(owned, q);
+      if (destination == 0) continue;
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(destination) + 2 * ExpertGemmTile::kStoreBox +
+                                8 * (lane % 8)) = staged_chunk(last_box, 2 * warp + q % 2 + 8 * (q / 2), lane % 8);
+    }
+  }
+
   // Fp8StoreEpilogue's rounding and layout over 192 columns: through the warpgroup's staging buffer
   // and up to three TMA stores (boxes past N skipped) when its 64 rows lie inside the segment, else
   // from registers with row and column masks.
@@ -291,11 +353,7 @@ struct Fp8ExpertGemmWideKernel {
                                                const float (&acc)[Tile::kAccumulators], const TileCoord& c,
                                                uint8_t* staging, int consumer, int thread) {
     uint32_t packed[Tile::kAccumulators / 2];
-#pragma unroll
-    for (int j = 0; j < Tile::kGroups; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) packed[2 * j + h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
+    pack(acc, packed);
     const auto pair = [&](int j, int h) { return packed[2 * j + h]; };
     if (c.rows >= 64 * (consumer + 1)) {
       // The buffer is free once the previous tile's stores have read it.

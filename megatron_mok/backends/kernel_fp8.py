@@ -98,7 +98,7 @@ def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWe
         ops.fp8_expert_gemm_push(
             values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH,
             slot_to_route=push.slot_to_route, topk=push.topk, num_tokens=push.num_tokens, own_combine=push.own,
-            peer_combine_ptrs=list(push.peer_ptrs), variant=tuning.FP8_EXPERT_GEMM_VARIANT,
+            peer_combine_ptrs=list(push.peer_ptrs), variant=tuning.FP8_PUSH_GEMM_VARIANT,
         )
         return None
     return ops.fp8_expert_gemm(

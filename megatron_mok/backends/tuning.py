@@ -49,29 +49,38 @@ EXPERT_GEMM_CLUSTER_M = 1
 # m fastest, so the CTAs working at once share weight slices and rows in L2.
 EXPERT_GEMM_GROUP_M = 16
 
-# The FP8 blockwise grouped GEMMs (ops.fp8_expert_gemm, ops.fp8_expert_gemm_swiglu). Their tile is
-# fixed at compile time (csrc/gemm/fp8_gemm_sm90.cuh Fp8GemmTile): 128 rows x 128 B rows (two halves of
-# 64, each inside one 128 x 128 weight scale block), one 128-wide K block per stage (the promotion
-# unit), 6 stages (5 when the BF16 kernels are built with MOK_EXPERT_GEMM_STAGES=3, which doubles the
-# staging buffers); the SwiGLU variant runs two passes per 128 act columns. The launch: single-CTA
-# clusters and the "overlap" mainloop (ops.fp8_gemm.FP8_GEMM_VARIANTS: block k + 1's wgmmas are
-# issued before block k's partial is promoted, so each warpgroup promotes while its next block runs), the
-# fastest of the six launches on the H200 at the DeepSeek-V3 and Qwen3-30B shapes
-# (docs/performance.md, "The FP8 blockwise grouped GEMM alone"; 2-CTA clusters sharing each weight
-# slice through TMA multicast were slower in every mainloop). Every mainloop gives the default's
-# bits (tests/ops/test_gpu_fp8_gemm.py), so this choice is speed only. The SwiGLU-epilogue GEMM of the
-# forward gate/up (ops.fp8_expert_gemm_swiglu) runs the overlap mainloop too, its fastest (751 vs 658
-# TFLOP/s at DeepSeek-V3, 571 vs 507 at Qwen3-30B on the H200, docs/performance.md).
+# The FP8 blockwise grouped GEMMs (ops.fp8_expert_gemm, ops.fp8_expert_gemm_swiglu). The default
+# kernel's tile is fixed at compile time (csrc/gemm/fp8_gemm_sm90.cuh Fp8GemmTile): 128 rows x 128 B
+# rows (two halves of 64, each inside one 128 x 128 weight scale block), one 128-wide K block per stage
+# (the promotion unit), 6 stages (5 when the BF16 kernels are built with MOK_EXPERT_GEMM_STAGES=3, which
+# doubles the staging buffers); the SwiGLU variant runs two passes per 128 act columns. The launch:
+# single-CTA clusters (2-CTA clusters sharing each weight slice through TMA multicast were no faster in
+# any mainloop) and raster groups of 16 m-tiles.
 FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
-FP8_EXPERT_GEMM_VARIANT = "overlap"
+# The mainloop of the FP8 GEMMs that store their bf16 rows (fc2 and the dgrads at EP = 1 or over the
+# collective exchange, fc1 before the act kernel): "wide" (ops.fp8_gemm.FP8_GEMM_VARIANTS; its own
+# kernel, csrc/gemm/fp8_gemm_wide_sm90.cuh: 128 x 192 tiles, one m64n192k32 wgmma per 32 of K and one
+# partial sum per warpgroup, its stage descriptors in uniform registers), the fastest at the dense and
+# DeepSeek-V3 shapes at the steady clock (docs/performance.md, "The FP8 GEMM at its steady clock") and
+# in the layer, where it took the DeepSeek-V3 forward from 8.01 to 6.90 ms beside "overlap" in one run
+# on the H100 ("The FP8 layer with the wide GEMMs"). Every mainloop gives the default's bits
+# (tests/ops/test_gpu_fp8_gemm.py), so the choice is speed only.
+FP8_EXPERT_GEMM_VARIANT = "wide"
 # Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the
 # GEMM's epilogue (ops.fp8_expert_gemm_push) instead of writing (capacity, H) bf16 rows that the
 # push kernel then reads and copies: the same bytes in the combine regions, without a write and read
 # of the rows in this rank's memory per pass (docs/performance.md, "The push in the FP8 GEMM's
-# epilogue"). The push GEMM is built for the default and overlap mainloops only: with this on,
-# FP8_EXPERT_GEMM_VARIANT must be one of them (ops.fp8_expert_gemm_push refuses the others by name).
+# epilogue"). The push GEMM is built in the default and overlap mainloops and the wide kernel
+# (ops.fp8_gemm.FP8_PUSH_GEMM_VARIANTS; ops.fp8_expert_gemm_push refuses the others by name); it runs
+# FP8_PUSH_GEMM_VARIANT, "wide" as the storing GEMMs: the one-rank step over the in-kernel exchange
+# took 28.66 ms with both in wide against 30.21 with both in overlap (DeepSeek-V3; Qwen3-30B 10.59
+# against 10.91; H100, scripts/bench_windows.py --gemm-variants overlap,wide).
 FP8_PUSH_IN_EPILOGUE = True
+FP8_PUSH_GEMM_VARIANT = "wide"
+# The SwiGLU-epilogue GEMM of the forward gate/up (ops.fp8_expert_gemm_swiglu) runs the overlap
+# mainloop, its fastest (751 vs 658 TFLOP/s at DeepSeek-V3, 571 vs 507 at Qwen3-30B on the H200,
+# docs/performance.md).
 FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 # With FP8 weight gradients and this on, the down projection's dgrad runs the SwiGLU backward and d
 # gate_up's row-wise quantization in its epilogue (ops.fp8_expert_gemm_swiglu_backward) instead of

@@ -34,7 +34,7 @@ FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales", "o
 # registers spill, so that instance is not built.
 FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")
 # The mainloops of ops.fp8_expert_gemm_push (the instances built for it).
-FP8_PUSH_GEMM_VARIANTS = ("default", "overlap")
+FP8_PUSH_GEMM_VARIANTS = ("default", "overlap", "wide")
 # The mainloops of ops.fp8_expert_gemm_swiglu_backward (the instances built for it).
 FP8_SWIGLU_BACKWARD_GEMM_VARIANTS = ("default", "overlap")
 

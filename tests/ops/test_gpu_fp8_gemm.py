@@ -482,20 +482,21 @@ def test_push_epilogue_writes_what_push_rows_moves(case, span, num_ranks, varian
     assert written == int(((routes >= 0) & (torch.arange(len(routes), device="cuda") < end)).sum()) > 0
 
 
-def test_push_epilogue_is_deterministic_and_replays_in_a_graph():
+@pytest.mark.parametrize("variant", FP8_PUSH_GEMM_VARIANTS)
+def test_push_epilogue_is_deterministic_and_replays_in_a_graph(variant):
     args, _, end = case_args("qwen3_30b_fc2")
     routes, num_tokens = push_problem(args[0].shape[0], end, 2, seed=9)
     eager = regions_with_sentinel(2, num_tokens, 2, args[2].shape[1])
-    launch_push(args, routes, num_tokens, eager, 0, None, "overlap")
+    launch_push(args, routes, num_tokens, eager, 0, None, variant)
     regions = regions_with_sentinel(2, num_tokens, 2, args[2].shape[1])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture
-        launch_push(args, routes, num_tokens, regions, 0, None, "overlap")
+        launch_push(args, routes, num_tokens, regions, 0, None, variant)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launch_push(args, routes, num_tokens, regions, 0, None, "overlap")
+        launch_push(args, routes, num_tokens, regions, 0, None, variant)
     for _ in range(2):
         for r in regions:
             r.fill_(float("nan"))
