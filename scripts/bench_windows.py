@@ -119,7 +119,8 @@ def main() -> None:
     finally:
         apply(default)
     print(f"\n{torch.cuda.get_device_name()}\n")
-    print("| shape | precision | factor | windows | dgrad ranges | wgrad operands | push | GEMMs (store, push) | fwd+bwd ms | vs one window |")
+    print("| shape | precision | factor | windows | dgrad ranges | wgrad operands | push | GEMMs (store, push) | "
+          "fwd+bwd ms | vs one window |")
     print("| --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
     for name, precision, factor, ranges, from_peers, push, variants, m, ms, ratio in rows:
         operands = "from the regions" if from_peers else "pulled rows"

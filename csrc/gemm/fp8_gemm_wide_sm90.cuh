@@ -1,8 +1,9 @@
 // The FP8 blockwise grouped GEMM in 128 x 192 tiles (sm_90a; op variant "wide" of ops.fp8_expert_gemm
 // and ops.fp8_expert_gemm_push): the product of gemm/fp8_gemm_sm90.cuh's Fp8StoreEpilogue (or its rows
-// where Fp8PushEpilogue pushes them), bit for bit, from a kernel shaped the other way round. Where that kernel keeps the tensor cores fed by overlapping
-// each warpgroup's promotion with its next K block (two partials of 64 columns), this one reads less
-// per FLOP and relies on the two consumer warpgroups drifting apart on the shared tensor cores:
+// where Fp8PushEpilogue pushes them), bit for bit, from a kernel shaped the other way round. Where
+// that kernel keeps the tensor cores fed by overlapping each warpgroup's promotion with its next K
+// block (two partials of 64 columns), this one reads less per FLOP and relies on the two consumer
+// warpgroups drifting apart on the shared tensor cores:
 //   - one wgmma m64n192k32 per 32 of K: A is read from shared memory once per 192 columns, not once
 //     per 128 (the B operand's share per FLOP is the same at any N);
 //   - with 2-CTA clusters (vertically adjacent m-tiles of one expert) each CTA loads one 96-row half
