@@ -136,12 +136,15 @@ void launch_wide(const char* op, int64_t cluster_m, const Fp8ExpertGemmParams<ty
   }
 }
 
-// The ops whose epilogues are built in the kDefault and kOverlap mainloops only (launch_with_variant's
-// kWithPingpong false) refuse every other variant here, before anything is launched.
-void check_default_or_overlap(const char* op, int64_t variant) {
-  TORCH_CHECK(variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap), op,
-              "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default) or ",
-              std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap), got ", std::to_string(variant));
+// The ops whose epilogues are built in the kDefault and kOverlap mainloops only (and, with_wide, in
+// the wide kernel) refuse every other variant here, before anything is launched.
+void check_built_variant(const char* op, int64_t variant, bool with_wide = false) {
+  const bool built = variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap) ||
+                     (with_wide && variant == int64_t(Fp8Mainloop::kWide));
+  TORCH_CHECK(built, op, "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default)",
+              with_wide ? ", " : " or ", std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap)",
+              with_wide ? " or " + std::to_string(int(Fp8Mainloop::kWide)) + " (wide)" : std::string(), ", got ",
+              std::to_string(variant));
 }
 
 // variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller. kWithPingpong false: the
@@ -296,11 +299,7 @@ void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const
                           int64_t num_tokens, const at::Tensor& own_combine, c10::IntArrayRef peer_combine_ptrs) {
   constexpr const char* kOp = "fp8_expert_gemm_push: ";
   TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
-  TORCH_CHECK(variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap) ||
-                  variant == int64_t(Fp8Mainloop::kWide),
-              kOp, "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default), ",
-              std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap) or ", std::to_string(int(Fp8Mainloop::kWide)),
-              " (wide), got ", std::to_string(variant));
+  check_built_variant(kOp, variant, /*with_wide=*/true);
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, n, k, scale_rows] =
       check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
@@ -352,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_expert_gemm_swiglu(const at::
                                                                       int64_t variant) {
   constexpr const char* kOp = "fp8_expert_gemm_swiglu: ";
   TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
-  check_default_or_overlap(kOp, variant);
+  check_built_variant(kOp, variant);
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, two_ffn, k, scale_rows] =
       check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
@@ -389,7 +388,7 @@ void fp8_expert_gemm_swiglu_backward_into(const at::Tensor& a, const at::Tensor&
                                           const at::Tensor& rows_q, const at::Tensor& rows_scales, bool pow2) {
   constexpr const char* kOp = "fp8_expert_gemm_swiglu_backward_into: ";
   TORCH_CHECK(a.is_cuda(), kOp, "a must be a CUDA tensor");
-  check_default_or_overlap(kOp, variant);
+  check_built_variant(kOp, variant);
   const c10::cuda::CUDAGuard guard(a.device());
   const auto [experts, ffn, k, scale_rows] =
       check_fp8_operands(kOp, a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m);
