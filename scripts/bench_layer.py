@@ -162,10 +162,11 @@ def fp8_alternatives() -> dict:
     # tuning.FP8_DGRAD_EXPERT_RANGES makes them in: what the ranges cost, and what they save in peak.
     if tuning.FP8_DGRAD_EXPERT_RANGES != 1:
         runs["mok_kernel_fp8_dgrad_whole_copy"] = with_tuning("FP8_DGRAD_EXPERT_RANGES", 1, mok_layer(FP8_KERNEL))
-    # The weight gradients in the overlap mainloop that waits for a tile's epilogue before its next
-    # tile's first block, beside tuning's overlap_across_tiles.
-    if tuning.FP8_WGRAD_VARIANT != "overlap":
-        runs["mok_kernel_fp8_wgrad_overlap"] = with_tuning("FP8_WGRAD_VARIANT", "overlap", mok_layer(FP8_KERNEL))
+    # The weight gradients in the 128 x 128 overlap_across_tiles mainloop and in the 128 x 192 wide
+    # kernel, whichever tuning does not choose, beside tuning's.
+    for variant in ("overlap_across_tiles", "wide"):
+        if tuning.FP8_WGRAD_VARIANT != variant:
+            runs["mok_kernel_fp8_wgrad_" + variant] = with_tuning("FP8_WGRAD_VARIANT", variant, mok_layer(FP8_KERNEL))
     # The plain FP8 GEMMs (fc2, the dgrads; fc1 with the act kernel) with their scale products made
     # after each block's wait (ops.fp8_gemm's overlap_late_scales), beside tuning's mainloop.
     if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
@@ -407,23 +408,24 @@ def main() -> None:
     _print_details(results)
     _print_queued(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print(f"{'shape':<12} {'method':<33} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
+    print(f"{'shape':<12} {'method':<41} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
         for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
             r = row.get(label)
             tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label in (
-                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales",
-                "mok_kernel_fp8_gemm_wide", "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
+                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap_across_tiles",
+                "mok_kernel_fp8_wgrad_wide", "mok_kernel_fp8_gemm_late_scales", "mok_kernel_fp8_gemm_wide",
+                "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
             if r is None and tuning_alternative:
                 continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
                 why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
-                print(f"{row['shape']:<12} {label:<33} {'n/a: ' + str(why):>40}")
+                print(f"{row['shape']:<12} {label:<41} {'n/a: ' + str(why):>40}")
                 continue
             held = f"{r['held_mb']:8.0f}" if "held_mb" in r else f"{'-':>8}"  # (megatron_alltoall's is not measured)
             print(
-                f"{row['shape']:<12} {label:<33} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
+                f"{row['shape']:<12} {label:<41} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
                 f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {held} "
                 f"{base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
             )
@@ -440,7 +442,8 @@ METHOD_LABELS = (
 FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_later_microbatch", "mok_kernel_fp8_uncached",
               "mok_kernel_fp8_bf16_wgrad",
               "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
-              "mok_kernel_fp8_wgrad_overlap", "mok_kernel_fp8_gemm_late_scales", "mok_kernel_fp8_gemm_wide",
+              "mok_kernel_fp8_wgrad_overlap_across_tiles", "mok_kernel_fp8_wgrad_wide", "mok_kernel_fp8_gemm_late_scales",
+              "mok_kernel_fp8_gemm_wide",
               "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
 
 

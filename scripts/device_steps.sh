@@ -81,6 +81,11 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_symmetric) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k symmetric" ;;
         fp8_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants default,pingpong,overlap" ;;
         # The FP8 weight gradient in every mainloop (overlap_across_tiles: the next tile's first block issued before the epilogue).
+        # The wide FP8 GEMM's short-K projections at the steady clock beside overlap (fc2: 16 K blocks a tile,
+        # where a tile's start weighs most).
+        fp8_wide_short_k_sustained) echo 120 "for p in fc2 dgrad_fc1; do python3 scripts/bench_gemm_sustained.py --shape deepseek_v3_ep8 --projection \$p --variants overlap,wide --seconds 2; done" ;;
+        # The FP8 weight gradient in every mainloop and in the 128 x 192 wide kernel, same run.
+        fp8_wgrad_wide_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
         fp8_across_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
         # The FP8 GEMM's scale products after each block's wait (overlap_late_scales) beside the overlap mainloop, same run.
         fp8_late_scales_bench) echo 200 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,overlap_late_scales --fp8-clusters 1 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;

@@ -22,12 +22,18 @@
 #include "common/limits.h"
 #include "common/tensor_map.h"
 #include "gemm/fp8_wgrad_sm90.cuh"
+#include "gemm/fp8_wgrad_wide_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
 namespace {
 
 constexpr const char* kOp = "fp8_expert_wgrad: ";
+
+// The op's variants (megatron_mok/ops/fp8_wgrad.py FP8_WGRAD_VARIANTS, in this order): the 128-wide
+// kernel's mainloops (Fp8WgradMainloop), then the 128 x 192 kernel (Fp8ExpertWgradWideKernel).
+constexpr int64_t kWideVariant = kFp8WgradMainloopCount;
+constexpr int64_t kVariantCount = kFp8WgradMainloopCount + 1;
 
 // On first sight of a kernel on a device, its registers against its setmaxnreg budgets (fewer
 // registers than they move would hang the consumers' increase until the watchdog traps).
@@ -50,9 +56,10 @@ void check_register_budget(Kernel kernel) {
   checked.emplace(key, true);
 }
 
-template <Fp8WgradMainloop kMainloop>
+// Kernel: Fp8ExpertWgradKernel<mainloop> or Fp8ExpertWgradWideKernel (its tile's width sets the inputs
+// map's box rows and the n-tiles, the last of which may reach past n).
+template <class Kernel>
 void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad, const at::Tensor& inputs) {
-  using Kernel = Fp8ExpertWgradKernel<kMainloop>;
   using Tile = typename Kernel::Tile;
   constexpr size_t kSmemBytes = Kernel::SharedStorage::kSmemBytes;
   TORCH_CHECK(kSmemBytes <= size_t(max_shared_memory_per_block_optin()), kOp,
@@ -74,7 +81,7 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   check_register_budget<Tile>(kernel);
   // Persistent: at most one CTA per SM (the shared memory allows no second), at most one per tile.
-  const int64_t tiles = int64_t(g.num_experts) * (g.m / Tile::kM) * (g.n / Tile::kN);
+  const int64_t tiles = int64_t(g.num_experts) * (g.m / Tile::kM) * ((g.n + Tile::kN - 1) / Tile::kN);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(tiles, multiprocessor_count())));
   kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(grad_map, inputs_map, rounded_out_map, params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -86,9 +93,9 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
 // (carry_in and carry_out, (m, n) fp32 each, with rounded_out, without out and accumulate): each
 // expert's chain continues from carry_in, ends in rounded_out or goes on in carry_out, by where its
 // segment lies against the window (Fp8ExpertWgradProblem::windowed). variant: the mainloop
-// (Fp8WgradMainloop), the same bits for every one. grad (m, R) and inputs (n, R) E4M3 column-wise,
-// grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the window's rows (a multiple of 128);
-// m and n multiples of 128.
+// (Fp8WgradMainloop) or the wide kernel (kWideVariant), the same bits for every one. grad (m, R) and
+// inputs (n, R) E4M3 column-wise, grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the
+// window's rows (a multiple of 128); m and n multiples of 128.
 void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, const at::Tensor& inputs,
                       const at::Tensor& inputs_scales, const at::Tensor& expert_offsets, int64_t window_begin,
                       bool accumulate, const std::optional<at::Tensor>& out_opt,
@@ -96,8 +103,8 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
                       const std::optional<at::Tensor>& carry_out, int64_t variant) {
   TORCH_CHECK(grad.is_cuda(), kOp, "grad must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(grad.device());
-  TORCH_CHECK(variant >= 0 && variant < kFp8WgradMainloopCount, kOp, "variant must be in [0, ",
-              std::to_string(kFp8WgradMainloopCount), "), got ", std::to_string(variant));
+  TORCH_CHECK(variant >= 0 && variant < kVariantCount, kOp, "variant must be in [0, ", std::to_string(kVariantCount),
+              "), got ", std::to_string(variant));
   TORCH_CHECK(out_opt.has_value() || rounded_out.has_value(), kOp, "out or rounded_out must be given");
   TORCH_CHECK(out_opt.has_value() || !accumulate, kOp, "accumulate=True reads out: out must be given");
   const bool windowed = carry_in.has_value() || carry_out.has_value();
@@ -204,12 +211,14 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
     p.chain_expert_stride = m * n;
   }
   p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
-  if (variant == int64_t(Fp8WgradMainloop::kOverlapAcrossTiles)) {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlapAcrossTiles>(p, grad, inputs);
+  if (variant == kWideVariant) {
+    launch_fp8_expert_wgrad<Fp8ExpertWgradWideKernel>(p, grad, inputs);
+  } else if (variant == int64_t(Fp8WgradMainloop::kOverlapAcrossTiles)) {
+    launch_fp8_expert_wgrad<Fp8ExpertWgradKernel<Fp8WgradMainloop::kOverlapAcrossTiles>>(p, grad, inputs);
   } else if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kOverlap>(p, grad, inputs);
+    launch_fp8_expert_wgrad<Fp8ExpertWgradKernel<Fp8WgradMainloop::kOverlap>>(p, grad, inputs);
   } else {
-    launch_fp8_expert_wgrad<Fp8WgradMainloop::kDefault>(p, grad, inputs);
+    launch_fp8_expert_wgrad<Fp8ExpertWgradKernel<Fp8WgradMainloop::kDefault>>(p, grad, inputs);
   }
 }
 

@@ -88,21 +88,23 @@ struct Fp8WgradTile : Fp8GemmTile {
   static constexpr uint32_t kEmptyArrivals = kConsumerThreads / 32;
 };
 
-// The dynamic shared memory, carved from a 1024-byte aligned base (128-byte swizzled TMA boxes),
-// in bytes, S = kStages:
-//   a         S * kABytes (16 KB)          the stages' grad boxes: 128 rows x 128 tokens
-//   b         S * kBBytes (16 KB)          the stages' inputs boxes: 128 rows x 128 tokens
+// The dynamic shared memory of a weight-gradient kernel whose tile is TileT, carved from a 1024-byte
+// aligned base (128-byte swizzled TMA boxes), in bytes, S = kStages (Fp8WgradTile's sizes in
+// brackets):
+//   a         S * kABytes (16 KB)          the stages' grad boxes: kM rows x 128 tokens
+//   b         S * kBBytes (16 KB)          the stages' inputs boxes: kN rows x 128 tokens
 //   staging   2 * kStagingBytes (16 KB)    each consumer warpgroup's staging buffer (rounded_out)
 //   a_scales  S * kAScaleBytes (512)       the stages' grad scales: kM floats
 //   b_scales  S * kBScaleBytes (512)       the stages' inputs scales: kN floats
 //   full      S * 8                        a stage's loads landed (mbarriers)
 //   empty     S * 8                        every consumer warp released a stage
 //   watch     8                            the bounded waits' watch (WaitWatch)
-struct Fp8WgradSharedStorage {
-  using Tile = Fp8WgradTile;
+template <class TileT>
+struct Fp8WgradSharedStorageOf {
+  using Tile = TileT;
   static constexpr size_t kBytes =
-      size_t(Tile::kStages) * Tile::kStageBytes + 2 * Tile::kStagingBytes + 2 * Tile::kStages * sizeof(uint64_t) +
-      sizeof(sm90::WaitWatch);
+      size_t(Tile::kStages) * (Tile::kABytes + Tile::kBBytes + Tile::kAScaleBytes + Tile::kBScaleBytes) +
+      2 * Tile::kStagingBytes + 2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
   static constexpr size_t kSmemBytes = Tile::kSwizzleAlign + kBytes;
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm90 block may opt into");
   static_assert(Tile::kABytes % Tile::kSwizzleAlign == 0 && Tile::kBBytes % Tile::kSwizzleAlign == 0 &&
@@ -110,7 +112,7 @@ struct Fp8WgradSharedStorage {
                 "every stage's operand boxes and every staging buffer start on a 1024-byte swizzle atom");
   static_assert(Tile::kAScaleBytes % 16 == 0 && Tile::kBScaleBytes % 16 == 0, "bulk copies of whole 16 bytes");
 
-  __device__ explicit Fp8WgradSharedStorage(uint8_t* smem_raw)
+  __device__ explicit Fp8WgradSharedStorageOf(uint8_t* smem_raw)
       : a(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + Tile::kSwizzleAlign - 1) &
                                      ~uintptr_t(Tile::kSwizzleAlign - 1))),
         b(a + Tile::kStages * Tile::kABytes),
@@ -130,6 +132,7 @@ struct Fp8WgradSharedStorage {
   uint64_t* empty;
   sm90::WaitWatch* watch;
 };
+using Fp8WgradSharedStorage = Fp8WgradSharedStorageOf<Fp8WgradTile>;
 
 // A tile: output rows [m0, m0 + kM) and columns [n0, n0 + kN) of expert `expert`, and the
 // expert's rows inside the window (relative to its first row).
@@ -145,13 +148,15 @@ struct Fp8WgradTileCoord {
 
 // The tiles, expert-major, then n-tiles, m fastest (the CTAs working at once share the expert's
 // operands in L2); CTA c takes tiles c, c + grid, ... The tile count does not depend on the routing:
-// a tile of an expert with no rows in the window stores zeros or its start, or is skipped.
+// a tile of an expert with no rows in the window stores zeros or its start, or is skipped. kTileN:
+// the tile's columns (128, or 192 for gemm/fp8_wgrad_wide_sm90.cuh, whose last n-tile may reach past n).
+template <int kTileN>
 class Fp8WgradTileScheduler {
  public:
   using Tile = Fp8WgradTile;
 
   __device__ explicit Fp8WgradTileScheduler(const Fp8ExpertWgradProblem& problem)
-      : p_(problem), m_tiles_(problem.m / Tile::kM), per_expert_(m_tiles_ * (problem.n / Tile::kN)) {}
+      : p_(problem), m_tiles_(problem.m / Tile::kM), per_expert_(m_tiles_ * ((problem.n + kTileN - 1) / kTileN)) {}
 
   __device__ unsigned first_tile() const { return blockIdx.x; }
   __device__ unsigned tile_step() const { return gridDim.x; }
@@ -161,7 +166,7 @@ class Fp8WgradTileScheduler {
     c.expert = int(tile / per_expert_);
     const int local = int(tile - int64_t(per_expert_) * c.expert);
     c.m0 = (local % m_tiles_) * Tile::kM;
-    c.n0 = (local / m_tiles_) * Tile::kN;
+    c.n0 = (local / m_tiles_) * kTileN;
     // The segment [o, o_next) of the whole schedule, clamped to the window's rows.
     const int begin = p_.window_begin, end = p_.window_begin + p_.num_rows;
     const int o = __ldg(p_.expert_offsets + c.expert), o_next = __ldg(p_.expert_offsets + c.expert + 1);
@@ -190,6 +195,137 @@ class Fp8WgradTileScheduler {
   int m_tiles_, per_expert_;
 };
 
+// The pieces both weight-gradient kernels take (this file's and gemm/fp8_wgrad_wide_sm90.cuh's
+// 128 x 192 one): the CTA's setup, the producer, the fragment layout, the tile's offset and the
+// promotion. Tile: the kernel's tile (kM rows, kN columns, kStages, the stage's bytes);
+// SharedStorage: its stages (a, b, a_scales, b_scales), barriers (full, empty) and watch.
+
+// The stage barriers and the watch initialized, the tensor maps prefetched, then a CTA barrier (no
+// clusters: no other CTA arrives on this CTA's barriers, so a CTA barrier orders their setup, and
+// the producer need not wait for the stages' release before it exits).
+template <class Tile, class SharedStorage>
+__device__ __forceinline__ void fp8_wgrad_setup(const Fp8ExpertWgradMaps& maps, const Fp8ExpertWgradParams& p,
+                                                const SharedStorage& shared) {
+  if (threadIdx.x == 0) {
+    sm90::init_stage_barriers<Tile::kStages>(shared.full, shared.empty, Tile::kEmptyArrivals);
+    shared.watch->failed = 0;
+    shared.watch->finished = 0;
+  }
+  if (threadIdx.x == 32) {
+    sm90::prefetch_tensor_map(maps.grad);
+    sm90::prefetch_tensor_map(maps.inputs);
+    if (p.rounded_out != nullptr) sm90::prefetch_tensor_map(maps.rounded_out);
+  }
+  __syncthreads();
+}
+
+// The tile's columns inside n: Tile::kN, or fewer in an expert's last n-tile where kN does not
+// divide n (n and n0 are multiples of 64 when kN is 128 or 192, so this is too).
+template <class Tile>
+__device__ __forceinline__ int fp8_wgrad_columns_inside(const Fp8ExpertWgradParams& p, const Fp8WgradTileCoord& c) {
+  return min(Tile::kN, p.problem.n - c.n0);
+}
+
+// Thread 0 of the producer warpgroup: per tile and 128-token block, a free stage, then by TMA the
+// grad box (kM rows) and the inputs box (kN rows; those past n are zero fill), and by bulk copy the
+// block's grad scales of the tile's rows and inputs scales of its columns inside n, all onto the
+// stage's full barrier (a box's zero-filled rows count towards its bytes). A tile whose segment
+// starts off a 128-row block is a failed check: nothing of it is loaded and the watchdog traps.
+template <class Tile, class Scheduler, class SharedStorage>
+__device__ __forceinline__ void fp8_wgrad_produce(const Fp8ExpertWgradMaps& maps, const Fp8ExpertWgradParams& p,
+                                                  const Scheduler& scheduler, const SharedStorage& shared) {
+  sm90::WaitWatch* watch = shared.watch;
+  const int64_t m = p.problem.m, n = p.problem.n;
+  Fp8WgradTileCoord c;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
+    // A block that straddled two segments would mix two experts' tokens: stop, name it, trap.
+    if (!c.aligned) sm90::fail_check(kCheckFp8WgradSegmentAlignment, watch);
+    // fp32 bytes of the tile's columns inside n: a block's inputs scales, a row of its chain.
+    const uint32_t column_bytes = uint32_t(fp8_wgrad_columns_inside<Tile>(p, c)) * sizeof(float);
+    if (c.from_chain && c.k_blocks > 0) {
+      // The consumers start this tile's chain from chain_in: bring its rows into L2 while they
+      // finish the previous tile (the producer runs up to kStages blocks ahead).
+      const float* in = p.chain_in + c.expert * p.chain_expert_stride + int64_t(c.m0) * n + c.n0;
+      for (int r = 0; r < Tile::kM; ++r) sm90::prefetch_l2_bulk(in + r * n, column_bytes);
+    }
+    const int first_block = c.row_begin / Tile::kK;
+    for (int kb = 0; kb < c.k_blocks; ++kb) {
+      sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
+      uint64_t* full = &shared.full[stage];
+      sm90::mbarrier_arrive_expect_tx(full, Tile::kABytes + Tile::kBBytes + Tile::kAScaleBytes + column_bytes);
+      const int row = c.row_begin + kb * Tile::kK;
+      sm90::tma_load_2d(shared.a + stage * Tile::kABytes, maps.grad, full, row, c.m0);
+      sm90::tma_load_2d(shared.b + stage * Tile::kBBytes, maps.inputs, full, row, c.n0);
+      const int64_t block = first_block + kb;
+      sm90::bulk_load(shared.a_scales + stage * Tile::kM, p.grad_scales + block * m + c.m0, Tile::kAScaleBytes, full);
+      sm90::bulk_load(shared.b_scales + stage * Tile::kN, p.inputs_scales + block * n + c.n0, column_bytes, full);
+      sm90::advance_stage<Tile::kStages>(stage, phase);
+    }
+  }
+  sm90::mark_finished(watch);
+}
+
+// This thread's place in a tile: its first row (the second is 8 further) and the first column of
+// each of its 8-column groups, the fragment layout; acc[4 j + 2 h + {0, 1}] is element
+// (row + 8 h, 8 j + col + {0, 1}) of the tile.
+struct Fp8WgradFragment {
+  int row, col;
+  __device__ Fp8WgradFragment(int consumer, int thread)
+      : row(64 * consumer + 16 * (thread / 32) + (thread % 32) / 4), col(2 * ((thread % 32) % 4)) {}
+};
+
+// The offset of this thread's first element of the tile in chain_in / chain_out.
+__device__ __forceinline__ int64_t fp8_wgrad_tile_offset(const Fp8ExpertWgradParams& p, const Fp8WgradTileCoord& c,
+                                                         const Fp8WgradFragment& f) {
+  return c.expert * p.chain_expert_stride + int64_t(c.m0 + f.row) * p.problem.n + c.n0 + f.col;
+}
+
+// acc += (sa[h] * sb[j]) * partial for the thread's two rows h and kAccumulators / 2 columns (column
+// pair j: 8 j + col + {0, 1}), the scale product rounded to fp32 first; a_scales / b_scales: the
+// shared addresses of the thread's first row's and first column's scales in the block's stage.
+template <int kAccumulators>
+__device__ __forceinline__ void fp8_wgrad_promote(float (&acc)[kAccumulators], const float (&partial)[kAccumulators],
+                                                  uint32_t a_scales, uint32_t b_scales) {
+  const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
+#pragma unroll
+  for (int j = 0; j < kAccumulators / 4; ++j) {
+    const float2 sb = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 4 * j + 2 * h;
+      acc[i] = __fmaf_rn(__fmul_rn(sa[h], sb.x), partial[i], acc[i]);
+      acc[i + 1] = __fmaf_rn(__fmul_rn(sa[h], sb.y), partial[i + 1], acc[i + 1]);
+    }
+  }
+}
+
+// A consumer warp hands a stage back once its reads of it (the MMAs' and the scales') are done, lane
+// 0 for the warp. The stage's next scales arrive by bulk copy (the async proxy), and nothing in the
+// arrival depends on the scale loads, so ptxas may issue it while the last of them are in flight
+// (it did, and a few of a warp's sums came out wrong now and then): the proxy fence orders this
+// thread's loads of the stage first, and __syncwarp the other lanes' before lane 0's arrival.
+__device__ __forceinline__ void fp8_wgrad_release_stage(uint64_t* empty, int lane) {
+  sm90::fence_async_shared();
+  __syncwarp();
+  if (lane == 0) sm90::mbarrier_arrive(empty);
+}
+
+// Advances `tile` to the CTA's next tile with blocks in the window (c: its coordinates; false past
+// the last). A skipped tile is passed over; a tile without blocks, whose sums are its start (zero,
+// or its chain), goes to store_start(c) on the way, while no block is in flight.
+template <class Scheduler, class StoreStart>
+__device__ __forceinline__ bool fp8_wgrad_next_tile_with_blocks(const Scheduler& scheduler, int64_t& tile,
+                                                                 Fp8WgradTileCoord& c, StoreStart store_start) {
+  for (; scheduler.at(tile, c); tile += scheduler.tile_step()) {
+    if (c.skip) continue;
+    if (c.k_blocks > 0) return true;
+    store_start(c);
+  }
+  return false;
+}
+
 // The consumers' mainloops, chosen per launch (the op's `variant`, megatron_mok/ops/fp8_wgrad.py
 // FP8_WGRAD_VARIANTS names them in this order). Both compute bitwise the same out: the same four
 // wgmmas per token block into a fresh fp32 partial, the same acc = fma(sa * sb, partial, acc) in
@@ -216,33 +352,20 @@ template <Fp8WgradMainloop kMainloop = Fp8WgradMainloop::kDefault>
 struct Fp8ExpertWgradKernel {
   using Tile = Fp8WgradTile;
   using SharedStorage = Fp8WgradSharedStorage;
-  using Scheduler = Fp8WgradTileScheduler;
+  using Scheduler = Fp8WgradTileScheduler<Tile::kN>;
   using Maps = Fp8ExpertWgradMaps;
   using Params = Fp8ExpertWgradParams;
   using Accumulators = float[Tile::kAccumulators];
 
   static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
     SharedStorage shared(smem_raw);
-    if (threadIdx.x == 0) {
-      sm90::init_stage_barriers<Tile::kStages>(shared.full, shared.empty, Tile::kEmptyArrivals);
-      shared.watch->failed = 0;
-      shared.watch->finished = 0;
-    }
-    if (threadIdx.x == 32) {
-      sm90::prefetch_tensor_map(maps.grad);
-      sm90::prefetch_tensor_map(maps.inputs);
-      if (p.rounded_out != nullptr) sm90::prefetch_tensor_map(maps.rounded_out);
-    }
-    // No clusters: no other CTA arrives on this CTA's barriers, so a CTA barrier orders their setup,
-    // and the producer need not wait for the stages' release before it exits.
-    __syncthreads();
-
+    fp8_wgrad_setup<Tile>(maps, p, shared);
     const Scheduler scheduler(p.problem);
     const int warpgroup = threadIdx.x / kNumThreadsPerWarpGroup;
     if (warpgroup == 0) {
       sm90::setmaxnreg_decrease<Tile::kProducerRegisters>();
       if (threadIdx.x == 32) sm90::watch_waits(shared.watch, Tile::kRoles, p.failure_record, kFp8ExpertWgradKernel);
-      if (threadIdx.x == 0) produce(maps, p, scheduler, shared);
+      if (threadIdx.x == 0) fp8_wgrad_produce<Tile>(maps, p, scheduler, shared);
       return;
     }
     sm90::setmaxnreg_increase<Tile::kConsumerRegisters>();
@@ -257,53 +380,7 @@ struct Fp8ExpertWgradKernel {
   }
 
  private:
-  static __device__ __forceinline__ void produce(const Maps& maps, const Params& p, const Scheduler& scheduler,
-                                                 const SharedStorage& shared) {
-    sm90::WaitWatch* watch = shared.watch;
-    const int64_t m = p.problem.m, n = p.problem.n;
-    Fp8WgradTileCoord c;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
-      // A block that straddled two segments would mix two experts' tokens: stop, name it, trap.
-      if (!c.aligned) sm90::fail_check(kCheckFp8WgradSegmentAlignment, watch);
-      if (c.from_chain && c.k_blocks > 0) {
-        // The consumers start this tile's chain from chain_in: bring its 128 rows of 512 bytes into
-        // L2 while they finish the previous tile (the producer runs up to kStages blocks ahead).
-        const float* in = p.chain_in + c.expert * p.chain_expert_stride + int64_t(c.m0) * n + c.n0;
-        for (int r = 0; r < Tile::kM; ++r) sm90::prefetch_l2_bulk(in + r * n, Tile::kN * sizeof(float));
-      }
-      const int first_block = c.row_begin / Tile::kK;
-      for (int kb = 0; kb < c.k_blocks; ++kb) {
-        sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
-        uint64_t* full = &shared.full[stage];
-        sm90::mbarrier_arrive_expect_tx(full, Tile::kStageBytes);
-        const int row = c.row_begin + kb * Tile::kK;
-        sm90::tma_load_2d(shared.a + stage * Tile::kABytes, maps.grad, full, row, c.m0);
-        sm90::tma_load_2d(shared.b + stage * Tile::kBBytes, maps.inputs, full, row, c.n0);
-        const int64_t block = first_block + kb;
-        sm90::bulk_load(shared.a_scales + stage * Tile::kM, p.grad_scales + block * m + c.m0, Tile::kAScaleBytes, full);
-        sm90::bulk_load(shared.b_scales + stage * Tile::kN, p.inputs_scales + block * n + c.n0, Tile::kBScaleBytes,
-                        full);
-        sm90::advance_stage<Tile::kStages>(stage, phase);
-      }
-    }
-    sm90::mark_finished(watch);
-  }
-
-  // This thread's place in a tile: its first row (the second is 8 further) and the first column of
-  // each of its 8-column groups, the fragment layout; acc[4 j + 2 h + {0, 1}] is element
-  // (row + 8 h, 8 j + col + {0, 1}) of the tile.
-  struct Fragment {
-    int row, col;
-    __device__ Fragment(int consumer, int thread)
-        : row(64 * consumer + 16 * (thread / 32) + (thread % 32) / 4), col(2 * ((thread % 32) % 4)) {}
-  };
-
-  // The offset of this thread's first element of the tile in chain_in / chain_out.
-  static __device__ __forceinline__ int64_t tile_offset(const Params& p, const Fp8WgradTileCoord& c, const Fragment& f) {
-    return c.expert * p.chain_expert_stride + int64_t(c.m0 + f.row) * p.problem.n + c.n0 + f.col;
-  }
+  using Fragment = Fp8WgradFragment;
 
   // acc = the tile's chain_in (the chain continues where the previous window stored it) or 0.
   static __device__ __forceinline__ void start_chain(const Params& p, const Fp8WgradTileCoord& c, int64_t offset,
@@ -350,24 +427,6 @@ struct Fp8ExpertWgradKernel {
     }
   }
 
-  // acc += (sa[h] * sb[j]) * partial for the thread's two rows h and 32 columns (column pair j:
-  // 8 j + col + {0, 1}), the scale product rounded to fp32 first; a_scales / b_scales: the shared
-  // addresses of the thread's first row's and first column's scales in the block's stage.
-  static __device__ __forceinline__ void promote(Accumulators& acc, const Accumulators& partial, uint32_t a_scales,
-                                                 uint32_t b_scales) {
-    const float sa[2] = {sm90::ld_shared_f32(a_scales), sm90::ld_shared_f32(a_scales + 8 * sizeof(float))};
-#pragma unroll
-    for (int j = 0; j < Tile::kAccumulators / 4; ++j) {
-      const float2 sb = sm90::ld_shared_f32x2(b_scales + 8 * j * sizeof(float));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 4 * j + 2 * h;
-        acc[i] = __fmaf_rn(__fmul_rn(sa[h], sb.x), partial[i], acc[i]);
-        acc[i + 1] = __fmaf_rn(__fmul_rn(sa[h], sb.y), partial[i + 1], acc[i + 1]);
-      }
-    }
-  }
-
   static __device__ __forceinline__ void consume(const Maps& maps, const Params& p, const Scheduler& scheduler,
                                                  const SharedStorage& shared, int consumer, int thread) {
     sm90::WaitWatch* watch = shared.watch;
@@ -381,7 +440,7 @@ struct Fp8ExpertWgradKernel {
     Fp8WgradTileCoord c;
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
       if (c.skip) continue;
-      const int64_t offset = tile_offset(p, c, f);
+      const int64_t offset = fp8_wgrad_tile_offset(p, c, f);
       start_chain(p, c, offset, acc);
 #pragma unroll 1
       for (int kb = 0; kb < c.k_blocks; ++kb) {
@@ -392,16 +451,9 @@ struct Fp8ExpertWgradKernel {
         sm90::wgmma_block_m64n128k128_e4m3(partial, a_desc, b_desc);
         sm90::wgmma_wait_group<0>();
         sm90::fence_accumulators(partial);
-        promote(acc, partial, sm90::smem_u32(shared.a_scales + stage * Tile::kM + f.row),
+        fp8_wgrad_promote(acc, partial, sm90::smem_u32(shared.a_scales + stage * Tile::kM + f.row),
                 sm90::smem_u32(shared.b_scales + stage * Tile::kN + f.col));
-        // The warp's shared-memory reads of the stage (the MMAs' and the scales') are done: hand it
-        // back, lane 0 for the warp. The stage's next scales arrive by bulk copy (the async proxy), and
-        // nothing in the arrival depends on the scale loads, so ptxas may issue it while the last of
-        // them are in flight: the proxy fence orders this thread's loads of the stage first, and
-        // __syncwarp the other lanes' before lane 0's arrival.
-        sm90::fence_async_shared();
-        __syncwarp();
-        if (lane == 0) sm90::mbarrier_arrive(&shared.empty[stage]);
+        fp8_wgrad_release_stage(&shared.empty[stage], lane);
         sm90::advance_stage<Tile::kStages>(stage, phase);
       }
       store_tile(maps, p, shared, c, offset, acc, consumer, thread);
@@ -452,27 +504,19 @@ struct Fp8ExpertWgradKernel {
     const auto retire = [&](Accumulators& partial, int back) {
       sm90::fence_accumulators(partial);
       const int oldest = stage >= back ? stage - back : stage - back + Tile::kStages;
-      promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
-      // The proxy fence orders this thread's scale loads before the arrival (consume() says why:
-      // without it, ptxas issued the arrival ahead of the multiplies that consumed the last loads,
-      // and a few of a warp's sums came out wrong now and then).
-      sm90::fence_async_shared();
-      __syncwarp();
-      if (lane == 0) sm90::mbarrier_arrive(&shared.empty[oldest]);
+      fp8_wgrad_promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
+      fp8_wgrad_release_stage(&shared.empty[oldest], lane);
     };
     // The CTA's tiles in order. A skipped tile is neither loaded nor stored; a tile without blocks
     // (its sums are its start: zero, or its chain) is stored on the way, with p1 for its sums (no
     // block is in flight in p1 then), so the loop below sees only tiles with blocks.
     int64_t tile = scheduler.first_tile();
     const auto next_tile_with_blocks = [&](Fp8WgradTileCoord& c) {
-      for (; scheduler.at(tile, c); tile += scheduler.tile_step()) {
-        if (c.skip) continue;
-        if (c.k_blocks > 0) return true;
-        const int64_t offset = tile_offset(p, c, f);
-        start_chain(p, c, offset, p1);
-        store_tile(maps, p, shared, c, offset, p1, consumer, thread);
-      }
-      return false;
+      return fp8_wgrad_next_tile_with_blocks(scheduler, tile, c, [&](const Fp8WgradTileCoord& start) {
+        const int64_t offset = fp8_wgrad_tile_offset(p, start, f);
+        start_chain(p, start, offset, p1);
+        store_tile(maps, p, shared, start, offset, p1, consumer, thread);
+      });
     };
     Fp8WgradTileCoord c;
     if (next_tile_with_blocks(c)) {
@@ -482,7 +526,7 @@ struct Fp8ExpertWgradKernel {
       // the FP8 GEMM's form of this mainloop serialized its wgmmas (C7518).)
       issue(p0);
       while (true) {  // c has blocks, and its block 0 is in flight in p0
-        const int64_t offset = tile_offset(p, c, f);
+        const int64_t offset = fp8_wgrad_tile_offset(p, c, f);
         start_chain(p, c, offset, acc);
         const int k_blocks = c.k_blocks;
         int kb = 0;  // the oldest block in flight, in p0

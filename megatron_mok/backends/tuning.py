@@ -123,12 +123,16 @@ def fp8_dgrad_expert_span(num_experts: int) -> int:
     return -(-num_experts // ranges)
 
 
-# The FP8 weight gradient's mainloop (ops.fp8_wgrad.FP8_WGRAD_VARIANTS), chosen by its time on the
-# H200 (docs/performance.md, "The FP8 weight gradient"): "overlap" issues block k + 1's wgmmas before
-# block k is promoted (two partial sums per warpgroup); "overlap_across_tiles" also issues the next
-# tile's first block before a tile's epilogue (its tiles are short: 4 to 16 blocks at the Qwen3-30B and
-# DeepSeek-V3 shapes). All give the same bits.
-FP8_WGRAD_VARIANT = "overlap_across_tiles"
+# The FP8 weight gradient's kernel (ops.fp8_wgrad.FP8_WGRAD_VARIANTS): "overlap" issues block k + 1's
+# wgmmas before block k is promoted (two partial sums per warpgroup, 128 x 128 tiles);
+# "overlap_across_tiles" also issues the next tile's first block before a tile's epilogue (its tiles are
+# short: 8 to 16 blocks at the Qwen3-30B and DeepSeek-V3 shapes); "wide" is a kernel of its own in
+# 128 x 192 tiles (one partial per warpgroup, the next tile's first block before the epilogue, a sixth
+# fewer operand bytes per FLOP), as the storing GEMMs' FP8_EXPERT_GEMM_VARIANT. All give the same bits.
+# wide ran 1.15-1.17x overlap_across_tiles at the DeepSeek-V3 and Qwen3-30B shapes (800-840 TFLOP/s on
+# the H100) and took 0.55-1.17 ms off the DeepSeek-V3 layer's step (docs/performance.md, "The FP8
+# weight gradient in 128 x 192 tiles").
+FP8_WGRAD_VARIANT = "wide"
 
 # Over the in-kernel exchange (symmetric regions), where the FP8 weight gradients' bf16 operands come
 # from: True, quantized column-wise straight from the ranks' regions (ops.fp8_quantize_columns_from_peers:

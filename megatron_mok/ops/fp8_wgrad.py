@@ -35,10 +35,11 @@ E4M3 = torch.float8_e4m3fn
 
 # The kernel's mainloops (csrc/gemm/fp8_wgrad_sm90.cuh Fp8WgradMainloop, in its order): "overlap" keeps
 # two partial sums per warpgroup, so one block is promoted while the next runs; "overlap_across_tiles"
-# also issues the next tile's first block before a tile's epilogue. All bitwise the default's
-# (tests/ops/test_gpu_fp8_wgrad.py holds them to the default bit for bit, receive windows and reruns
-# included).
-FP8_WGRAD_VARIANTS = ("default", "overlap", "overlap_across_tiles")
+# also issues the next tile's first block before a tile's epilogue. Then "wide", a kernel of its own
+# (csrc/gemm/fp8_wgrad_wide_sm90.cuh): 128 x 192 tiles, one partial per warpgroup, the next tile's
+# first block issued before the epilogue. All bitwise the default's (tests/ops/test_gpu_fp8_wgrad.py
+# holds them to the default bit for bit, receive windows and reruns included).
+FP8_WGRAD_VARIANTS = ("default", "overlap", "overlap_across_tiles", "wide")
 
 
 @register_fake("fp8_expert_wgrad")
