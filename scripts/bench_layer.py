@@ -172,12 +172,17 @@ def fp8_alternatives() -> dict:
     if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
         runs["mok_kernel_fp8_gemm_late_scales"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "overlap_late_scales",
                                                               mok_layer(FP8_KERNEL))
-    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide) and in the 128 x 128 overlap
-    # mainloop, whichever tuning does not choose, beside tuning's.
-    for variant in ("wide", "overlap"):
+    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide, and wide_across_tiles: the next
+    # tile's first block before a tile's epilogue) and in the 128 x 128 overlap mainloop, whichever
+    # tuning does not choose, beside tuning's.
+    for variant in ("wide", "wide_across_tiles", "overlap"):
         if tuning.FP8_EXPERT_GEMM_VARIANT != variant:
             runs["mok_kernel_fp8_gemm_" + variant] = with_tuning("FP8_EXPERT_GEMM_VARIANT", variant,
                                                                  mok_layer(FP8_KERNEL))
+    # The FP8 GEMMs (all but the weight gradients) at 2-CTA clusters, each CTA loading half of a tile's
+    # weight slice and multicasting it into both (fewer L2 -> SM bytes per FLOP), beside tuning's launch.
+    if tuning.FP8_EXPERT_GEMM_CLUSTER_M != 2:
+        runs["mok_kernel_fp8_gemm_cluster_2"] = with_tuning("FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL))
     # The SwiGLU backward in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward), beside
     # tuning's launch of its own.
     if not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:

@@ -96,6 +96,15 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # The FP8 GEMM's 128 x 192 kernel (variant wide: one partial per warpgroup, B multicast at 2-CTA
         # clusters) held bitwise to the default, then timed beside overlap at both cluster sizes.
         fp8_wide_bench) echo 330 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'wide or knows_every_variant' && python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants overlap,wide --fp8-clusters 1,2 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        # The wide FP8 GEMM with the next tile's first block issued before a tile's epilogue
+        # (wide_across_tiles): the GEMM and push tests of both wide variants (bitwise the default), then
+        # its time beside wide's, single calls and at the steady clock (the short-K projections, where a
+        # tile's start and end weigh most).
+        fp8_across_gemm) echo 200 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'wide or knows_every_variant'" ;;
+        fp8_across_gemm_bench) echo 120 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide,wide_across_tiles --fp8-clusters 1 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        fp8_across_sustained) echo 150 "for sp in deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide,wide_across_tiles --seconds 2; done" ;;
+        # The same and both at 2-CTA clusters (the weight slice multicast), every projection at the steady clock.
+        fp8_cluster_sustained) echo 200 "for sp in deepseek_v3_ep8:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide,wide_across_tiles --clusters 1,2 --seconds 2; done" ;;
         # The push op's tests (every variant, the wide kernel's among them, bitwise the GEMM then push_rows).
         fp8_wide_push) echo 200 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'push or knows_every_variant'" ;;
         # The one-rank layer over the in-kernel exchange with the plain FP8 GEMMs (storing and pushing) in overlap and in wide.
@@ -184,6 +193,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         launch_queue) echo 150 "python3 scripts/probe_launch_queue.py --streams 1,3 && $PYTEST -s tests/backends/test_gpu_fp8_kernel.py -k 'symmetric and 4-reference'" ;;
         # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
         quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
+        # Where the column-wise quantizations (the weight gradients' operands) and the SwiGLU backward
+        # stall, their DRAM throughput and the warps they keep active (DeepSeek-V3 shape, one launch each).
+        quant_columns_profile) echo 200 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'quantize_columns|quantize_swiglu_backward' --launch-count 10 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/bench_quantize.py --shapes deepseek_v3 > \$OUT/quant_stalls.csv && python3 scripts/ncu_stalls.py \$OUT/quant_stalls.csv" ;;
         # Megatron on proxy_1gpu: FP8 experts on the kernels against BF16 mok's loss curve (the loss
         # criterion of scripts/throughput.py) beside both baselines (FP8_DISPATCHERS overrides the list,
         # e.g. mok,mok_fp8,mok_fp8_reference: the kernels against the recipe on the reference backend);

@@ -120,31 +120,50 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
   }
 }
 
-// The wide kernel (Fp8ExpertGemmWideKernel: 128 x 192 tiles, B in boxes of 96 rows of weight (b_rows,
-// k) e4m3) with Epilogue's store or push; maps: A, then the epilogue's.
+// The wide kernel's variants (Fp8ExpertGemmWideKernel: 128 x 192 tiles), the next tile's block 0
+// issued after or before a tile's epilogue.
+bool is_wide_variant(int64_t variant) {
+  return variant == int64_t(Fp8Mainloop::kWide) || variant == int64_t(Fp8Mainloop::kWideAcrossTiles);
+}
+
+template <class Epilogue, bool kAcrossTiles, class... Maps>
+void launch_wide_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
+                              const Maps&... maps) {
+  if (cluster_m == 1) {
+    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1, Epilogue, kAcrossTiles>, 1>(params, maps...);
+  } else {
+    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2, Epilogue, kAcrossTiles>, 2>(params, maps...);
+  }
+}
+
+// The wide kernel (B in boxes of 96 rows of weight (b_rows, k) e4m3) with Epilogue's store or push,
+// variant kWide or kWideAcrossTiles; maps: A, then the epilogue's.
 template <class Epilogue, class... Maps>
-void launch_wide(const char* op, int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
-                 const at::Tensor& weight, int64_t b_rows, int64_t k, const CUtensorMap& a_map, const Maps&... maps) {
+void launch_wide(const char* op, int64_t variant, int64_t cluster_m,
+                 const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const at::Tensor& weight,
+                 int64_t b_rows, int64_t k, const CUtensorMap& a_map, const Maps&... maps) {
   TORCH_CHECK(Fp8WideGemmSharedStorage::kSmemBytes <= size_t(max_shared_memory_per_block_optin()), op,
               "this GPU has less shared memory per block than the wide kernel's ",
               std::to_string(Fp8WideGemmSharedStorage::kSmemBytes), " bytes");
   const CUtensorMap b_map = e4m3_rows_map(weight, b_rows, k, Fp8WideGemmTile::kBPartRows, "weight");
-  if (cluster_m == 1) {
-    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1, Epilogue>, 1>(params, a_map, b_map, maps...);
+  if (Fp8Mainloop(variant) == Fp8Mainloop::kWideAcrossTiles) {
+    launch_wide_with_cluster<Epilogue, true>(cluster_m, params, a_map, b_map, maps...);
   } else {
-    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2, Epilogue>, 2>(params, a_map, b_map, maps...);
+    launch_wide_with_cluster<Epilogue, false>(cluster_m, params, a_map, b_map, maps...);
   }
 }
 
 // The ops whose epilogues are built in the kDefault and kOverlap mainloops only (and, with_wide, in
-// the wide kernel) refuse every other variant here, before anything is launched.
+// the wide kernel's two variants) refuse every other variant here, before anything is launched.
 void check_built_variant(const char* op, int64_t variant, bool with_wide = false) {
   const bool built = variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap) ||
-                     (with_wide && variant == int64_t(Fp8Mainloop::kWide));
+                     (with_wide && is_wide_variant(variant));
   TORCH_CHECK(built, op, "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default)",
               with_wide ? ", " : " or ", std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap)",
-              with_wide ? " or " + std::to_string(int(Fp8Mainloop::kWide)) + " (wide)" : std::string(), ", got ",
-              std::to_string(variant));
+              with_wide ? ", " + std::to_string(int(Fp8Mainloop::kWide)) + " (wide) or " +
+                              std::to_string(int(Fp8Mainloop::kWideAcrossTiles)) + " (wide_across_tiles)"
+                        : std::string(),
+              ", got ", std::to_string(variant));
 }
 
 // variant: an Fp8Mainloop (gemm/fp8_gemm_sm90.cuh), checked by the caller. kWithPingpong false: the
@@ -258,8 +277,8 @@ void fp8_expert_gemm_launch(const char* op, const at::Tensor& a, const at::Tenso
   p.epilogue = StoreEpilogueParams{out.data_ptr()};
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
   const CUtensorMap out_map = bf16_tensor_map_sw128(out.data_ptr(), rows, n, n, ExpertGemmTile::kStoreBox, "out");
-  if (Fp8Mainloop(variant) == Fp8Mainloop::kWide) {
-    launch_wide<Fp8StoreEpilogue>(op, cluster_m, p, weight, experts * n, k, a_map, out_map);
+  if (is_wide_variant(variant)) {
+    launch_wide<Fp8StoreEpilogue>(op, variant, cluster_m, p, weight, experts * n, k, a_map, out_map);
     return;
   }
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");
@@ -292,7 +311,8 @@ void fp8_expert_gemm_into(const at::Tensor& a, const at::Tensor& a_scales, const
 // its route's source rank, at the route's slot t * topk + k (push_rows' destination: exchange_ops.cu),
 // nothing for a row of route -1; rows outside the segments not written. slot_to_route (rows,) int64;
 // own_combine (num_tokens * topk, N) bf16, this rank's region, stands for every rank's (peer ptrs in
-// rank order, each 16-byte aligned). variant: kDefault, kOverlap or kWide (the instances built for it).
+// rank order, each 16-byte aligned). variant: kDefault, kOverlap, kWide or kWideAcrossTiles (the instances
+// built for it).
 void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
                           int64_t group_m, int64_t variant, const at::Tensor& slot_to_route, int64_t topk,
@@ -329,8 +349,8 @@ void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const
                                              group_m);
   p.epilogue = epilogue;
   const CUtensorMap a_map = e4m3_rows_map(a, rows, k, Tile::kM, "a");
-  if (Fp8Mainloop(variant) == Fp8Mainloop::kWide) {
-    launch_wide<Fp8PushEpilogue>(kOp, cluster_m, p, weight, experts * n, k, a_map);
+  if (is_wide_variant(variant)) {
+    launch_wide<Fp8PushEpilogue>(kOp, variant, cluster_m, p, weight, experts * n, k, a_map);
     return;
   }
   const CUtensorMap b_map = e4m3_rows_map(weight, experts * n, k, Tile::kN / 2, "weight");

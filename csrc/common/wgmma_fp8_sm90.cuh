@@ -95,4 +95,19 @@ __device__ __forceinline__ void wgmma_m64n192k32_e4m3_fresh(float (&d)[96], uint
   wgmma_m64n192k32_e4m3(d, desc_a, desc_b, 0);
 }
 
+// One 128-deep K block of a warpgroup's 64 x 192 product into a fresh partial: four wgmma
+// m64n192k32, each 32 bytes further along the rows, the first overwriting the partial (stated to the
+// compiler), committed as one group for the caller to wait on. The fence first: the caller's reads
+// of the partial (the previous block's promotion) come before the wgmmas' writes.
+__device__ __forceinline__ void wgmma_block_m64n192k128_e4m3_fresh(float (&partial)[96], uint64_t desc_a,
+                                                                   uint64_t desc_b) {
+  wgmma_fence();
+  wgmma_m64n192k32_e4m3_fresh(partial, desc_a, desc_b);
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) {
+    wgmma_m64n192k32_e4m3(partial, descriptor_plus(desc_a, 2 * kk), descriptor_plus(desc_b, 2 * kk), 1);
+  }
+  wgmma_commit_group();
+}
+
 }  // namespace mok::sm90

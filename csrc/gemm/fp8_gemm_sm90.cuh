@@ -417,8 +417,10 @@ enum class Fp8Mainloop : int {
   // Not a mainloop of this kernel: the store epilogue's product from gemm/fp8_gemm_wide_sm90.cuh's
   // 128 x 192 tiles (one partial per warpgroup, B multicast at 2-CTA clusters), the same bits.
   kWide = 5,
+  // kWide with the next tile's first K block issued before a tile's epilogue, the same bits.
+  kWideAcrossTiles = 6,
 };
-constexpr int kFp8MainloopCount = 6;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 7;  // the op checks 0 <= variant < this
 
 // x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
 // the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the

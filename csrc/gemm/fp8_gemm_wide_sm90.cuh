@@ -10,7 +10,12 @@
 //     of the B slice and multicasts it into both: L2 -> SM bytes per FLOP 28 KB / (128 x 192 x 128)
 //     against 32 KB / (128 x 128 x 128), 42% fewer;
 //   - one fp32 partial per warpgroup (96 registers beside the 96 promoted sums), its K block's four
-//     wgmmas waited for, the stage released, then promoted; 4 stages of 40 KB.
+//     wgmmas waited for, the stage released, then promoted; 4 stages of 40 KB;
+//   - with kAcrossTiles (op variant "wide_across_tiles"), the next tile's first K block is issued
+//     before a tile's epilogue, as the weight gradient's wide kernel does: the partial is free once
+//     the tile's last block is promoted, and the tensor cores run that block while the warpgroup
+//     stores or pushes (a tile's epilogue is its warpgroup's alone: per-warpgroup staging and
+//     barriers).
 //   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
 //     an odd number of m-tiles) loads no A and issues no MMA: its CTA only passes its half of B on.
 //     The same for a warpgroup whose 64 rows lie past the segment.
@@ -44,6 +49,7 @@
 #include "common/wgmma_sm90.cuh"
 #include "gemm/epilogue_sm90_staging.cuh"
 #include "gemm/fp8_gemm_sm90.cuh"
+#include "gemm/fp8_wide_block_sm90.cuh"
 #include "gemm/tile_scheduler_sm90.cuh"
 #include "gemm/tile_sm90.cuh"
 #include "mok_params.h"
@@ -102,10 +108,11 @@ struct Fp8WideGemmSharedStorage {
 // kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast. Epilogue: Fp8StoreEpilogue (the
 // rows stored through TMA) or Fp8PushEpilogue (pushed into the sources' combine regions); only its
 // Maps, Params and tensor-map prefetch are taken, the 192-column forms are this kernel's (store, push).
-// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue>, Maps, Params,
+// kAcrossTiles: the next tile's block 0 issued before a tile's epilogue (above); the same bits either way.
+// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles>, Maps, Params,
 // CUtensorMap...> (A in boxes of 128 rows, B in boxes of 96 rows, then the store's out in 64 x 64
 // boxes) with a cluster dimension of kClusterM.
-template <int kClusterM, class Epilogue = Fp8StoreEpilogue>
+template <int kClusterM, class Epilogue = Fp8StoreEpilogue, bool kAcrossTiles = false>
 struct Fp8ExpertGemmWideKernel {
   using Tile = Fp8WideGemmTile;
   using SharedStorage = Fp8WideGemmSharedStorage;
@@ -186,11 +193,54 @@ struct Fp8ExpertGemmWideKernel {
     sm90::mark_finished(watch);
   }
 
+  // A tile's scales (the thread's two rows' A scales and the tile's two weight scale blocks), read
+  // from the params (constant memory) by 32-bit indices: block kb's raw scales are loaded a block
+  // ahead of their use, and multiplied into the promotion's four products.
+  struct TileScales {
+    int rows[2];  // rows of the (K / 128, a_rows) A scales, clamped inside the schedule
+    int b_block0, b_block1;
+    bool second_block_at_128;  // the tile's second weight scale block starts at tile column 128 (else 64)
+
+    __device__ __forceinline__ TileScales(const Params& p, const TileCoord& c, int fragment_row) {
+      // A row past the schedule is computed and not stored; the clamp keeps its scale read inside
+      // the scales' rows.
+      const int row = c.row0 + fragment_row;
+      const int last_row = p.problem.num_rows - 1;
+      rows[0] = min(row, last_row);
+      rows[1] = min(row + 8, last_row);
+      // Rows of the (experts * N / 128, K / 128) weight scales, the second clamped inside the
+      // expert (its columns past N are not stored).
+      const int expert_row0 = c.expert * p.problem.n_weight_rows;
+      b_block0 = (expert_row0 + c.n0) / kFp8Block;
+      b_block1 = min(b_block0 + 1, (expert_row0 + p.problem.n_weight_rows) / kFp8Block - 1);
+      second_block_at_128 = c.n0 % kFp8Block == 0;
+    }
+
+    // to: block kb's raw scales, A of the two rows then B of the two blocks.
+    __device__ __forceinline__ void load(const Params& p, int kb, int k_blocks, float (&to)[4]) const {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) to[h] = __ldg(p.scales.a + (int64_t(kb) * p.scales.a_rows + rows[h]));
+      to[2] = __ldg(p.scales.b + (int64_t(b_block0) * k_blocks + kb));
+      to[3] = __ldg(p.scales.b + (int64_t(b_block1) * k_blocks + kb));
+    }
+  };
+
+  // scale[h][block]: row half h (the thread's two rows), weight scale block of the columns.
+  static __device__ __forceinline__ void scale_products(const float (&s)[4], float (&scale)[2][2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int block = 0; block < 2; ++block) scale[h][block] = s[h] * s[2 + block];
+    }
+  }
+
   // Consumer warpgroup `consumer` (rows 64 * consumer .. + 63 of each tile), thread `thread` of it.
-  // Registers are the constraint (96 promoted sums and a 96-register partial of the 232): as in
-  // the overlap mainloop, the scales are addressed from the params (constant memory) by 32-bit
-  // indices, the stage's descriptors and barrier are stage 0's plus an offset, and the bounded waits
-  // trap out of line.
+  // Per tile with rows of this warpgroup: block 0 issued (before the previous tile's epilogue with
+  // kAcrossTiles, after it without), then per block: wait for its wgmmas, release its stage,
+  // promote it, issue the next. Registers are the constraint (96 promoted sums and a 96-register
+  // partial of the 232): as in the overlap mainloop, the scales are addressed from the params by
+  // 32-bit indices, the stage's descriptors and barrier are stage 0's plus an offset, and the
+  // bounded waits trap out of line.
   static __device__ __forceinline__ void consume(const Maps& maps, const Params& p, Scheduler& scheduler,
                                                  const SharedStorage& shared, int consumer, int thread) {
     sm90::WaitWatch* watch = shared.watch;
@@ -200,82 +250,91 @@ struct Fp8ExpertGemmWideKernel {
     const uint64_t a_desc0 = sm90::smem_descriptor_sw128(shared.a + consumer * Tile::kConsumerABytes);
     const uint64_t b_desc0 = sm90::smem_descriptor_sw128(shared.b);
     const uint32_t full0 = sm90::smem_u32(shared.full);
-    int stage = 0;
+    int stage = 0;  // of the next block to issue (or stage to pass on)
     uint32_t phase = 0;
     float acc[Tile::kAccumulators];
-    float partial[Tile::kAccumulators];
-    TileCoord c;
-    for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
-      if (c.rows <= 64 * consumer) {
-        // None of this warpgroup's rows lies in the segment: hand each stage back once it landed
-        // (the producer may refill a stage only after its loads completed).
+    float partial[Tile::kAccumulators];  // (written by each block's first wgmma)
+    const auto issue = [&]() { fp8_wide_issue_block<Tile>(partial, full0, a_desc0, b_desc0, stage, phase, watch); };
+    // The block in flight (issued last, one stage back): waited for, its stage handed back (the MMAs
+    // have read it), then promoted with its scale products.
+    const auto retire = [&](const TileScales& tile_scales, const float (&scale)[2][2]) {
+      sm90::wgmma_wait_group<0>();
+      sm90::fence_accumulators(partial);
+      const int oldest = stage >= 1 ? stage - 1 : Tile::kStages - 1;
+      if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[oldest]);
+      if (tile_scales.second_block_at_128) {
+        promote<Tile::kGroups * 2 / 3>(acc, partial, scale);
+      } else {
+        promote<Tile::kGroups / 3>(acc, partial, scale);
+      }
+    };
+    // From tile `tile` on, the next tile with rows of this warpgroup, into c. The tiles passed over
+    // have none of this warpgroup's rows: each of their stages is handed back once it landed (the
+    // producer may refill a stage only after its loads completed). Called with no block in flight,
+    // so the stages passed on are never the one a block in flight reads.
+    int64_t tile = scheduler.first_tile();
+    const auto next_tile_with_rows = [&](TileCoord& c) {
+      for (; scheduler.at(tile, c); tile += scheduler.tile_step()) {
+        if (c.rows > 64 * consumer) return true;
 #pragma unroll 1
         for (int kb = 0; kb < k_blocks; ++kb) {
           sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
           if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[stage]);
           sm90::advance_stage<Tile::kStages>(stage, phase);
         }
-        continue;
       }
-      // The thread's two rows' A scales, from rows clamped inside the schedule (a row past it is
-      // computed and not stored; the clamp keeps its scale read inside the scales' rows).
-      const int row = c.row0 + fragment_row;
-      const int last_row = p.problem.num_rows - 1;
-      const int scale_rows[2] = {min(row, last_row), min(row + 8, last_row)};
-      // The tile's two weight scale blocks (rows of the (experts * N / 128, K / 128) scales), the
-      // second clamped inside the expert (its columns past N are not stored).
-      const int expert_row0 = c.expert * p.problem.n_weight_rows;
-      const int b_block0 = (expert_row0 + c.n0) / kFp8Block;
-      const int b_block1 = min(b_block0 + 1, (expert_row0 + p.problem.n_weight_rows) / kFp8Block - 1);
-      const bool second_block_at_128 = c.n0 % kFp8Block == 0;  // else at tile column 64
-      // s: the raw scales of block kb (A of the two rows, then B of the two blocks), loaded a block ahead.
-      float s[4];
-      const auto load_scales = [&](int kb, float (&to)[4]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) to[h] = __ldg(p.scales.a + (int64_t(kb) * p.scales.a_rows + scale_rows[h]));
-        to[2] = __ldg(p.scales.b + (int64_t(b_block0) * k_blocks + kb));
-        to[3] = __ldg(p.scales.b + (int64_t(b_block1) * k_blocks + kb));
-      };
-      load_scales(0, s);
-#pragma unroll
-      for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
-#pragma unroll 1
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        // scale[h][block]: row half h (the thread's two rows), weight scale block of the columns.
-        float scale[2][2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int block = 0; block < 2; ++block) scale[h][block] = s[h] * s[2 + block];
-        }
-        if (kb + 1 < k_blocks) load_scales(kb + 1, s);  // in flight during this block's MMAs
-        sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
-        const uint64_t a_desc = sm90::descriptor_plus(a_desc0, stage * (Tile::kABytes >> 4));
-        const uint64_t b_desc = sm90::descriptor_plus(b_desc0, stage * (Tile::kBBytes >> 4));
-        sm90::wgmma_fence();
-        sm90::wgmma_m64n192k32_e4m3_fresh(partial, a_desc, b_desc);
-#pragma unroll
-        for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
-          sm90::wgmma_m64n192k32_e4m3(partial, sm90::descriptor_plus(a_desc, 2 * kk),
-                                      sm90::descriptor_plus(b_desc, 2 * kk), 1);
-        }
-        sm90::wgmma_commit_group();
-        sm90::wgmma_wait_group<0>();
-        sm90::fence_accumulators(partial);
-        // The MMAs have read the stage: hand it back before promoting.
-        if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[stage]);
-        sm90::advance_stage<Tile::kStages>(stage, phase);
-        if (second_block_at_128) {
-          promote<Tile::kGroups * 2 / 3>(acc, partial, scale);
-        } else {
-          promote<Tile::kGroups / 3>(acc, partial, scale);
-        }
-      }
+      return false;
+    };
+    const auto epilogue = [&](const TileCoord& done) {
       uint8_t* staging = shared.staging + consumer * Tile::kStagingBytes;
       if constexpr (kPush) {
-        push(p.epilogue, out_extent, acc, c, staging, consumer, thread);
+        push(p.epilogue, out_extent, acc, done, staging, consumer, thread);
       } else {
-        store(maps, p, out_extent, acc, c, staging, consumer, thread);
+        store(maps, p, out_extent, acc, done, staging, consumer, thread);
+      }
+    };
+    TileCoord c;
+    if (next_tile_with_rows(c)) {
+      TileScales tile_scales(p, c, fragment_row);
+      float s[4];  // raw scales of the block after the one issued last (its products formed before its issue)
+      tile_scales.load(p, 0, k_blocks, s);
+      issue();  // block 0 of the first tile
+      while (true) {  // c has rows of this warpgroup, its block 0 is in flight and s holds its raw scales
+        float scale[2][2];
+        scale_products(s, scale);
+        if (k_blocks > 1) tile_scales.load(p, 1, k_blocks, s);  // in flight during block 0's MMAs
+#pragma unroll
+        for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
+#pragma unroll 1
+        for (int kb = 1; kb < k_blocks; ++kb) {
+          retire(tile_scales, scale);  // block kb - 1
+          scale_products(s, scale);
+          if (kb + 1 < k_blocks) tile_scales.load(p, kb + 1, k_blocks, s);
+          issue();  // block kb
+        }
+        retire(tile_scales, scale);
+        const TileCoord done = c;
+        tile += scheduler.tile_step();
+        if constexpr (kAcrossTiles) {
+          // The partial is free (every block of the tile retired): the next tile's block 0 runs on
+          // the tensor cores while this warpgroup stores. The epilogue sits on both paths, each with
+          // its own copy: ptxas then knows on each whether a wgmma is in flight (one copy where the
+          // paths meet would make it wait for the wgmma before the epilogue).
+          if (!next_tile_with_rows(c)) {
+            epilogue(done);
+            break;
+          }
+          tile_scales = TileScales(p, c, fragment_row);
+          tile_scales.load(p, 0, k_blocks, s);
+          issue();
+          epilogue(done);
+        } else {
+          epilogue(done);
+          if (!next_tile_with_rows(c)) break;
+          tile_scales = TileScales(p, c, fragment_row);
+          tile_scales.load(p, 0, k_blocks, s);
+          issue();
+        }
       }
     }
     if (thread == 0) {

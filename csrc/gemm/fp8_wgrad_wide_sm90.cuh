@@ -39,6 +39,7 @@
 #include "common/wgmma_sm90.cuh"
 #include "gemm/epilogue_sm90_staging.cuh"
 #include "gemm/fp8_wgrad_sm90.cuh"
+#include "gemm/fp8_wide_block_sm90.cuh"
 #include "mok_params.h"
 
 namespace mok {
@@ -175,20 +176,7 @@ struct Fp8ExpertWgradWideKernel {
     int stage = 0;  // of the next block to issue
     uint32_t phase = 0;
     Accumulators acc, partial;  // (the partial is written by each block's first wgmma)
-    const auto issue = [&]() {
-      sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
-      const uint64_t a_desc = sm90::descriptor_plus(a_desc0, stage * (Tile::kABytes >> 4));
-      const uint64_t b_desc = sm90::descriptor_plus(b_desc0, stage * (Tile::kBBytes >> 4));
-      sm90::wgmma_fence();  // the promotion's reads of the partial come before the wgmmas' writes
-      sm90::wgmma_m64n192k32_e4m3_fresh(partial, a_desc, b_desc);
-#pragma unroll
-      for (int kk = 1; kk < Tile::kMmasPerStage; ++kk) {
-        sm90::wgmma_m64n192k32_e4m3(partial, sm90::descriptor_plus(a_desc, 2 * kk), sm90::descriptor_plus(b_desc, 2 * kk),
-                                    1);
-      }
-      sm90::wgmma_commit_group();
-      sm90::advance_stage<Tile::kStages>(stage, phase);
-    };
+    const auto issue = [&]() { fp8_wide_issue_block<Tile>(partial, full0, a_desc0, b_desc0, stage, phase, watch); };
     // The block in flight (issued last, one stage back): waited for, promoted with its stage's
     // scales, its stage handed back (lane 0 for the warp, once the warp's reads of it are done).
     const auto retire = [&]() {

@@ -65,12 +65,7 @@ from megatron_mok.backends.fp8_quantize import (
 )
 from megatron_mok.ops.fp8_quant import kernel_ready
 from megatron_mok.backends.stages import Stages
-from megatron_mok.backends.tuning import (
-    EXPERT_GEMM_CHOICES,
-    FP8_EXPERT_GEMM_CLUSTER_M,
-    FP8_EXPERT_GEMM_GROUP_M,
-    FP8_EXPERT_GEMM_SWIGLU_VARIANT,
-)
+from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES, FP8_EXPERT_GEMM_SWIGLU_VARIANT
 from megatron_mok.comm.exchange import GradSource, PushTarget, RowSource
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
 from megatron_mok.schedule import Schedule
@@ -87,7 +82,9 @@ class GemmOperand:
     scales: Tensor
 
 
-_LAUNCH = dict(cluster_m=FP8_EXPERT_GEMM_CLUSTER_M, group_m=FP8_EXPERT_GEMM_GROUP_M)
+def _launch() -> dict:
+    """The FP8 GEMMs' launch shape, tuning's at the call (a benchmark may set another)."""
+    return dict(cluster_m=tuning.FP8_EXPERT_GEMM_CLUSTER_M, group_m=tuning.FP8_EXPERT_GEMM_GROUP_M)
 
 
 def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWeight, offsets: Tensor,
@@ -96,13 +93,13 @@ def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWe
     with push those rows written where the target says (ops.fp8_expert_gemm_push) and None."""
     if push is not None:
         ops.fp8_expert_gemm_push(
-            values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH,
+            values, gemm_a_scales, weight.values, weight.scales, offsets, **_launch(),
             slot_to_route=push.slot_to_route, topk=push.topk, num_tokens=push.num_tokens, own_combine=push.own,
             peer_combine_ptrs=list(push.peer_ptrs), variant=tuning.FP8_PUSH_GEMM_VARIANT,
         )
         return None
     return ops.fp8_expert_gemm(
-        values, gemm_a_scales, weight.values, weight.scales, offsets, **_LAUNCH,
+        values, gemm_a_scales, weight.values, weight.scales, offsets, **_launch(),
         variant=tuning.FP8_EXPERT_GEMM_VARIANT, out=out,
     )
 
@@ -197,7 +194,7 @@ def _dispatch_gate_up(source: RowSource, schedule: Schedule, weight: fp8_weights
     rows_scales = gemm_a_layout(rows.scales)
     if _act_in_gemm_epilogue(recipe):
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
-            rows.values, rows_scales, weight.values, weight.scales, offsets, **_LAUNCH,
+            rows.values, rows_scales, weight.values, weight.scales, offsets, **_launch(),
             variant=FP8_EXPERT_GEMM_SWIGLU_VARIANT,
         )
         return None, gate_up, GemmOperand(act, act_scales)
@@ -323,7 +320,7 @@ def _dgrad_with_swiglu_backward(grad_out: QuantizedRows, fc2: Tensor, gate_up: T
         range_offsets = offsets[first:end + 1]
         copy = copy_of(first, end, expert_offsets=range_offsets)
         out = ops.fp8_expert_gemm_swiglu_backward(
-            values, scales, copy.values, copy.scales, range_offsets, **_LAUNCH, gate_up=gate_up,
+            values, scales, copy.values, copy.scales, range_offsets, **_launch(), gate_up=gate_up,
             pow2=recipe.pow2_scales, variant=tuning.FP8_SWIGLU_BACKWARD_GEMM_VARIANT, out=out,
         )
         del copy  # (before the next range's copy is made)

@@ -64,7 +64,10 @@ FP8_EXPERT_GEMM_GROUP_M = 16
 # partial sum per warpgroup, its stage descriptors in uniform registers), the fastest at the dense and
 # DeepSeek-V3 shapes at the steady clock (docs/performance.md, "The FP8 GEMM at its steady clock") and
 # in the layer, where it took the DeepSeek-V3 forward from 8.01 to 6.90 ms beside "overlap" in one run
-# on the H100 ("The FP8 layer with the wide GEMMs"). Every mainloop gives the default's bits
+# on the H100 ("The FP8 layer with the wide GEMMs"). "wide_across_tiles" (the next tile's first K
+# block issued before a tile's epilogue) is 4-7% faster in a single call but -1..+2% at the card's
+# power cap and within the spread in the layer ("The wide FP8 GEMM with the next tile's first block
+# before the epilogue"), so tuning keeps "wide". Every mainloop gives the default's bits
 # (tests/ops/test_gpu_fp8_gemm.py), so the choice is speed only.
 FP8_EXPERT_GEMM_VARIANT = "wide"
 # Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the
