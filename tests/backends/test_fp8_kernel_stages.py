@@ -324,6 +324,31 @@ def test_kernel_fp8_act_quantized_either_way_equals_the_reference_backend(simula
     assert called and set(called) == {wanted}, f"{choice}: act made by {called}"
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_kernel_fp8_gemms_launch_at_tunings_cluster_size_read_at_the_call(simulated_kernels, monkeypatch, cluster_m):
+    """tuning.FP8_EXPERT_GEMM_CLUSTER_M and _GROUP_M as they are when the layer runs (not when
+    kernel_fp8 was imported) reach every FP8 GEMM launch, forward and backward: what bench_layer.py's
+    cluster row sets. The layer stays bitwise the reference backend's."""
+    monkeypatch.setattr(tuning, "FP8_EXPERT_GEMM_CLUSTER_M", cluster_m)
+    monkeypatch.setattr(tuning, "FP8_EXPERT_GEMM_GROUP_M", 8)
+    launches = []
+
+    def recording(name, sim):
+        def op(*args, **kwargs):
+            launches.append((name, kwargs.get("cluster_m", args[5] if len(args) > 5 else None),
+                             kwargs.get("group_m", args[6] if len(args) > 6 else None)))
+            return sim(*args, **kwargs)
+        return op
+
+    for name in ("fp8_expert_gemm", "fp8_expert_gemm_swiglu", "fp8_expert_gemm_swiglu_backward"):
+        monkeypatch.setattr(ops, name, recording(name, SIMULATED[name]))
+    problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=9)
+    kernel_config, reference_config = _configs()
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config), "cluster")
+    assert len(launches) >= 4, launches  # fc1, fc2 and the two dgrads at least
+    assert all(launch[1:] == (cluster_m, 8) for launch in launches), launches
+
+
 def test_kernel_fp8_refuses_an_unknown_act_quantize_choice(simulated_kernels, monkeypatch):
     monkeypatch.setattr(tuning, "FP8_ACT_QUANTIZE", "epilogue")
     problem = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=8)
