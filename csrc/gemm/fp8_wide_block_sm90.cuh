@@ -21,7 +21,8 @@ template <class Tile>
 __device__ __forceinline__ void fp8_wide_issue_block(float (&partial)[Tile::kAccumulators], uint32_t full0,
                                                      uint64_t a_desc0, uint64_t b_desc0, int& stage, uint32_t& phase,
                                                      sm90::WaitWatch* watch) {
-  static_assert(Tile::kMmasPerStage == 4 && Tile::kAccumulators == 96, "a stage is one 128-deep K block of 192 columns");
+  static_assert(Tile::kMmasPerStage == 4 && Tile::kAccumulators == 96,
+                "a stage is one 128-deep K block of 192 columns");
   sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
   sm90::wgmma_block_m64n192k128_e4m3_fresh(partial, sm90::descriptor_plus(a_desc0, stage * (Tile::kABytes >> 4)),
                                            sm90::descriptor_plus(b_desc0, stage * (Tile::kBBytes >> 4)));
