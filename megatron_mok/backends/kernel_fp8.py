@@ -65,7 +65,7 @@ from megatron_mok.backends.fp8_quantize import (
 )
 from megatron_mok.ops.fp8_quant import kernel_ready
 from megatron_mok.backends.stages import Stages
-from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES, FP8_EXPERT_GEMM_SWIGLU_VARIANT
+from megatron_mok.backends.tuning import EXPERT_GEMM_CHOICES
 from megatron_mok.comm.exchange import GradSource, PushTarget, RowSource
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows, as_bf16_pairs, from_bf16_pairs
 from megatron_mok.schedule import Schedule
@@ -195,7 +195,7 @@ def _dispatch_gate_up(source: RowSource, schedule: Schedule, weight: fp8_weights
     if _act_in_gemm_epilogue(recipe):
         gate_up, act, act_scales = ops.fp8_expert_gemm_swiglu(
             rows.values, rows_scales, weight.values, weight.scales, offsets, **_launch(),
-            variant=FP8_EXPERT_GEMM_SWIGLU_VARIANT,
+            variant=tuning.FP8_EXPERT_GEMM_SWIGLU_VARIANT,
         )
         return None, gate_up, GemmOperand(act, act_scales)
     gate_up = _gemm(rows.values, rows_scales, weight, offsets)
