@@ -132,22 +132,25 @@ def later_microbatch(run):
 
 
 @contextlib.contextmanager
-def tuning_set(name: str, choice):
-    """backends.tuning's `name` set to choice inside the block (forward and backward both read it at
-    call time), so a choice and the one tuning makes run side by side in one process."""
+def tuning_set(settings: dict):
+    """backends.tuning's names set to their choices in settings inside the block (forward and backward
+    both read them at call time), so a choice and the one tuning makes run side by side in one process."""
     from megatron_mok.backends import tuning
 
-    chosen = getattr(tuning, name)
-    setattr(tuning, name, choice)
+    chosen = {name: getattr(tuning, name) for name in settings}
+    for name, choice in settings.items():
+        setattr(tuning, name, choice)
     try:
         yield
     finally:
-        setattr(tuning, name, chosen)
+        for name, choice in chosen.items():
+            setattr(tuning, name, choice)
 
 
-def with_tuning(name: str, choice, run):
-    """run, marked to be timed (forward, and forward with backward) under tuning_set(name, choice)."""
-    run.tuning = (name, choice)
+def with_tuning(name: str, choice, run, **more):
+    """run, marked to be timed (forward, and forward with backward) under tuning_set: name set to
+    choice, and each of `more`'s names to its value."""
+    run.tuning = {name: choice, **more}
     return run
 
 
@@ -162,9 +165,9 @@ def fp8_alternatives() -> dict:
     # tuning.FP8_DGRAD_EXPERT_RANGES makes them in: what the ranges cost, and what they save in peak.
     if tuning.FP8_DGRAD_EXPERT_RANGES != 1:
         runs["mok_kernel_fp8_dgrad_whole_copy"] = with_tuning("FP8_DGRAD_EXPERT_RANGES", 1, mok_layer(FP8_KERNEL))
-    # The weight gradients in the 128 x 128 overlap_across_tiles mainloop and in the 128 x 192 wide
-    # kernel, whichever tuning does not choose, beside tuning's.
-    for variant in ("overlap_across_tiles", "wide"):
+    # The weight gradients in the 128 x 192 wide kernel, without and with its consumers' blocks issued
+    # in turn (wide_ordered), whichever tuning does not choose, beside tuning's.
+    for variant in ("wide", "wide_ordered"):
         if tuning.FP8_WGRAD_VARIANT != variant:
             runs["mok_kernel_fp8_wgrad_" + variant] = with_tuning("FP8_WGRAD_VARIANT", variant, mok_layer(FP8_KERNEL))
     # The plain FP8 GEMMs (fc2, the dgrads; fc1 with the act kernel) with their scale products made
@@ -172,17 +175,23 @@ def fp8_alternatives() -> dict:
     if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
         runs["mok_kernel_fp8_gemm_late_scales"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "overlap_late_scales",
                                                               mok_layer(FP8_KERNEL))
-    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide, and wide_across_tiles: the next
-    # tile's first block before a tile's epilogue) and in the 128 x 128 overlap mainloop, whichever
+    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide, and wide_ordered: the consumers'
+    # blocks issued in turn) and in the 128 x 128 overlap mainloop, whichever
     # tuning does not choose, beside tuning's.
-    for variant in ("wide", "wide_across_tiles", "overlap"):
+    for variant in ("wide", "wide_ordered", "overlap"):
         if tuning.FP8_EXPERT_GEMM_VARIANT != variant:
             runs["mok_kernel_fp8_gemm_" + variant] = with_tuning("FP8_EXPERT_GEMM_VARIANT", variant,
                                                                  mok_layer(FP8_KERNEL))
     # The FP8 GEMMs (all but the weight gradients) at 2-CTA clusters, each CTA loading half of a tile's
-    # weight slice and multicasting it into both (fewer L2 -> SM bytes per FLOP), beside tuning's launch.
+    # weight slice and multicasting it into both (fewer L2 -> SM bytes per FLOP), beside tuning's launch:
+    # in tuning's mainloop and in wide_ordered.
     if tuning.FP8_EXPERT_GEMM_CLUSTER_M != 2:
         runs["mok_kernel_fp8_gemm_cluster_2"] = with_tuning("FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL))
+        runs["mok_kernel_fp8_gemm_wide_ordered_cluster_2"] = with_tuning(
+            "FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL), FP8_EXPERT_GEMM_VARIANT="wide_ordered")
+    # Every wide kernel with its blocks issued in turn: the GEMMs and the weight gradients.
+    runs["mok_kernel_fp8_all_wide_ordered"] = with_tuning(
+        "FP8_EXPERT_GEMM_VARIANT", "wide_ordered", mok_layer(FP8_KERNEL), FP8_WGRAD_VARIANT="wide_ordered")
     # The SwiGLU backward in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward), beside
     # tuning's launch of its own.
     if not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:
@@ -317,7 +326,7 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
     for label, fn in methods.items():
         progress(f"{name}: {label}")
 
-        chosen = functools.partial(tuning_set, *fn.tuning) if hasattr(fn, "tuning") else contextlib.nullcontext
+        chosen = functools.partial(tuning_set, fn.tuning) if hasattr(fn, "tuning") else contextlib.nullcontext
 
         def fwd(s, fn=fn, chosen=chosen):
             with torch.no_grad(), chosen():
@@ -416,14 +425,8 @@ def main() -> None:
     print(f"{'shape':<12} {'method':<41} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
-        for label in METHOD_LABELS + (FP8_LABELS if args.fp8 else ()):
+        for label in METHOD_LABELS + (fp8_labels(row) if args.fp8 else ()):
             r = row.get(label)
-            tuning_alternative = label.startswith("mok_kernel_fp8_act_") or label in (
-                "mok_kernel_fp8_dgrad_whole_copy", "mok_kernel_fp8_wgrad_overlap_across_tiles",
-                "mok_kernel_fp8_wgrad_wide", "mok_kernel_fp8_gemm_late_scales", "mok_kernel_fp8_gemm_wide",
-                "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
-            if r is None and tuning_alternative:
-                continue  # (the tuning's choice: the mok_kernel_fp8 row)
             if r is None:
                 why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
                 print(f"{row['shape']:<12} {label:<41} {'n/a: ' + str(why):>40}")
@@ -443,13 +446,14 @@ METHOD_LABELS = (
     "pytorch", "megatron_alltoall", "mok_reference", "mok_kernel_grouped_mm", "mok_kernel_sm90_no_ring",
     "mok_kernel_sm90", "mok_kernel",
 )
-# With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op.
+# With --fp8: mok's FP8 blockwise kernel layer and torchao's FP8 rowwise op, then every alternative
+# to tuning's choices the run timed (fp8_alternatives: the rows present, in the order they ran).
 FP8_LABELS = ("torchao_fp8_rowwise", "mok_kernel_fp8", "mok_kernel_fp8_later_microbatch", "mok_kernel_fp8_uncached",
-              "mok_kernel_fp8_bf16_wgrad",
-              "mok_kernel_fp8_act_gemm_epilogue", "mok_kernel_fp8_act_swiglu_kernel", "mok_kernel_fp8_dgrad_whole_copy",
-              "mok_kernel_fp8_wgrad_overlap_across_tiles", "mok_kernel_fp8_wgrad_wide", "mok_kernel_fp8_gemm_late_scales",
-              "mok_kernel_fp8_gemm_wide",
-              "mok_kernel_fp8_gemm_overlap", "mok_kernel_fp8_swiglu_bwd_epilogue")
+              "mok_kernel_fp8_bf16_wgrad")
+
+
+def fp8_labels(row: dict) -> tuple:
+    return FP8_LABELS + tuple(label for label in row if label.startswith("mok_kernel_fp8_") and label not in FP8_LABELS)
 
 
 def _print_queued(results):
@@ -457,7 +461,7 @@ def _print_queued(results):
     for row in results:
         base = row["pytorch"]
         cells = []
-        for label in METHOD_LABELS + FP8_LABELS:
+        for label in METHOD_LABELS + fp8_labels(row):
             r = row.get(label)
             if r is None or "queued_fwd_ms" not in r:
                 continue
@@ -491,7 +495,8 @@ def _plot(results, dense, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    labels = METHOD_LABELS + tuple(label for label in FP8_LABELS if any(row.get(label) for row in results))
+    labels = METHOD_LABELS + tuple(dict.fromkeys(
+        label for row in results for label in fp8_labels(row) if any(r.get(label) for r in results)))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward + backward")):
         width = 0.8 / len(labels)

@@ -105,6 +105,14 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_across_sustained) echo 150 "for sp in deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide,wide_across_tiles --seconds 2; done" ;;
         # The same and both at 2-CTA clusters (the weight slice multicast), every projection at the steady clock.
         fp8_cluster_sustained) echo 200 "for sp in deepseek_v3_ep8:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide,wide_across_tiles --clusters 1,2 --seconds 2; done" ;;
+        # The wide FP8 GEMM with its consumers' K blocks issued in turn (wide_ordered) beside wide, both
+        # cluster sizes: single calls at every projection, then at the steady clock (dense 8192^3 beside
+        # cuBLASLt's blockwise kernel, whose issue order it takes).
+        fp8_ordered_bench) echo 120 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide,wide_ordered --fp8-clusters 1,2 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        # The same under ncu (dense 8192^3 fc1, each at both cluster sizes): the tensor pipe's activity, issue slots, stall reasons.
+        fp8_ordered_profile) echo 200 "for c in 1 2; do ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'WideKernel' --launch-skip 2 --launch-count 4 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --shape dense_8192 --projection fc1 --fp8-variants wide,wide_ordered --fp8-cluster \$c > \$OUT/ordered_profile_c\$c.csv; done" ;;
+        fp8_ordered_wgrad_bench) echo 120 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
+        fp8_ordered_sustained) echo 220 "for sp in dense_8192:fc1 deepseek_v3_ep8:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide,wide_ordered --clusters 1,2 --seconds 2; done" ;;
         # The push op's tests (every variant, the wide kernel's among them, bitwise the GEMM then push_rows).
         fp8_wide_push) echo 200 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'push or knows_every_variant'" ;;
         # The one-rank layer over the in-kernel exchange with the plain FP8 GEMMs (storing and pushing) in overlap and in wide.

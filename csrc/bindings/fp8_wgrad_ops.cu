@@ -31,9 +31,11 @@ namespace {
 constexpr const char* kOp = "fp8_expert_wgrad: ";
 
 // The op's variants (megatron_mok/ops/fp8_wgrad.py FP8_WGRAD_VARIANTS, in this order): the 128-wide
-// kernel's mainloops (Fp8WgradMainloop), then the 128 x 192 kernel (Fp8ExpertWgradWideKernel).
+// kernel's mainloops (Fp8WgradMainloop), then the 128 x 192 kernel (Fp8ExpertWgradWideKernel), without
+// and with its consumers' blocks issued in turn.
 constexpr int64_t kWideVariant = kFp8WgradMainloopCount;
-constexpr int64_t kVariantCount = kFp8WgradMainloopCount + 1;
+constexpr int64_t kWideOrderedVariant = kFp8WgradMainloopCount + 1;
+constexpr int64_t kVariantCount = kFp8WgradMainloopCount + 2;
 
 // On first sight of a kernel on a device, its registers against its setmaxnreg budgets (fewer
 // registers than they move would hang the consumers' increase until the watchdog traps).
@@ -93,7 +95,7 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
 // (carry_in and carry_out, (m, n) fp32 each, with rounded_out, without out and accumulate): each
 // expert's chain continues from carry_in, ends in rounded_out or goes on in carry_out, by where its
 // segment lies against the window (Fp8ExpertWgradProblem::windowed). variant: the mainloop
-// (Fp8WgradMainloop) or the wide kernel (kWideVariant), the same bits for every one. grad (m, R) and
+// (Fp8WgradMainloop) or the wide kernel (kWideVariant, kWideOrderedVariant), the same bits for every one. grad (m, R) and
 // inputs (n, R) E4M3 column-wise, grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the
 // window's rows (a multiple of 128); m and n multiples of 128.
 void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, const at::Tensor& inputs,
@@ -212,7 +214,9 @@ void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, con
   }
   p.rounded_out = rounded_out.has_value() ? static_cast<uint16_t*>(rounded_out->data_ptr()) : nullptr;
   if (variant == kWideVariant) {
-    launch_fp8_expert_wgrad<Fp8ExpertWgradWideKernel>(p, grad, inputs);
+    launch_fp8_expert_wgrad<Fp8ExpertWgradWideKernel<false>>(p, grad, inputs);
+  } else if (variant == kWideOrderedVariant) {
+    launch_fp8_expert_wgrad<Fp8ExpertWgradWideKernel<true>>(p, grad, inputs);
   } else if (variant == int64_t(Fp8WgradMainloop::kOverlapAcrossTiles)) {
     launch_fp8_expert_wgrad<Fp8ExpertWgradKernel<Fp8WgradMainloop::kOverlapAcrossTiles>>(p, grad, inputs);
   } else if (variant == int64_t(Fp8WgradMainloop::kOverlap)) {

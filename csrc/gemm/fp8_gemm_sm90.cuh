@@ -419,8 +419,10 @@ enum class Fp8Mainloop : int {
   kWide = 5,
   // kWide with the next tile's first K block issued before a tile's epilogue, the same bits.
   kWideAcrossTiles = 6,
+  // kWide with the two consumer warpgroups issuing their K blocks in turn, the same bits.
+  kWideOrdered = 7,
 };
-constexpr int kFp8MainloopCount = 7;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 8;  // the op checks 0 <= variant < this
 
 // x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
 // the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the

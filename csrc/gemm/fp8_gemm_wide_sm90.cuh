@@ -16,6 +16,13 @@
 //     the tile's last block is promoted, and the tensor cores run that block while the warpgroup
 //     stores or pushes (a tile's epilogue is its warpgroup's alone: per-warpgroup staging and
 //     barriers).
+//   - with kIssueOrder (op variant "wide_ordered"), the two consumer warpgroups issue their K blocks in
+//     turn, as cuBLASLt's blockwise kernel orders its own (docs/performance.md): in a tile both have
+//     rows of, warpgroup 0 issues block k only after warpgroup 1 has issued block k - 1, and
+//     warpgroup 1 retires block k - 1 only after warpgroup 0 has come to issue block k (one
+//     256-thread named barrier per block). Left to themselves the two wait on the same stage's
+//     full barrier, issue together and promote together, the tensor cores idle meanwhile; in turn,
+//     one promotes while the other's wgmmas run.
 //   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
 //     an odd number of m-tiles) loads no A and issues no MMA: its CTA only passes its half of B on.
 //     The same for a warpgroup whose 64 rows lie past the segment.
@@ -108,11 +115,12 @@ struct Fp8WideGemmSharedStorage {
 // kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast. Epilogue: Fp8StoreEpilogue (the
 // rows stored through TMA) or Fp8PushEpilogue (pushed into the sources' combine regions); only its
 // Maps, Params and tensor-map prefetch are taken, the 192-column forms are this kernel's (store, push).
-// kAcrossTiles: the next tile's block 0 issued before a tile's epilogue (above); the same bits either way.
-// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles>, Maps, Params,
+// kAcrossTiles: the next tile's block 0 issued before a tile's epilogue (above); kIssueOrder: the
+// consumers' blocks issued in turn (above; not with kAcrossTiles). The same bits in every form.
+// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles, kIssueOrder>, Maps, Params,
 // CUtensorMap...> (A in boxes of 128 rows, B in boxes of 96 rows, then the store's out in 64 x 64
 // boxes) with a cluster dimension of kClusterM.
-template <int kClusterM, class Epilogue = Fp8StoreEpilogue, bool kAcrossTiles = false>
+template <int kClusterM, class Epilogue = Fp8StoreEpilogue, bool kAcrossTiles = false, bool kIssueOrder = false>
 struct Fp8ExpertGemmWideKernel {
   using Tile = Fp8WideGemmTile;
   using SharedStorage = Fp8WideGemmSharedStorage;
@@ -122,6 +130,7 @@ struct Fp8ExpertGemmWideKernel {
   static constexpr bool kPush = std::is_same_v<Epilogue, Fp8PushEpilogue>;
   static_assert(kPush || std::is_same_v<Epilogue, Fp8StoreEpilogue>, "the store or the push epilogue");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
+  static_assert(!(kAcrossTiles && kIssueOrder), "the issue order is kept within a tile: no block crosses a tile's end");
   static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
 
   static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
@@ -305,11 +314,17 @@ struct Fp8ExpertGemmWideKernel {
         if (k_blocks > 1) tile_scales.load(p, 1, k_blocks, s);  // in flight during block 0's MMAs
 #pragma unroll
         for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
+        // Both warpgroups take the order's barrier k_blocks - 1 times in a tile with rows of both
+        // (c.rows > 64, the same c for both), warpgroup 1 after issuing blocks 0 .. k_blocks - 2 and
+        // warpgroup 0 before issuing blocks 1 .. k_blocks - 1; in a tile of warpgroup 0 alone neither.
+        const bool in_turn = kIssueOrder && c.rows > 64;
 #pragma unroll 1
         for (int kb = 1; kb < k_blocks; ++kb) {
+          if (in_turn && consumer == 1) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
           retire(tile_scales, scale);  // block kb - 1
           scale_products(s, scale);
           if (kb + 1 < k_blocks) tile_scales.load(p, kb + 1, k_blocks, s);
+          if (in_turn && consumer == 0) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
           issue();  // block kb
         }
         retire(tile_scales, scale);

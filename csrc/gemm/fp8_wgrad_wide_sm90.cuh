@@ -12,7 +12,11 @@
 //   - the next tile's first block is issued before a tile's epilogue (as kOverlapAcrossTiles): the
 //     partial is free once the tile's last block is promoted, and the tensor cores run that block
 //     while the warpgroup stores;
-//   - 4 stages of 41.25 KB and one 24 KB staging buffer per consumer (three 64 x 64 TMA store boxes).
+//   - 4 stages of 41.25 KB and one 24 KB staging buffer per consumer (three 64 x 64 TMA store boxes);
+//   - with kIssueOrder (op variant "wide_ordered") the two consumer warpgroups issue their blocks in
+//     turn, as the wide FP8 GEMM's kIssueOrder (gemm/fp8_gemm_wide_sm90.cuh says why): warpgroup 0
+//     issues block k only after warpgroup 1 has issued block k - 1. Both warpgroups have rows in
+//     every tile (m is a multiple of 128) and walk the same tiles with the same blocks.
 // n need not be a multiple of 192 (it is of 128, so n - n0 of an expert's last n-tile is 64 or 128):
 // the inputs box's rows past n land as TMA zero fill, only the scales of columns inside n are loaded
 // (the stage's others are stale, so the sums of columns past n are garbage, never stored), chain
@@ -65,8 +69,10 @@ struct Fp8WgradWideTile : Fp8WgradTile {
 // 24 KB staging buffers and 768-byte inputs scales (those of columns inside n loaded), 4 stages.
 using Fp8WgradWideSharedStorage = Fp8WgradSharedStorageOf<Fp8WgradWideTile>;
 
-// Launched through gemm_kernel_sm90<Fp8ExpertWgradWideKernel, Fp8ExpertWgradMaps, Fp8ExpertWgradParams,
-// CUtensorMap, CUtensorMap, CUtensorMap> without clusters, the inputs map in boxes of 192 rows.
+// Launched through gemm_kernel_sm90<Fp8ExpertWgradWideKernel<kIssueOrder>, Fp8ExpertWgradMaps,
+// Fp8ExpertWgradParams, CUtensorMap, CUtensorMap, CUtensorMap> without clusters, the inputs map in boxes
+// of 192 rows. kIssueOrder: the consumers' blocks issued in turn (above); the same bits either way.
+template <bool kIssueOrder = false>
 struct Fp8ExpertWgradWideKernel {
   using Tile = Fp8WgradWideTile;
   using SharedStorage = Fp8WgradWideSharedStorage;
@@ -205,9 +211,13 @@ struct Fp8ExpertWgradWideKernel {
       while (true) {  // c has blocks, and its block 0 is in flight
         const int64_t offset = fp8_wgrad_tile_offset(p, c, f);
         start_chain(p, c, offset, acc);
+        // In turn: each warpgroup takes the order's barrier c.k_blocks - 1 times a tile, warpgroup 1
+        // after issuing blocks 0 .. k_blocks - 2, warpgroup 0 before issuing blocks 1 .. k_blocks - 1.
 #pragma unroll 1
         for (int kb = 1; kb < c.k_blocks; ++kb) {
+          if (kIssueOrder && consumer == 1) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
           retire();  // block kb - 1
+          if (kIssueOrder && consumer == 0) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
           issue();   // block kb
         }
         retire();

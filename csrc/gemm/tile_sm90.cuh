@@ -78,6 +78,7 @@ enum NamedBarrier : int {
   kConsumerBarrier = 1,     // + consumer (0 or 1): the 128 threads of one consumer warpgroup
   kSideThreadsBarrier = 3,  // a mainloop's side threads in the producer warpgroup
   kConsumersBarrier = 4,    // the 256 threads of both consumer warpgroups
+  kIssueOrderBarrier = 5,   // both consumer warpgroups' turns at issuing a K block (the wide FP8 GEMM's)
 };
 
 }  // namespace mok

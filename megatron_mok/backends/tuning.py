@@ -55,32 +55,35 @@ EXPERT_GEMM_GROUP_M = 16
 # (the promotion unit), 6 stages (5 when the BF16 kernels are built with MOK_EXPERT_GEMM_STAGES=3, which
 # doubles the staging buffers); the SwiGLU variant runs two passes per 128 act columns. The launch:
 # single-CTA clusters (2-CTA clusters sharing each weight slice through TMA multicast were no faster in
-# any mainloop) and raster groups of 16 m-tiles.
+# any mainloop: wide_ordered at 2-CTA clusters ran 1-3% below single CTAs at the card's power cap,
+# docs/performance.md "The wide FP8 GEMM with its consumers' blocks issued in turn") and raster
+# groups of 16 m-tiles.
 FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
 # The mainloop of the FP8 GEMMs that store their bf16 rows (fc2 and the dgrads at EP = 1 or over the
-# collective exchange, fc1 before the act kernel): "wide" (ops.fp8_gemm.FP8_GEMM_VARIANTS; its own
-# kernel, csrc/gemm/fp8_gemm_wide_sm90.cuh: 128 x 192 tiles, one m64n192k32 wgmma per 32 of K and one
-# partial sum per warpgroup, its stage descriptors in uniform registers), the fastest at the dense and
-# DeepSeek-V3 shapes at the steady clock (docs/performance.md, "The FP8 GEMM at its steady clock") and
-# in the layer, where it took the DeepSeek-V3 forward from 8.01 to 6.90 ms beside "overlap" in one run
-# on the H100 ("The FP8 layer with the wide GEMMs"). "wide_across_tiles" (the next tile's first K
-# block issued before a tile's epilogue) is 4-7% faster in a single call but -1..+2% at the card's
-# power cap and within the spread in the layer ("The wide FP8 GEMM with the next tile's first block
-# before the epilogue"), so tuning keeps "wide". Every mainloop gives the default's bits
-# (tests/ops/test_gpu_fp8_gemm.py), so the choice is speed only.
-FP8_EXPERT_GEMM_VARIANT = "wide"
+# collective exchange, fc1 before the act kernel): "wide_ordered" (ops.fp8_gemm.FP8_GEMM_VARIANTS; the
+# kernel of csrc/gemm/fp8_gemm_wide_sm90.cuh: 128 x 192 tiles, one m64n192k32 wgmma per 32 of K and one
+# partial sum per warpgroup, its stage descriptors in uniform registers, the two consumer warpgroups
+# issuing their K blocks in turn through a named barrier, as cuBLASLt's blockwise kernel does). Beside
+# "wide" (the same kernel, the warpgroups issuing whenever ready) it ran 1.03-1.18x in single calls
+# and 1.05-1.15x at the card's power cap (dense 8192^3 1047 against 914 TFLOP/s, cuBLASLt's blockwise
+# 1105), and took the DeepSeek-V3 layer's forward + backward from 26.79 to 25.93 ms, over the in-kernel
+# exchange from 29.16 to 27.71 (H100; docs/performance.md, "The wide FP8 GEMM with its consumers'
+# blocks issued in turn"). "wide_across_tiles" (the next tile's first K block issued before a tile's
+# epilogue, without the turns) was within the spread of "wide" in the layer. Every mainloop gives the
+# default's bits (tests/ops/test_gpu_fp8_gemm.py), so the choice is speed only.
+FP8_EXPERT_GEMM_VARIANT = "wide_ordered"
 # Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the
 # GEMM's epilogue (ops.fp8_expert_gemm_push) instead of writing (capacity, H) bf16 rows that the
 # push kernel then reads and copies: the same bytes in the combine regions, without a write and read
 # of the rows in this rank's memory per pass (docs/performance.md, "The push in the FP8 GEMM's
 # epilogue"). The push GEMM is built in the default and overlap mainloops and the wide kernel
 # (ops.fp8_gemm.FP8_PUSH_GEMM_VARIANTS; ops.fp8_expert_gemm_push refuses the others by name); it runs
-# FP8_PUSH_GEMM_VARIANT, "wide" as the storing GEMMs: the one-rank step over the in-kernel exchange
-# took 28.66 ms with both in wide against 30.21 with both in overlap (DeepSeek-V3; Qwen3-30B 10.59
-# against 10.91; H100, scripts/bench_windows.py --gemm-variants overlap,wide).
+# FP8_PUSH_GEMM_VARIANT, "wide_ordered" as the storing GEMMs: the one-rank step over the in-kernel
+# exchange took 27.71 ms with both in wide_ordered against 29.16 with both in wide (DeepSeek-V3;
+# Qwen3-30B 10.75 against 10.95; H100, scripts/bench_windows.py --gemm-variants wide,wide_ordered).
 FP8_PUSH_IN_EPILOGUE = True
-FP8_PUSH_GEMM_VARIANT = "wide"
+FP8_PUSH_GEMM_VARIANT = "wide_ordered"
 # The SwiGLU-epilogue GEMM of the forward gate/up (ops.fp8_expert_gemm_swiglu) runs the overlap
 # mainloop, its fastest (751 vs 658 TFLOP/s at DeepSeek-V3, 571 vs 507 at Qwen3-30B on the H200,
 # docs/performance.md).
@@ -134,7 +137,9 @@ def fp8_dgrad_expert_span(num_experts: int) -> int:
 # fewer operand bytes per FLOP), as the storing GEMMs' FP8_EXPERT_GEMM_VARIANT. All give the same bits.
 # wide ran 1.15-1.17x overlap_across_tiles at the DeepSeek-V3 and Qwen3-30B shapes (800-840 TFLOP/s on
 # the H100) and took 0.55-1.17 ms off the DeepSeek-V3 layer's step (docs/performance.md, "The FP8
-# weight gradient in 128 x 192 tiles").
+# weight gradient in 128 x 192 tiles"). "wide_ordered" (its consumers' blocks issued in turn, as the
+# storing GEMMs' wide_ordered) was 0.2-1.7% slower than wide in single calls and 0.4 ms slower in the
+# DeepSeek-V3 layer, so the weight gradient keeps "wide".
 FP8_WGRAD_VARIANT = "wide"
 
 # Over the in-kernel exchange (symmetric regions), where the FP8 weight gradients' bf16 operands come

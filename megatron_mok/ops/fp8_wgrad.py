@@ -37,9 +37,10 @@ E4M3 = torch.float8_e4m3fn
 # two partial sums per warpgroup, so one block is promoted while the next runs; "overlap_across_tiles"
 # also issues the next tile's first block before a tile's epilogue. Then "wide", a kernel of its own
 # (csrc/gemm/fp8_wgrad_wide_sm90.cuh): 128 x 192 tiles, one partial per warpgroup, the next tile's
-# first block issued before the epilogue. All bitwise the default's (tests/ops/test_gpu_fp8_wgrad.py
+# first block issued before the epilogue, and "wide_ordered", that kernel with its two consumer
+# warpgroups issuing their blocks in turn. All bitwise the default's (tests/ops/test_gpu_fp8_wgrad.py
 # holds them to the default bit for bit, receive windows and reruns included).
-FP8_WGRAD_VARIANTS = ("default", "overlap", "overlap_across_tiles", "wide")
+FP8_WGRAD_VARIANTS = ("default", "overlap", "overlap_across_tiles", "wide", "wide_ordered")
 
 
 @register_fake("fp8_expert_wgrad")

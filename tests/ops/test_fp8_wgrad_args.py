@@ -77,7 +77,7 @@ BAD_ARGS = {
     "rounded_wrong_shape": (dict(rounded=torch.zeros(E, N, M, dtype=torch.bfloat16)),
                             r"rounded must be \(E, m, n\) = \(3, 256, 384\)"),
     "variant_unknown": (dict(variant="pingpong"),
-                        r"variant must be one of \('default', 'overlap', 'overlap_across_tiles', 'wide'\)"),
+                        r"variant must be one of \('default', 'overlap', 'overlap_across_tiles', 'wide', 'wide_ordered'\)"),
     "carry_not_a_pair": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16), carry=torch.zeros(M, N)),
                          r"carry must be a pair \(carry_in, carry_out\)"),
     "carry_bf16": (dict(out=None, rounded=torch.zeros(E, M, N, dtype=torch.bfloat16),
