@@ -175,10 +175,11 @@ def fp8_alternatives() -> dict:
     if tuning.FP8_EXPERT_GEMM_VARIANT != "overlap_late_scales":
         runs["mok_kernel_fp8_gemm_late_scales"] = with_tuning("FP8_EXPERT_GEMM_VARIANT", "overlap_late_scales",
                                                               mok_layer(FP8_KERNEL))
-    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide, and wide_ordered: the consumers'
-    # blocks issued in turn) and in the 128 x 128 overlap mainloop, whichever
-    # tuning does not choose, beside tuning's.
-    for variant in ("wide", "wide_ordered", "overlap"):
+    # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide; wide_ordered: the consumers' blocks
+    # issued in turn; wide_ordered_across_tiles: and the next tile's first block before a tile's
+    # epilogue) and in the 128 x 128 overlap mainloop, whichever tuning does not choose, beside
+    # tuning's.
+    for variant in ("wide", "wide_ordered", "wide_ordered_across_tiles", "overlap"):
         if tuning.FP8_EXPERT_GEMM_VARIANT != variant:
             runs["mok_kernel_fp8_gemm_" + variant] = with_tuning("FP8_EXPERT_GEMM_VARIANT", variant,
                                                                  mok_layer(FP8_KERNEL))
@@ -422,18 +423,18 @@ def main() -> None:
     _print_details(results)
     _print_queued(results)
     print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}; dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
-    print(f"{'shape':<12} {'method':<41} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
+    print(f"{'shape':<12} {'method':<46} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'peak MB':>9} {'held MB':>8} {'fwd x':>6} {'f+b x':>6}")
     for row in results:
         base = row["pytorch"]
         for label in METHOD_LABELS + (fp8_labels(row) if args.fp8 else ()):
             r = row.get(label)
             if r is None:
                 why = row.get("torchao_why") if label == "torchao_fp8_rowwise" else row.get("megatron_experts")
-                print(f"{row['shape']:<12} {label:<41} {'n/a: ' + str(why):>40}")
+                print(f"{row['shape']:<12} {label:<46} {'n/a: ' + str(why):>40}")
                 continue
             held = f"{r['held_mb']:8.0f}" if "held_mb" in r else f"{'-':>8}"  # (megatron_alltoall's is not measured)
             print(
-                f"{row['shape']:<12} {label:<41} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
+                f"{row['shape']:<12} {label:<46} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.0f} {r['fwd_bwd_ms']:8.2f} "
                 f"{r['fwd_bwd_tflops']:8.0f} {r['peak_mb']:9.0f} {held} "
                 f"{base['fwd_ms'] / r['fwd_ms']:6.2f} {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:6.2f}"
             )

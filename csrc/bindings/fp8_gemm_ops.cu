@@ -121,10 +121,10 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
 }
 
 // The wide kernel's variants (Fp8ExpertGemmWideKernel: 128 x 192 tiles): the next tile's block 0
-// issued after or before a tile's epilogue, or the consumers' blocks issued in turn.
+// issued after or before a tile's epilogue, each with or without the consumers' blocks issued in turn.
 bool is_wide_variant(int64_t variant) {
   return variant == int64_t(Fp8Mainloop::kWide) || variant == int64_t(Fp8Mainloop::kWideAcrossTiles) ||
-         variant == int64_t(Fp8Mainloop::kWideOrdered);
+         variant == int64_t(Fp8Mainloop::kWideOrdered) || variant == int64_t(Fp8Mainloop::kWideOrderedAcrossTiles);
 }
 
 template <class Epilogue, bool kAcrossTiles, bool kIssueOrder, class... Maps>
@@ -138,7 +138,7 @@ void launch_wide_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typen
 }
 
 // The wide kernel (B in boxes of 96 rows of weight (b_rows, k) e4m3) with Epilogue's store or push,
-// variant kWide, kWideAcrossTiles or kWideOrdered; maps: A, then the epilogue's.
+// variant kWide, kWideAcrossTiles, kWideOrdered or kWideOrderedAcrossTiles; maps: A, then the epilogue's.
 template <class Epilogue, class... Maps>
 void launch_wide(const char* op, int64_t variant, int64_t cluster_m,
                  const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const at::Tensor& weight,
@@ -151,21 +151,24 @@ void launch_wide(const char* op, int64_t variant, int64_t cluster_m,
     launch_wide_with_cluster<Epilogue, true, false>(cluster_m, params, a_map, b_map, maps...);
   } else if (Fp8Mainloop(variant) == Fp8Mainloop::kWideOrdered) {
     launch_wide_with_cluster<Epilogue, false, true>(cluster_m, params, a_map, b_map, maps...);
+  } else if (Fp8Mainloop(variant) == Fp8Mainloop::kWideOrderedAcrossTiles) {
+    launch_wide_with_cluster<Epilogue, true, true>(cluster_m, params, a_map, b_map, maps...);
   } else {
     launch_wide_with_cluster<Epilogue, false, false>(cluster_m, params, a_map, b_map, maps...);
   }
 }
 
 // The ops whose epilogues are built in the kDefault and kOverlap mainloops only (and, with_wide, in
-// the wide kernel's three variants) refuse every other variant here, before anything is launched.
+// the wide kernel's four variants) refuse every other variant here, before anything is launched.
 void check_built_variant(const char* op, int64_t variant, bool with_wide = false) {
   const bool built = variant == int64_t(Fp8Mainloop::kDefault) || variant == int64_t(Fp8Mainloop::kOverlap) ||
                      (with_wide && is_wide_variant(variant));
   TORCH_CHECK(built, op, "variant must be ", std::to_string(int(Fp8Mainloop::kDefault)), " (default)",
               with_wide ? ", " : " or ", std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap)",
               with_wide ? ", " + std::to_string(int(Fp8Mainloop::kWide)) + " (wide), " +
-                              std::to_string(int(Fp8Mainloop::kWideAcrossTiles)) + " (wide_across_tiles) or " +
-                              std::to_string(int(Fp8Mainloop::kWideOrdered)) + " (wide_ordered)"
+                              std::to_string(int(Fp8Mainloop::kWideAcrossTiles)) + " (wide_across_tiles), " +
+                              std::to_string(int(Fp8Mainloop::kWideOrdered)) + " (wide_ordered) or " +
+                              std::to_string(int(Fp8Mainloop::kWideOrderedAcrossTiles)) + " (wide_ordered_across_tiles)"
                         : std::string(),
               ", got ", std::to_string(variant));
 }
@@ -315,8 +318,8 @@ void fp8_expert_gemm_into(const at::Tensor& a, const at::Tensor& a_scales, const
 // its route's source rank, at the route's slot t * topk + k (push_rows' destination: exchange_ops.cu),
 // nothing for a row of route -1; rows outside the segments not written. slot_to_route (rows,) int64;
 // own_combine (num_tokens * topk, N) bf16, this rank's region, stands for every rank's (peer ptrs in
-// rank order, each 16-byte aligned). variant: kDefault, kOverlap, kWide, kWideAcrossTiles or kWideOrdered (the instances
-// built for it).
+// rank order, each 16-byte aligned). variant: kDefault, kOverlap or a wide kernel's (is_wide_variant):
+// the instances built for it.
 void fp8_expert_gemm_push(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& weight,
                           const at::Tensor& weight_scales, const at::Tensor& expert_offsets, int64_t cluster_m,
                           int64_t group_m, int64_t variant, const at::Tensor& slot_to_route, int64_t topk,

@@ -421,8 +421,10 @@ enum class Fp8Mainloop : int {
   kWideAcrossTiles = 6,
   // kWide with the two consumer warpgroups issuing their K blocks in turn, the same bits.
   kWideOrdered = 7,
+  // kWideOrdered with the next tile's first K block issued before a tile's epilogue, the same bits.
+  kWideOrderedAcrossTiles = 8,
 };
-constexpr int kFp8MainloopCount = 8;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 9;  // the op checks 0 <= variant < this
 
 // x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
 // the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the

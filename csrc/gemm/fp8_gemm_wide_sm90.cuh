@@ -16,8 +16,9 @@
 //     the tile's last block is promoted, and the tensor cores run that block while the warpgroup
 //     stores or pushes (a tile's epilogue is its warpgroup's alone: per-warpgroup staging and
 //     barriers).
-//   - with kIssueOrder (op variant "wide_ordered"), the two consumer warpgroups issue their K blocks in
-//     turn, as cuBLASLt's blockwise kernel orders its own (docs/performance.md): in a tile both have
+//   - with kIssueOrder (op variant "wide_ordered"; with kAcrossTiles too, "wide_ordered_across_tiles"),
+//     the two consumer warpgroups issue their K blocks in turn, as cuBLASLt's blockwise kernel orders
+//     its own (docs/performance.md): in a tile both have
 //     rows of, warpgroup 0 issues block k only after warpgroup 1 has issued block k - 1, and
 //     warpgroup 1 retires block k - 1 only after warpgroup 0 has come to issue block k (one
 //     256-thread named barrier per block). Left to themselves the two wait on the same stage's
@@ -116,10 +117,11 @@ struct Fp8WideGemmSharedStorage {
 // rows stored through TMA) or Fp8PushEpilogue (pushed into the sources' combine regions); only its
 // Maps, Params and tensor-map prefetch are taken, the 192-column forms are this kernel's (store, push).
 // kAcrossTiles: the next tile's block 0 issued before a tile's epilogue (above); kIssueOrder: the
-// consumers' blocks issued in turn (above; not with kAcrossTiles). The same bits in every form.
-// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles, kIssueOrder>, Maps, Params,
-// CUtensorMap...> (A in boxes of 128 rows, B in boxes of 96 rows, then the store's out in 64 x 64
-// boxes) with a cluster dimension of kClusterM.
+// consumers' blocks issued in turn (above), either way (a tile's first block is issued without a
+// turn, so the turns never span a tile's end). The same bits in every form.
+// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles, kIssueOrder>,
+// Maps, Params, CUtensorMap...> (A in boxes of 128 rows, B in boxes of 96 rows, then the store's out
+// in 64 x 64 boxes) with a cluster dimension of kClusterM.
 template <int kClusterM, class Epilogue = Fp8StoreEpilogue, bool kAcrossTiles = false, bool kIssueOrder = false>
 struct Fp8ExpertGemmWideKernel {
   using Tile = Fp8WideGemmTile;
@@ -130,7 +132,6 @@ struct Fp8ExpertGemmWideKernel {
   static constexpr bool kPush = std::is_same_v<Epilogue, Fp8PushEpilogue>;
   static_assert(kPush || std::is_same_v<Epilogue, Fp8StoreEpilogue>, "the store or the push epilogue");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
-  static_assert(!(kAcrossTiles && kIssueOrder), "the issue order is kept within a tile: no block crosses a tile's end");
   static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
 
   static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {

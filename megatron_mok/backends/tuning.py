@@ -70,7 +70,9 @@ FP8_EXPERT_GEMM_GROUP_M = 16
 # 1105), and took the DeepSeek-V3 layer's forward + backward from 26.79 to 25.93 ms, over the in-kernel
 # exchange from 29.16 to 27.71 (H100; docs/performance.md, "The wide FP8 GEMM with its consumers'
 # blocks issued in turn"). "wide_across_tiles" (the next tile's first K block issued before a tile's
-# epilogue, without the turns) was within the spread of "wide" in the layer. Every mainloop gives the
+# epilogue, without the turns) was within the spread of "wide" in the layer; "wide_ordered_across_tiles"
+# (both) 0-3% above wide_ordered in single calls, level at the power cap and 0.7 ms slower in the
+# DeepSeek-V3 layer. Every mainloop gives the
 # default's bits (tests/ops/test_gpu_fp8_gemm.py), so the choice is speed only.
 FP8_EXPERT_GEMM_VARIANT = "wide_ordered"
 # Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the

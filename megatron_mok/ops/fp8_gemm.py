@@ -29,15 +29,17 @@ E4M3 = torch.float8_e4m3fn
 # Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); "wide" is another kernel,
 # 128 x 192 tiles with one partial per warpgroup (csrc/gemm/fp8_gemm_wide_sm90.cuh), and
 # "wide_across_tiles" that kernel with the next tile's first K block issued before a tile's epilogue,
-# "wide_ordered" that kernel with its two consumer warpgroups issuing their K blocks in turn.
+# "wide_ordered" that kernel with its two consumer warpgroups issuing their K blocks in turn, and
+# "wide_ordered_across_tiles" both.
 # Every one computes bitwise the same output, so the choice is speed only (backends/tuning.py's).
 FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales", "overlap_eager_retire", "wide",
-                     "wide_across_tiles", "wide_ordered")
+                     "wide_across_tiles", "wide_ordered", "wide_ordered_across_tiles")
 # The mainloops of ops.fp8_expert_gemm_swiglu: pingpong's turn barriers beside the SwiGLU epilogue's
 # registers spill, so that instance is not built.
 FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")
 # The mainloops of ops.fp8_expert_gemm_push (the instances built for it).
-FP8_PUSH_GEMM_VARIANTS = ("default", "overlap", "wide", "wide_across_tiles", "wide_ordered")
+FP8_PUSH_GEMM_VARIANTS = ("default", "overlap", "wide", "wide_across_tiles", "wide_ordered",
+                          "wide_ordered_across_tiles")
 # The mainloops of ops.fp8_expert_gemm_swiglu_backward (the instances built for it).
 FP8_SWIGLU_BACKWARD_GEMM_VARIANTS = ("default", "overlap")
 
