@@ -4,6 +4,8 @@ and before any kernel runs (the kernel's own checks and results: tests/ops/test_
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -333,3 +335,32 @@ def test_late_scales_mainloop_issues_each_block_without_a_promotion_in_between(c
         waits = sum(op.startswith("WARPGROUP.DEPBAR") for op in opcodes)
         identities = sum(op == "PRMT" and "0x3210" in ins for op, ins in zip(opcodes, code))
         assert waits >= 4 and identities == 2 * waits, (name, waits, identities)
+
+
+@NEEDS_TOOLCHAIN
+def test_ordered_wide_kernels_take_turns_and_the_others_do_not(compiled_bindings):
+    """wide_ordered and wide_ordered_across_tiles differ from wide and wide_across_tiles only by the
+    consumers' turns (csrc/gemm/fp8_gemm_wide_sm90.cuh kIssueOrder): in their SASS, at both cluster
+    sizes and with both epilogues, the issue-order barrier (named barrier 5, tile_sm90.cuh
+    kIssueOrderBarrier, over both consumer warpgroups' 256 threads) is taken at exactly two sites,
+    each predicated (one warpgroup's after its issue, the other's before), and no other wide kernel
+    takes it. Should the template flag stop reaching the loop, this fails instead of the variant
+    silently running as wide."""
+    from cuda_checks import sass_by_function
+
+    _, _, object_path = compiled_bindings
+    functions = {name: code for name, code in sass_by_function(object_path).items() if "Fp8ExpertGemmWideKernel" in name}
+    assert len(functions) == 16, list(functions)
+    ordered = 0
+    for name, code in functions.items():
+        turns = [instruction for instruction in code
+                 if _opcode(instruction).startswith("BAR.SYNC") and instruction.endswith("0x5, 0x100")]
+        # The kernel's bool template arguments after its epilogue, mangled: kAcrossTiles, kIssueOrder.
+        flags = re.search(r"EpilogueELb([01])ELb([01])E", name)
+        assert flags is not None, name
+        if flags.group(2) == "1":
+            ordered += 1
+            assert len(turns) == 2 and all(turn.startswith("@") for turn in turns), (name, turns)
+        else:
+            assert not turns, (name, turns)
+    assert ordered == 8, ordered  # (cluster 1, 2) x (store, push) x (wide_ordered, wide_ordered_across_tiles)

@@ -169,10 +169,12 @@ def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
     """ptxas's verdict on the kernels (csrc/bindings/fp8_wgrad_ops.cu compiled as setup.py does): no
     spill (default: the promoted sums and the block's partial; overlap and overlap_across_tiles: the
     sums and two partials, 3 x 64 registers, inside the consumers' setmaxnreg budget; wide: the sums
-    and one partial, 2 x 96), none of the silent losses test_extension.py lists for the BF16 kernels
-    (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized), nor the waits ptxas
-    injects for accumulators (C7514 / C7517)."""
-    from cuda_checks import ptxas_report
+    and one partial, 2 x 96, with and without the consumers' turns), none of the silent losses
+    test_extension.py lists for the BF16 kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 /
+    C7515 wgmma serialized), nor the waits ptxas injects for accumulators (C7514 / C7517). And in the
+    SASS, wide_ordered takes the turns' named barrier (5, both consumer warpgroups' 256 threads) at
+    two predicated sites, the other kernels never (csrc/gemm/fp8_wgrad_wide_sm90.cuh kIssueOrder)."""
+    from cuda_checks import ptxas_report, sass_by_function
 
     log, found = ptxas_report("fp8_wgrad_ops.cu", tmp_path)
     # (C7514 / C7517: ptxas found accumulators read while their wgmmas may be in flight and waited
@@ -185,6 +187,17 @@ def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
     assert len(kernels) == len(fp8_wgrad.FP8_WGRAD_VARIANTS), log[-4000:]
     for name, spill in kernels:
         assert spill == 0, f"{spill} bytes spilled in {name}"
+    ordered = 0
+    for name, code in sass_by_function(str(tmp_path / "fp8_wgrad_ops.cu.o")).items():
+        if "Fp8ExpertWgrad" not in name:
+            continue
+        turns = [ins for ins in code if "BAR.SYNC" in ins and ins.endswith("0x5, 0x100")]
+        if "Fp8ExpertWgradWideKernelILb1E" in name:
+            ordered += 1
+            assert len(turns) == 2 and all(turn.startswith("@") for turn in turns), (name, turns)
+        else:
+            assert not turns, (name, turns)
+    assert ordered == 1, ordered
 
 
 def test_the_column_wise_quantization_is_the_layout_the_kernel_takes():
