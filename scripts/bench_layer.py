@@ -185,14 +185,17 @@ def fp8_alternatives() -> dict:
                                                                  mok_layer(FP8_KERNEL))
     # The FP8 GEMMs (all but the weight gradients) at 2-CTA clusters, each CTA loading half of a tile's
     # weight slice and multicasting it into both (fewer L2 -> SM bytes per FLOP), beside tuning's launch:
-    # in tuning's mainloop and in wide_ordered.
+    # in tuning's mainloop and, where tuning runs another, in wide_ordered.
     if tuning.FP8_EXPERT_GEMM_CLUSTER_M != 2:
         runs["mok_kernel_fp8_gemm_cluster_2"] = with_tuning("FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL))
-        runs["mok_kernel_fp8_gemm_wide_ordered_cluster_2"] = with_tuning(
-            "FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL), FP8_EXPERT_GEMM_VARIANT="wide_ordered")
-    # Every wide kernel with its blocks issued in turn: the GEMMs and the weight gradients.
-    runs["mok_kernel_fp8_all_wide_ordered"] = with_tuning(
-        "FP8_EXPERT_GEMM_VARIANT", "wide_ordered", mok_layer(FP8_KERNEL), FP8_WGRAD_VARIANT="wide_ordered")
+        if tuning.FP8_EXPERT_GEMM_VARIANT != "wide_ordered":
+            runs["mok_kernel_fp8_gemm_wide_ordered_cluster_2"] = with_tuning(
+                "FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL), FP8_EXPERT_GEMM_VARIANT="wide_ordered")
+    # Every wide kernel with its blocks issued in turn, the GEMMs and the weight gradients (where tuning
+    # runs the GEMMs in another mainloop; else the wgrad row above is this one).
+    if tuning.FP8_EXPERT_GEMM_VARIANT != "wide_ordered":
+        runs["mok_kernel_fp8_all_wide_ordered"] = with_tuning(
+            "FP8_EXPERT_GEMM_VARIANT", "wide_ordered", mok_layer(FP8_KERNEL), FP8_WGRAD_VARIANT="wide_ordered")
     # The SwiGLU backward in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward), beside
     # tuning's launch of its own.
     if not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:

@@ -20,8 +20,8 @@
 //     the two consumer warpgroups issue their K blocks in turn, as cuBLASLt's blockwise kernel orders
 //     its own (docs/performance.md): in a tile both have
 //     rows of, warpgroup 0 issues block k only after warpgroup 1 has issued block k - 1, and
-//     warpgroup 1 retires block k - 1 only after warpgroup 0 has come to issue block k (one
-//     256-thread named barrier per block). Left to themselves the two wait on the same stage's
+//     warpgroup 1 retires block k - 1 only after warpgroup 0 has come to issue block k (a
+//     256-thread named barrier before each block but a tile's first). Left to themselves the two wait on the same stage's
 //     full barrier, issue together and promote together, the tensor cores idle meanwhile; in turn,
 //     one promotes while the other's wgmmas run.
 //   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
@@ -247,7 +247,8 @@ struct Fp8ExpertGemmWideKernel {
   // Consumer warpgroup `consumer` (rows 64 * consumer .. + 63 of each tile), thread `thread` of it.
   // Per tile with rows of this warpgroup: block 0 issued (before the previous tile's epilogue with
   // kAcrossTiles, after it without), then per block: wait for its wgmmas, release its stage,
-  // promote it, issue the next. Registers are the constraint (96 promoted sums and a 96-register
+  // promote it, issue the next (with kIssueOrder, in turn with the other warpgroup: the K loop
+  // below says how). Registers are the constraint (96 promoted sums and a 96-register
   // partial of the 232): as in the overlap mainloop, the scales are addressed from the params by
   // 32-bit indices, the stage's descriptors and barrier are stage 0's plus an offset, and the
   // bounded waits trap out of line.

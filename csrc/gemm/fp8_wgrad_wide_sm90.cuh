@@ -15,8 +15,10 @@
 //   - 4 stages of 41.25 KB and one 24 KB staging buffer per consumer (three 64 x 64 TMA store boxes);
 //   - with kIssueOrder (op variant "wide_ordered") the two consumer warpgroups issue their blocks in
 //     turn, as the wide FP8 GEMM's kIssueOrder (gemm/fp8_gemm_wide_sm90.cuh says why): warpgroup 0
-//     issues block k only after warpgroup 1 has issued block k - 1. Both warpgroups have rows in
-//     every tile (m is a multiple of 128) and walk the same tiles with the same blocks.
+//     issues block k only after warpgroup 1 has issued block k - 1, and warpgroup 1 retires block
+//     k - 1 only after warpgroup 0 has come to issue block k (a named barrier before each block but a
+//     tile's first). Both warpgroups have rows in every tile (m is a multiple of 128) and walk the
+//     same tiles with the same blocks.
 // n need not be a multiple of 192 (it is of 128, so n - n0 of an expert's last n-tile is 64 or 128):
 // the inputs box's rows past n land as TMA zero fill, only the scales of columns inside n are loaded
 // (the stage's others are stale, so the sums of columns past n are garbage, never stored), chain

@@ -73,12 +73,13 @@ struct ExpertGemmTile {
 };
 
 // Named barriers (0 is __syncthreads'): one per consumer warpgroup for its epilogue, one for the
-// producer warpgroup's side threads (the in-kernel dispatch), one for both consumer warpgroups.
+// producer warpgroup's side threads (the in-kernel dispatch), one for both consumer warpgroups, and
+// one for both consumer warpgroups' turns at issuing (the wide FP8 kernels' kIssueOrder).
 enum NamedBarrier : int {
   kConsumerBarrier = 1,     // + consumer (0 or 1): the 128 threads of one consumer warpgroup
   kSideThreadsBarrier = 3,  // a mainloop's side threads in the producer warpgroup
   kConsumersBarrier = 4,    // the 256 threads of both consumer warpgroups
-  kIssueOrderBarrier = 5,   // both consumer warpgroups' turns at issuing a K block (the wide FP8 GEMM's)
+  kIssueOrderBarrier = 5,   // both consumer warpgroups' turns at issuing a K block (the wide FP8 GEMM and wgrad)
 };
 
 }  // namespace mok
