@@ -223,3 +223,9 @@ def sass_by_function(object_path: str) -> dict[str, list[str]]:
         if current is not None and instruction:
             current.append(instruction.group(1))
     return functions
+
+
+def named_barrier_syncs(code: list[str], barrier: int, threads: int) -> list[str]:
+    """The instructions of a function's SASS (sass_by_function's list) that sync on named barrier
+    `barrier` over `threads` threads: "[@P] BAR.SYNC[.modifiers] 0x<barrier>, 0x<threads>"."""
+    return [ins for ins in code if "BAR.SYNC" in ins and ins.endswith(f"{barrier:#x}, {threads:#x}")]

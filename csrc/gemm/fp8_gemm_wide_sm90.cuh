@@ -18,10 +18,10 @@
 //     barriers).
 //   - with kIssueOrder (op variant "wide_ordered"; with kAcrossTiles too, "wide_ordered_across_tiles"),
 //     the two consumer warpgroups issue their K blocks in turn, as cuBLASLt's blockwise kernel orders
-//     its own (docs/performance.md): in a tile both have
-//     rows of, warpgroup 0 issues block k only after warpgroup 1 has issued block k - 1, and
-//     warpgroup 1 retires block k - 1 only after warpgroup 0 has come to issue block k (a
-//     256-thread named barrier before each block but a tile's first). Left to themselves the two wait on the same stage's
+//     its own (docs/performance.md): in a tile both have rows of, warpgroup 0 issues block k only
+//     after warpgroup 1 has issued block k - 1, and warpgroup 1 retires block k - 1 only after
+//     warpgroup 0 has come to issue block k (fp8_wide_take_issue_turn: a 256-thread named barrier
+//     before each block but a tile's first). Left to themselves the two wait on the same stage's
 //     full barrier, issue together and promote together, the tensor cores idle meanwhile; in turn,
 //     one promotes while the other's wgmmas run.
 //   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
@@ -322,11 +322,11 @@ struct Fp8ExpertGemmWideKernel {
         const bool in_turn = kIssueOrder && c.rows > 64;
 #pragma unroll 1
         for (int kb = 1; kb < k_blocks; ++kb) {
-          if (in_turn && consumer == 1) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
+          if (in_turn && consumer == 1) fp8_wide_take_issue_turn();
           retire(tile_scales, scale);  // block kb - 1
           scale_products(s, scale);
           if (kb + 1 < k_blocks) tile_scales.load(p, kb + 1, k_blocks, s);
-          if (in_turn && consumer == 0) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
+          if (in_turn && consumer == 0) fp8_wide_take_issue_turn();
           issue();  // block kb
         }
         retire(tile_scales, scale);

@@ -217,9 +217,9 @@ struct Fp8ExpertWgradWideKernel {
         // after issuing blocks 0 .. k_blocks - 2, warpgroup 0 before issuing blocks 1 .. k_blocks - 1.
 #pragma unroll 1
         for (int kb = 1; kb < c.k_blocks; ++kb) {
-          if (kIssueOrder && consumer == 1) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
+          if (kIssueOrder && consumer == 1) fp8_wide_take_issue_turn();
           retire();  // block kb - 1
-          if (kIssueOrder && consumer == 0) sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
+          if (kIssueOrder && consumer == 0) fp8_wide_take_issue_turn();
           issue();   // block kb
         }
         retire();

@@ -1,6 +1,6 @@
 // The K-block issue both 128 x 192 FP8 kernels share (gemm/fp8_gemm_wide_sm90.cuh,
 // gemm/fp8_wgrad_wide_sm90.cuh): one partial per warpgroup, a block issued into it once the
-// previous block's promotion has read it.
+// previous block's promotion has read it; and, with their kIssueOrder, the consumers' turn at it.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include "common/watchdog_sm90.cuh"
 #include "common/wgmma_fp8_sm90.cuh"
 #include "common/wgmma_sm90.cuh"
+#include "gemm/tile_sm90.cuh"
 
 namespace mok {
 
@@ -27,6 +28,15 @@ __device__ __forceinline__ void fp8_wide_issue_block(float (&partial)[Tile::kAcc
   sm90::wgmma_block_m64n192k128_e4m3_fresh(partial, sm90::descriptor_plus(a_desc0, stage * (Tile::kABytes >> 4)),
                                            sm90::descriptor_plus(b_desc0, stage * (Tile::kBBytes >> 4)));
   sm90::advance_stage<Tile::kStages>(stage, phase);
+}
+
+// A consumer warpgroup's turn at issuing (the wide kernels' kIssueOrder): both consumer warpgroups
+// meet at one named barrier, warpgroup 1 after issuing a block (before retiring it) and warpgroup 0
+// before issuing its next, so warpgroup 0's block k follows warpgroup 1's block k - 1. Each must take
+// it as often as the other: the kernels take it k_blocks - 1 times in a tile both work, never at a
+// tile's first block.
+__device__ __forceinline__ void fp8_wide_take_issue_turn() {
+  sm90::named_barrier_sync(kIssueOrderBarrier, 2 * kNumThreadsPerWarpGroup);
 }
 
 }  // namespace mok

@@ -346,15 +346,14 @@ def test_ordered_wide_kernels_take_turns_and_the_others_do_not(compiled_bindings
     each predicated (one warpgroup's after its issue, the other's before), and no other wide kernel
     takes it. Should the template flag stop reaching the loop, this fails instead of the variant
     silently running as wide."""
-    from cuda_checks import sass_by_function
+    from cuda_checks import named_barrier_syncs, sass_by_function
 
     _, _, object_path = compiled_bindings
     functions = {name: code for name, code in sass_by_function(object_path).items() if "Fp8ExpertGemmWideKernel" in name}
     assert len(functions) == 16, list(functions)
     ordered = 0
     for name, code in functions.items():
-        turns = [instruction for instruction in code
-                 if _opcode(instruction).startswith("BAR.SYNC") and instruction.endswith("0x5, 0x100")]
+        turns = named_barrier_syncs(code, 5, 256)
         # The kernel's bool template arguments after its epilogue, mangled: kAcrossTiles, kIssueOrder.
         flags = re.search(r"EpilogueELb([01])ELb([01])E", name)
         assert flags is not None, name

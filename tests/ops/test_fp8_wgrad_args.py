@@ -174,7 +174,7 @@ def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
     C7515 wgmma serialized), nor the waits ptxas injects for accumulators (C7514 / C7517). And in the
     SASS, wide_ordered takes the turns' named barrier (5, both consumer warpgroups' 256 threads) at
     two predicated sites, the other kernels never (csrc/gemm/fp8_wgrad_wide_sm90.cuh kIssueOrder)."""
-    from cuda_checks import ptxas_report, sass_by_function
+    from cuda_checks import named_barrier_syncs, ptxas_report, sass_by_function
 
     log, found = ptxas_report("fp8_wgrad_ops.cu", tmp_path)
     # (C7514 / C7517: ptxas found accumulators read while their wgmmas may be in flight and waited
@@ -191,7 +191,7 @@ def test_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
     for name, code in sass_by_function(str(tmp_path / "fp8_wgrad_ops.cu.o")).items():
         if "Fp8ExpertWgrad" not in name:
             continue
-        turns = [ins for ins in code if "BAR.SYNC" in ins and ins.endswith("0x5, 0x100")]
+        turns = named_barrier_syncs(code, 5, 256)
         if "Fp8ExpertWgradWideKernelILb1E" in name:
             ordered += 1
             assert len(turns) == 2 and all(turn.startswith("@") for turn in turns), (name, turns)
