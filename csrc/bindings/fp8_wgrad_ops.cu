@@ -95,8 +95,8 @@ void launch_fp8_expert_wgrad(Fp8ExpertWgradParams params, const at::Tensor& grad
 // (carry_in and carry_out, (m, n) fp32 each, with rounded_out, without out and accumulate): each
 // expert's chain continues from carry_in, ends in rounded_out or goes on in carry_out, by where its
 // segment lies against the window (Fp8ExpertWgradProblem::windowed). variant: the mainloop
-// (Fp8WgradMainloop) or the wide kernel (kWideVariant, kWideOrderedVariant), the same bits for every one. grad (m, R) and
-// inputs (n, R) E4M3 column-wise, grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the
+// (Fp8WgradMainloop) or the wide kernel (kWideVariant, kWideOrderedVariant), the same bits for every
+// one. grad (m, R) and inputs (n, R) E4M3 column-wise, grad_scales (R/128, m) and inputs_scales (R/128, n) fp32, R the
 // window's rows (a multiple of 128); m and n multiples of 128.
 void fp8_expert_wgrad(const at::Tensor& grad, const at::Tensor& grad_scales, const at::Tensor& inputs,
                       const at::Tensor& inputs_scales, const at::Tensor& expert_offsets, int64_t window_begin,

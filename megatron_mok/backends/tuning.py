@@ -72,8 +72,8 @@ FP8_EXPERT_GEMM_GROUP_M = 16
 # blocks issued in turn"). "wide_across_tiles" (the next tile's first K block issued before a tile's
 # epilogue, without the turns) was within the spread of "wide" in the layer; "wide_ordered_across_tiles"
 # (both) 0-3% above wide_ordered in single calls, level at the power cap and 0.7 ms slower in the
-# DeepSeek-V3 layer. Every mainloop gives the
-# default's bits (tests/ops/test_gpu_fp8_gemm.py), so the choice is speed only.
+# DeepSeek-V3 layer. Every mainloop gives the default's bits (tests/ops/test_gpu_fp8_gemm.py), so the
+# choice is speed only.
 FP8_EXPERT_GEMM_VARIANT = "wide_ordered"
 # Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the
 # GEMM's epilogue (ops.fp8_expert_gemm_push) instead of writing (capacity, H) bf16 rows that the
