@@ -177,9 +177,9 @@ def fp8_alternatives() -> dict:
                                                               mok_layer(FP8_KERNEL))
     # The plain FP8 GEMMs in 128 x 192 tiles (ops.fp8_gemm's wide; wide_ordered: the consumers' blocks
     # issued in turn; wide_ordered_across_tiles: and the next tile's first block before a tile's
-    # epilogue) and in the 128 x 128 overlap mainloop, whichever tuning does not choose, beside
-    # tuning's.
-    for variant in ("wide", "wide_ordered", "wide_ordered_across_tiles", "overlap"):
+    # epilogue; wide_ordered_staged_scales: in turn, the A scales through the stages) and in the
+    # 128 x 128 overlap mainloop, whichever tuning does not choose, beside tuning's.
+    for variant in ("wide", "wide_ordered", "wide_ordered_across_tiles", "wide_ordered_staged_scales", "overlap"):
         if tuning.FP8_EXPERT_GEMM_VARIANT != variant:
             runs["mok_kernel_fp8_gemm_" + variant] = with_tuning("FP8_EXPERT_GEMM_VARIANT", variant,
                                                                  mok_layer(FP8_KERNEL))
@@ -188,12 +188,12 @@ def fp8_alternatives() -> dict:
     # in tuning's mainloop and, where tuning runs another, in wide_ordered.
     if tuning.FP8_EXPERT_GEMM_CLUSTER_M != 2:
         runs["mok_kernel_fp8_gemm_cluster_2"] = with_tuning("FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL))
-        if tuning.FP8_EXPERT_GEMM_VARIANT != "wide_ordered":
+        if not tuning.FP8_EXPERT_GEMM_VARIANT.startswith("wide_ordered"):
             runs["mok_kernel_fp8_gemm_wide_ordered_cluster_2"] = with_tuning(
                 "FP8_EXPERT_GEMM_CLUSTER_M", 2, mok_layer(FP8_KERNEL), FP8_EXPERT_GEMM_VARIANT="wide_ordered")
     # Every wide kernel with its blocks issued in turn, the GEMMs and the weight gradients (where tuning
-    # runs the GEMMs in another mainloop; else the wgrad row above is this one).
-    if tuning.FP8_EXPERT_GEMM_VARIANT != "wide_ordered":
+    # runs the GEMMs in a mainloop without turns; else the wgrad row above is nearly this one).
+    if not tuning.FP8_EXPERT_GEMM_VARIANT.startswith("wide_ordered"):
         runs["mok_kernel_fp8_all_wide_ordered"] = with_tuning(
             "FP8_EXPERT_GEMM_VARIANT", "wide_ordered", mok_layer(FP8_KERNEL), FP8_WGRAD_VARIANT="wide_ordered")
     # The SwiGLU backward in the down dgrad's epilogue (ops.fp8_expert_gemm_swiglu_backward), beside

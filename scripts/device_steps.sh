@@ -117,6 +117,20 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_ordered_across_sustained) echo 150 "for sp in deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2 qwen3_30b:fc1; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide_ordered,wide_ordered_across_tiles --seconds 2; done" ;;
         fp8_ordered_wgrad_bench) echo 120 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide --fp8-clusters 1 --fp8-projections wgrad_fc1,wgrad_fc2" ;;
         fp8_ordered_sustained) echo 220 "for sp in dense_8192:fc1 deepseek_v3_ep8:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide,wide_ordered --clusters 1,2 --seconds 2; done" ;;
+        # wide_ordered with the A scales through the stages (wide_ordered_staged_scales): the GEMM and push
+        # tests of every wide variant (bitwise the default, the padding scales poisoned, every K block
+        # promoted), then it timed beside wide_ordered in single calls and at the steady clock.
+        fp8_staged) echo 240 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'wide or knows_every_variant'" ;;
+        fp8_staged_bench) echo 120 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide_ordered,wide_ordered_staged_scales --fp8-clusters 1 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        fp8_staged_sustained) echo 150 "for sp in dense_8192:fc1 deepseek_v3_ep8:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide_ordered,wide_ordered_staged_scales --seconds 2; done" ;;
+        # The same under ncu (dense 8192^3 fc1): the tensor pipe's activity, issue slots, stall reasons.
+        fp8_staged_profile) echo 120 "ncu --clock-control none --kernel-name-base demangled --kernel-name regex:'WideKernel' --launch-skip 2 --launch-count 4 --csv --page raw --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' python3 scripts/profile_expert_gemm.py --fp8 --shape dense_8192 --projection fc1 --fp8-variants wide_ordered,wide_ordered_staged_scales --fp8-cluster 1 > \$OUT/staged_profile.csv" ;;
+        # wide_ordered_staged_scales at 1- and 2-CTA clusters: single calls, then at the steady clock.
+        fp8_staged_clusters_bench) echo 90 "python3 scripts/bench_expert_gemm.py --fp8 --shapes deepseek_v3_ep8,qwen3_30b --fp8-variants wide_ordered_staged_scales --fp8-clusters 1,2 --fp8-projections fc1,fc2,dgrad_fc2,dgrad_fc1" ;;
+        fp8_staged_clusters_sustained) echo 150 "for sp in dense_8192:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide_ordered_staged_scales --clusters 1,2 --seconds 2; done" ;;
+        # The one-rank layer over the in-kernel exchange (one window, four) with the storing and pushing FP8
+        # GEMMs in wide_ordered and in wide_ordered_staged_scales.
+        fp8_staged_windows) echo 240 "python3 scripts/bench_windows.py --factors 1.0,0.25 --gemm-variants wide_ordered,wide_ordered_staged_scales" ;;
         # The push op's tests (every variant, the wide kernel's among them, bitwise the GEMM then push_rows).
         fp8_wide_push) echo 200 "$PYTEST tests/ops/test_gpu_fp8_gemm.py -k 'push or knows_every_variant'" ;;
         # The one-rank layer over the in-kernel exchange with the plain FP8 GEMMs (storing and pushing) in overlap and in wide.

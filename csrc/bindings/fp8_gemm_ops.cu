@@ -121,24 +121,29 @@ void launch_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename E
 }
 
 // The wide kernel's variants (Fp8ExpertGemmWideKernel: 128 x 192 tiles): the next tile's block 0
-// issued after or before a tile's epilogue, each with or without the consumers' blocks issued in turn.
+// issued after or before a tile's epilogue, each with or without the consumers' blocks issued in
+// turn; and in turn with the A scales through the stages.
 bool is_wide_variant(int64_t variant) {
   return variant == int64_t(Fp8Mainloop::kWide) || variant == int64_t(Fp8Mainloop::kWideAcrossTiles) ||
-         variant == int64_t(Fp8Mainloop::kWideOrdered) || variant == int64_t(Fp8Mainloop::kWideOrderedAcrossTiles);
+         variant == int64_t(Fp8Mainloop::kWideOrdered) || variant == int64_t(Fp8Mainloop::kWideOrderedAcrossTiles) ||
+         variant == int64_t(Fp8Mainloop::kWideOrderedStagedScales);
 }
 
-template <class Epilogue, bool kAcrossTiles, bool kIssueOrder, class... Maps>
+template <class Epilogue, bool kAcrossTiles, bool kIssueOrder, bool kStagedScales = false, class... Maps>
 void launch_wide_with_cluster(int64_t cluster_m, const Fp8ExpertGemmParams<typename Epilogue::Params>& params,
                               const Maps&... maps) {
   if (cluster_m == 1) {
-    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1, Epilogue, kAcrossTiles, kIssueOrder>, 1>(params, maps...);
+    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<1, Epilogue, kAcrossTiles, kIssueOrder, kStagedScales>, 1>(params,
+                                                                                                            maps...);
   } else {
-    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2, Epilogue, kAcrossTiles, kIssueOrder>, 2>(params, maps...);
+    launch_fp8_gemm_kernel<Fp8ExpertGemmWideKernel<2, Epilogue, kAcrossTiles, kIssueOrder, kStagedScales>, 2>(params,
+                                                                                                            maps...);
   }
 }
 
 // The wide kernel (B in boxes of 96 rows of weight (b_rows, k) e4m3) with Epilogue's store or push,
-// variant kWide, kWideAcrossTiles, kWideOrdered or kWideOrderedAcrossTiles; maps: A, then the epilogue's.
+// variant kWide, kWideAcrossTiles, kWideOrdered, kWideOrderedAcrossTiles or kWideOrderedStagedScales;
+// maps: A, then the epilogue's.
 template <class Epilogue, class... Maps>
 void launch_wide(const char* op, int64_t variant, int64_t cluster_m,
                  const Fp8ExpertGemmParams<typename Epilogue::Params>& params, const at::Tensor& weight,
@@ -153,6 +158,12 @@ void launch_wide(const char* op, int64_t variant, int64_t cluster_m,
     launch_wide_with_cluster<Epilogue, false, true>(cluster_m, params, a_map, b_map, maps...);
   } else if (Fp8Mainloop(variant) == Fp8Mainloop::kWideOrderedAcrossTiles) {
     launch_wide_with_cluster<Epilogue, true, true>(cluster_m, params, a_map, b_map, maps...);
+  } else if (Fp8Mainloop(variant) == Fp8Mainloop::kWideOrderedStagedScales) {
+    // The stages' scale rows are bulk copies from a 16-byte aligned row of each K block's scales.
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(params.scales.a) % 16 == 0, op,
+                "a_scales must start on a 16-byte boundary for variant ",
+                std::to_string(int(Fp8Mainloop::kWideOrderedStagedScales)), " (wide_ordered_staged_scales)");
+    launch_wide_with_cluster<Epilogue, false, true, true>(cluster_m, params, a_map, b_map, maps...);
   } else {
     launch_wide_with_cluster<Epilogue, false, false>(cluster_m, params, a_map, b_map, maps...);
   }
@@ -167,8 +178,11 @@ void check_built_variant(const char* op, int64_t variant, bool with_wide = false
               with_wide ? ", " : " or ", std::to_string(int(Fp8Mainloop::kOverlap)), " (overlap)",
               with_wide ? ", " + std::to_string(int(Fp8Mainloop::kWide)) + " (wide), " +
                               std::to_string(int(Fp8Mainloop::kWideAcrossTiles)) + " (wide_across_tiles), " +
-                              std::to_string(int(Fp8Mainloop::kWideOrdered)) + " (wide_ordered) or " +
-                              std::to_string(int(Fp8Mainloop::kWideOrderedAcrossTiles)) + " (wide_ordered_across_tiles)"
+                              std::to_string(int(Fp8Mainloop::kWideOrdered)) + " (wide_ordered), " +
+                              std::to_string(int(Fp8Mainloop::kWideOrderedAcrossTiles)) +
+                              " (wide_ordered_across_tiles) or " +
+                              std::to_string(int(Fp8Mainloop::kWideOrderedStagedScales)) +
+                              " (wide_ordered_staged_scales)"
                         : std::string(),
               ", got ", std::to_string(variant));
 }

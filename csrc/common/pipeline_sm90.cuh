@@ -6,6 +6,7 @@
 
 #include "common/failure_codes.h"
 #include "common/sync_sm90.cuh"
+#include "common/tma_sm90.cuh"
 
 namespace mok::sm90 {
 
@@ -42,6 +43,19 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 #pragma unroll
     for (int r = 0; r < kClusterM; ++r) mbarrier_arrive_in_cta(empty, r);
   }
+}
+
+// A consumer warp is done reading a stage, its MMAs' and its lanes' own loads from it (scales): lane 0
+// tells the producers of every CTA of the cluster for the warp. The stage's next contents arrive by
+// the async proxy (TMA, bulk copies), and nothing in the arrival depends on the loads, so ptxas may
+// issue it while the last of them are in flight (it did in the FP8 weight gradient, and a few of a
+// warp's sums came out wrong now and then): the proxy fence orders this thread's loads of the stage
+// first, and __syncwarp the other lanes' before lane 0's arrival.
+template <int kClusterM>
+__device__ __forceinline__ void release_stage_after_shared_reads(uint64_t* empty, int lane) {
+  fence_async_shared();
+  __syncwarp();
+  if (lane == 0) release_stage<kClusterM>(empty);
 }
 
 // The producer's last wait before its CTA exits: every stage released by all consumers of the

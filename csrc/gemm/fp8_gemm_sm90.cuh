@@ -423,8 +423,10 @@ enum class Fp8Mainloop : int {
   kWideOrdered = 7,
   // kWideOrdered with the next tile's first K block issued before a tile's epilogue, the same bits.
   kWideOrderedAcrossTiles = 8,
+  // kWideOrdered with the A scales brought into each stage beside its operands, the same bits.
+  kWideOrderedStagedScales = 9,
 };
-constexpr int kFp8MainloopCount = 9;  // the op checks 0 <= variant < this
+constexpr int kFp8MainloopCount = 10;  // the op checks 0 <= variant < this
 
 // x, bit for bit, as a value that depends on `anchor`: prmt.b32 of the byte pair (x, anchor) with
 // the selector 0x3210, which takes x's four bytes in order and none of anchor's. ptxas keeps the

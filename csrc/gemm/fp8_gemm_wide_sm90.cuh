@@ -24,6 +24,13 @@
 //     before each block but a tile's first). Left to themselves the two wait on the same stage's
 //     full barrier, issue together and promote together, the tensor cores idle meanwhile; in turn,
 //     one promotes while the other's wgmmas run.
+//   - with kStagedScales too (op variant "wide_ordered_staged_scales"), the A scales come with the
+//     stage: the producer bulk-copies the tile's 128 rows' scales of the block beside its A and B, and
+//     a consumer reads its two rows' from shared memory once the stage has landed. From global
+//     memory each block's A scales are a fresh line per 64 rows (one K block's scales lie a_rows
+//     apart), an L2 round trip a block ahead of its promotion; a stage lands kStages blocks ahead.
+//     A warp then hands the stage back itself (its scale reads are the generic proxy's, the next
+//     copy into the stage the async proxy's: sm90::release_stage_after_shared_reads).
 //   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
 //     an odd number of m-tiles) loads no A and issues no MMA: its CTA only passes its half of B on.
 //     The same for a warpgroup whose 64 rows lie past the segment.
@@ -78,9 +85,15 @@ struct Fp8WideGemmTile : Fp8GemmTile {
   static constexpr int kStagingBuffers = 1;
   static constexpr uint32_t kStagingBytes = kStoreBoxes * ExpertGemmTile::kStoreBoxBytes;
   static constexpr int kStages = 4;  // 4 x 40 KB beside 48 KB of staging in the 227 KB an sm90 block may opt into
+  // A stage's A scales (kStagedScales): the tile's 128 rows' from the 16-byte aligned row at or below
+  // row0 (a bulk copy's source and size are whole 16 bytes; a_rows is a multiple of 4), so up to 3
+  // rows before row0 and 1 after.
+  static constexpr int kAScaleRows = kM + 4;
+  static constexpr uint32_t kAScaleBytes = kAScaleRows * sizeof(float);
   static_assert(kABytes % kSwizzleAlign == 0 && kBPartBytes % kSwizzleAlign == 0 &&
                     kConsumerABytes % kSwizzleAlign == 0 && kStagingBytes % kSwizzleAlign == 0,
                 "every operand box, wgmma base and staging buffer starts on a 1024-byte swizzle atom");
+  static_assert(kAScaleBytes % 16 == 0, "a bulk copy's destination and size are whole 16 bytes");
 };
 
 // The dynamic shared memory, from a 1024-byte aligned base, S = kStages:
@@ -89,10 +102,14 @@ struct Fp8WideGemmTile : Fp8GemmTile {
 //   staging  2 * kStagingBytes (24 KB) each consumer warpgroup's staging buffer
 //   full, empty  S * 8 each            the stage barriers
 //   watch    the bounded waits' watch (WaitWatch)
+//   a_scales S * kAScaleBytes (528 B)  the stages' A scales (kStagedScales; unused otherwise), from
+//            the next 16-byte boundary (last, so the other variants' layout is the one without it)
 struct Fp8WideGemmSharedStorage {
   using Tile = Fp8WideGemmTile;
+  static constexpr size_t kBarrierBytes = 2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+  static constexpr size_t kAScalesOffset = (kBarrierBytes + 15) / 16 * 16;  // from the barriers
   static constexpr size_t kBytes = size_t(Tile::kStages) * Tile::kStageBytes + 2 * Tile::kStagingBytes +
-                                   2 * Tile::kStages * sizeof(uint64_t) + sizeof(sm90::WaitWatch);
+                                   kAScalesOffset + size_t(Tile::kStages) * Tile::kAScaleBytes;
   static constexpr size_t kSmemBytes = Tile::kSwizzleAlign + kBytes;
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm90 block may opt into");
 
@@ -103,7 +120,8 @@ struct Fp8WideGemmSharedStorage {
         staging(b + Tile::kStages * Tile::kBBytes),
         full(reinterpret_cast<uint64_t*>(staging + 2 * Tile::kStagingBytes)),
         empty(full + Tile::kStages),
-        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)) {}
+        watch(reinterpret_cast<sm90::WaitWatch*>(empty + Tile::kStages)),
+        a_scales(reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(full) + kAScalesOffset)) {}
 
   uint8_t* a;
   uint8_t* b;
@@ -111,6 +129,7 @@ struct Fp8WideGemmSharedStorage {
   uint64_t* full;
   uint64_t* empty;
   sm90::WaitWatch* watch;
+  float* a_scales;
 };
 
 // kClusterM: 1, or 2 CTAs sharing each B slice through TMA multicast. Epilogue: Fp8StoreEpilogue (the
@@ -118,11 +137,13 @@ struct Fp8WideGemmSharedStorage {
 // Maps, Params and tensor-map prefetch are taken, the 192-column forms are this kernel's (store, push).
 // kAcrossTiles: the next tile's block 0 issued before a tile's epilogue (above); kIssueOrder: the
 // consumers' blocks issued in turn (above), either way (a tile's first block is issued without a
-// turn, so the turns never span a tile's end). The same bits in every form.
-// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles, kIssueOrder>,
+// turn, so the turns never span a tile's end); kStagedScales: the A scales through the stages (above).
+// The same bits in every form.
+// Launched through gemm_kernel_sm90<Fp8ExpertGemmWideKernel<kClusterM, Epilogue, kAcrossTiles, kIssueOrder, kStagedScales>,
 // Maps, Params, CUtensorMap...> (A in boxes of 128 rows, B in boxes of 96 rows, then the store's out
 // in 64 x 64 boxes) with a cluster dimension of kClusterM.
-template <int kClusterM, class Epilogue = Fp8StoreEpilogue, bool kAcrossTiles = false, bool kIssueOrder = false>
+template <int kClusterM, class Epilogue = Fp8StoreEpilogue, bool kAcrossTiles = false, bool kIssueOrder = false,
+          bool kStagedScales = false>
 struct Fp8ExpertGemmWideKernel {
   using Tile = Fp8WideGemmTile;
   using SharedStorage = Fp8WideGemmSharedStorage;
@@ -132,7 +153,10 @@ struct Fp8ExpertGemmWideKernel {
   static constexpr bool kPush = std::is_same_v<Epilogue, Fp8PushEpilogue>;
   static_assert(kPush || std::is_same_v<Epilogue, Fp8StoreEpilogue>, "the store or the push epilogue");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs");
-  static constexpr uint32_t kEmptyArrivals = 2 * kClusterM;  // each consumer warpgroup of the cluster
+  // Each consumer warpgroup of the cluster hands a stage back (thread 0 for it); with kStagedScales
+  // each consumer warp (lane 0 for it, after the warp's scale reads: sm90::release_stage_after_shared_reads).
+  static constexpr uint32_t kReleasesPerWarpGroup = kStagedScales ? kNumThreadsPerWarpGroup / 32 : 1;
+  static constexpr uint32_t kEmptyArrivals = 2 * kReleasesPerWarpGroup * kClusterM;
 
   static __device__ __forceinline__ void run(const Maps& maps, const Params& p, uint8_t* smem_raw) {
     SharedStorage shared(smem_raw);
@@ -167,8 +191,9 @@ struct Fp8ExpertGemmWideKernel {
 
  private:
   // Thread 0 of the producer warpgroup: per tile and K block, a free stage, then the tile's A rows
-  // (none for an m-tile wholly past its segment) and its B slice, whole (cluster 1) or this CTA's
-  // half multicast into both CTAs (cluster 2), onto the stage's full barrier.
+  // (none for an m-tile wholly past its segment; with kStagedScales their scales too) and its B
+  // slice, whole (cluster 1) or this CTA's half multicast into both CTAs (cluster 2), onto the
+  // stage's full barrier.
   static __device__ __forceinline__ void produce(const Maps& maps, const Params& p, Scheduler& scheduler,
                                                  const SharedStorage& shared) {
     sm90::WaitWatch* watch = shared.watch;
@@ -180,13 +205,20 @@ struct Fp8ExpertGemmWideKernel {
     for (int64_t tile = scheduler.first_tile(); scheduler.at(tile, c); tile += scheduler.tile_step()) {
       const bool load_a = c.rows > 0;
       const int b_row0 = c.expert * p.problem.n_weight_rows + c.n0;
+      const StagedScaleRows scale_rows(p, c);
+      const uint32_t a_bytes = load_a ? Tile::kABytes + (kStagedScales ? scale_rows.bytes : 0u) : 0u;
       for (int kb = 0; kb < k_blocks; ++kb) {
         sm90::mbarrier_wait(&shared.empty[stage], phase ^ 1, kWaitFreeStage, watch);
         // The whole B slice lands in every CTA of the cluster (its own half and the peer's multicast).
-        sm90::mbarrier_arrive_expect_tx(&shared.full[stage], (load_a ? Tile::kABytes : 0) + Tile::kBBytes);
+        sm90::mbarrier_arrive_expect_tx(&shared.full[stage], a_bytes + Tile::kBBytes);
         uint8_t* b = shared.b + stage * Tile::kBBytes;
         if (load_a) {
           sm90::tma_load_2d(shared.a + stage * Tile::kABytes, maps.a, &shared.full[stage], kb * Tile::kK, c.row0);
+          if constexpr (kStagedScales) {
+            sm90::bulk_load(shared.a_scales + stage * Tile::kAScaleRows,
+                            p.scales.a + (int64_t(kb) * p.scales.a_rows + scale_rows.first), scale_rows.bytes,
+                            &shared.full[stage]);
+          }
         }
         if constexpr (kClusterM == 1) {
           sm90::tma_load_2d(b, maps.b, &shared.full[stage], kb * Tile::kK, b_row0);
@@ -205,13 +237,17 @@ struct Fp8ExpertGemmWideKernel {
 
   // A tile's scales (the thread's two rows' A scales and the tile's two weight scale blocks), read
   // from the params (constant memory) by 32-bit indices: block kb's raw scales are loaded a block
-  // ahead of their use, and multiplied into the promotion's four products.
+  // ahead of their use, and multiplied into the promotion's four products. With kStagedScales the A
+  // scales are read from the block's stage instead, once it has landed.
   struct TileScales {
     int rows[2];  // rows of the (K / 128, a_rows) A scales, clamped inside the schedule
     int b_block0, b_block1;
     bool second_block_at_128;  // the tile's second weight scale block starts at tile column 128 (else 64)
+    uint32_t staged_row;  // kStagedScales: the thread's first row's A scale in stage 0's (shared address)
 
-    __device__ __forceinline__ TileScales(const Params& p, const TileCoord& c, int fragment_row) {
+    __device__ __forceinline__ TileScales(const Params& p, const TileCoord& c, int fragment_row,
+                                          uint32_t staged_scales0) {
+      staged_row = staged_scales0 + (fragment_row + (c.row0 - StagedScaleRows(p, c).first)) * sizeof(float);
       // A row past the schedule is computed and not stored; the clamp keeps its scale read inside
       // the scales' rows.
       const int row = c.row0 + fragment_row;
@@ -226,12 +262,37 @@ struct Fp8ExpertGemmWideKernel {
       second_block_at_128 = c.n0 % kFp8Block == 0;
     }
 
-    // to: block kb's raw scales, A of the two rows then B of the two blocks.
+    // to: block kb's raw scales, A of the two rows (not with kStagedScales) then B of the two blocks.
     __device__ __forceinline__ void load(const Params& p, int kb, int k_blocks, float (&to)[4]) const {
+      if constexpr (!kStagedScales) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) to[h] = __ldg(p.scales.a + (int64_t(kb) * p.scales.a_rows + rows[h]));
+        for (int h = 0; h < 2; ++h) to[h] = __ldg(p.scales.a + (int64_t(kb) * p.scales.a_rows + rows[h]));
+      }
       to[2] = __ldg(p.scales.b + (int64_t(b_block0) * k_blocks + kb));
       to[3] = __ldg(p.scales.b + (int64_t(b_block1) * k_blocks + kb));
+    }
+
+    // to[0], to[1]: the two rows' A scales of the block in stage `stage` (kStagedScales; landed, and
+    // not yet handed back).
+    __device__ __forceinline__ void read_staged(int stage, float (&to)[4]) const {
+      const uint32_t row = staged_row + stage * Tile::kAScaleBytes;
+      to[0] = sm90::ld_shared_f32(row);
+      to[1] = sm90::ld_shared_f32(row + 8 * sizeof(float));
+    }
+  };
+
+  // kStagedScales: the rows of the (K / 128, a_rows) A scales a stage holds for tile c, `bytes` of
+  // them from row `first` (row0 rounded down to a multiple of 4) to the tile's end or a_rows, rounded
+  // up to a multiple of 4 (at most a_rows, itself one): a bulk copy's source and size are whole 16
+  // bytes. Row r of the tile is the stage's r + row0 - first. Rows of the tile past a_rows (computed
+  // and not stored) read what the buffer held before. Used for tiles with rows only (row0 < a_rows).
+  struct StagedScaleRows {
+    int first;
+    uint32_t bytes;
+
+    __device__ __forceinline__ StagedScaleRows(const Params& p, const TileCoord& c) : first(c.row0 & ~3) {
+      const int end = (min(c.row0 + Tile::kM, p.scales.a_rows) + 3) & ~3;
+      bytes = uint32_t(max(end - first, 0)) * sizeof(float);
     }
   };
 
@@ -265,14 +326,25 @@ struct Fp8ExpertGemmWideKernel {
     uint32_t phase = 0;
     float acc[Tile::kAccumulators];
     float partial[Tile::kAccumulators];  // (written by each block's first wgmma)
+    const uint32_t staged_scales0 = sm90::smem_u32(shared.a_scales);
     const auto issue = [&]() { fp8_wide_issue_block<Tile>(partial, full0, a_desc0, b_desc0, stage, phase, watch); };
+    // The stage of the block issued last (stage has moved on to the next).
+    const auto issued_stage = [&]() { return stage >= 1 ? stage - 1 : Tile::kStages - 1; };
+    // Stage `s` handed back by this warpgroup: by thread 0 once the MMAs have read it, or with
+    // kStagedScales by each warp once its lanes' scale reads of it are done too.
+    const auto hand_back = [&](int s) {
+      if constexpr (kStagedScales) {
+        sm90::release_stage_after_shared_reads<kClusterM>(&shared.empty[s], thread % 32);
+      } else if (thread == 0) {
+        sm90::release_stage<kClusterM>(&shared.empty[s]);
+      }
+    };
     // The block in flight (issued last, one stage back): waited for, its stage handed back (the MMAs
     // have read it), then promoted with its scale products.
     const auto retire = [&](const TileScales& tile_scales, const float (&scale)[2][2]) {
       sm90::wgmma_wait_group<0>();
       sm90::fence_accumulators(partial);
-      const int oldest = stage >= 1 ? stage - 1 : Tile::kStages - 1;
-      if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[oldest]);
+      hand_back(issued_stage());
       if (tile_scales.second_block_at_128) {
         promote<Tile::kGroups * 2 / 3>(acc, partial, scale);
       } else {
@@ -290,7 +362,7 @@ struct Fp8ExpertGemmWideKernel {
 #pragma unroll 1
         for (int kb = 0; kb < k_blocks; ++kb) {
           sm90::mbarrier_wait<true>(full0 + 8 * stage, phase, kWaitLoadedStage, watch);
-          if (thread == 0) sm90::release_stage<kClusterM>(&shared.empty[stage]);
+          hand_back(stage);
           sm90::advance_stage<Tile::kStages>(stage, phase);
         }
       }
@@ -304,15 +376,27 @@ struct Fp8ExpertGemmWideKernel {
         store(maps, p, out_extent, acc, done, staging, consumer, thread);
       }
     };
+    // kStagedScales: the products of the block issued last, its A scales read from its stage (landed:
+    // the issue waited for it) while its MMAs run, its B scales in s since a block before.
+    const auto issued_block_products = [&](const TileScales& tile_scales, float (&s)[4], float (&scale)[2][2]) {
+      tile_scales.read_staged(issued_stage(), s);
+      scale_products(s, scale);
+    };
     TileCoord c;
     if (next_tile_with_rows(c)) {
-      TileScales tile_scales(p, c, fragment_row);
-      float s[4];  // raw scales of the block after the one issued last (its products formed before its issue)
+      TileScales tile_scales(p, c, fragment_row, staged_scales0);
+      // Raw scales of the block after the one issued last (its products formed before its issue);
+      // with kStagedScales its B scales only, and its A scales once it has been issued.
+      float s[4];
       tile_scales.load(p, 0, k_blocks, s);
       issue();  // block 0 of the first tile
       while (true) {  // c has rows of this warpgroup, its block 0 is in flight and s holds its raw scales
         float scale[2][2];
-        scale_products(s, scale);
+        if constexpr (kStagedScales) {
+          issued_block_products(tile_scales, s, scale);
+        } else {
+          scale_products(s, scale);
+        }
         if (k_blocks > 1) tile_scales.load(p, 1, k_blocks, s);  // in flight during block 0's MMAs
 #pragma unroll
         for (int i = 0; i < Tile::kAccumulators; ++i) acc[i] = 0.f;
@@ -324,10 +408,16 @@ struct Fp8ExpertGemmWideKernel {
         for (int kb = 1; kb < k_blocks; ++kb) {
           if (in_turn && consumer == 1) fp8_wide_take_issue_turn();
           retire(tile_scales, scale);  // block kb - 1
-          scale_products(s, scale);
-          if (kb + 1 < k_blocks) tile_scales.load(p, kb + 1, k_blocks, s);
+          if constexpr (!kStagedScales) {
+            scale_products(s, scale);
+            if (kb + 1 < k_blocks) tile_scales.load(p, kb + 1, k_blocks, s);
+          }
           if (in_turn && consumer == 0) fp8_wide_take_issue_turn();
           issue();  // block kb
+          if constexpr (kStagedScales) {
+            issued_block_products(tile_scales, s, scale);
+            if (kb + 1 < k_blocks) tile_scales.load(p, kb + 1, k_blocks, s);
+          }
         }
         retire(tile_scales, scale);
         const TileCoord done = c;
@@ -341,14 +431,14 @@ struct Fp8ExpertGemmWideKernel {
             epilogue(done);
             break;
           }
-          tile_scales = TileScales(p, c, fragment_row);
+          tile_scales = TileScales(p, c, fragment_row, staged_scales0);
           tile_scales.load(p, 0, k_blocks, s);
           issue();
           epilogue(done);
         } else {
           epilogue(done);
           if (!next_tile_with_rows(c)) break;
-          tile_scales = TileScales(p, c, fragment_row);
+          tile_scales = TileScales(p, c, fragment_row, staged_scales0);
           tile_scales.load(p, 0, k_blocks, s);
           issue();
         }

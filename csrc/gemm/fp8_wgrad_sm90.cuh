@@ -301,17 +301,6 @@ __device__ __forceinline__ void fp8_wgrad_promote(float (&acc)[kAccumulators], c
   }
 }
 
-// A consumer warp hands a stage back once its reads of it (the MMAs' and the scales') are done, lane
-// 0 for the warp. The stage's next scales arrive by bulk copy (the async proxy), and nothing in the
-// arrival depends on the scale loads, so ptxas may issue it while the last of them are in flight
-// (it did, and a few of a warp's sums came out wrong now and then): the proxy fence orders this
-// thread's loads of the stage first, and __syncwarp the other lanes' before lane 0's arrival.
-__device__ __forceinline__ void fp8_wgrad_release_stage(uint64_t* empty, int lane) {
-  sm90::fence_async_shared();
-  __syncwarp();
-  if (lane == 0) sm90::mbarrier_arrive(empty);
-}
-
 // Advances `tile` to the CTA's next tile with blocks in the window (c: its coordinates; false past
 // the last). A skipped tile is passed over; a tile without blocks, whose sums are its start (zero,
 // or its chain), goes to store_start(c) on the way, while no block is in flight.
@@ -453,7 +442,7 @@ struct Fp8ExpertWgradKernel {
         sm90::fence_accumulators(partial);
         fp8_wgrad_promote(acc, partial, sm90::smem_u32(shared.a_scales + stage * Tile::kM + f.row),
                 sm90::smem_u32(shared.b_scales + stage * Tile::kN + f.col));
-        fp8_wgrad_release_stage(&shared.empty[stage], lane);
+        sm90::release_stage_after_shared_reads<1>(&shared.empty[stage], lane);
         sm90::advance_stage<Tile::kStages>(stage, phase);
       }
       store_tile(maps, p, shared, c, offset, acc, consumer, thread);
@@ -505,7 +494,7 @@ struct Fp8ExpertWgradKernel {
       sm90::fence_accumulators(partial);
       const int oldest = stage >= back ? stage - back : stage - back + Tile::kStages;
       fp8_wgrad_promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
-      fp8_wgrad_release_stage(&shared.empty[oldest], lane);
+      sm90::release_stage_after_shared_reads<1>(&shared.empty[oldest], lane);
     };
     // The CTA's tiles in order. A skipped tile is neither loaded nor stored; a tile without blocks
     // (its sums are its start: zero, or its chain) is stored on the way, with p1 for its sums (no

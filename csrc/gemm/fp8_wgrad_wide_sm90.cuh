@@ -192,7 +192,7 @@ struct Fp8ExpertWgradWideKernel {
       sm90::fence_accumulators(partial);
       const int oldest = stage >= 1 ? stage - 1 : Tile::kStages - 1;
       fp8_wgrad_promote(acc, partial, a_scales0 + oldest * Tile::kAScaleBytes, b_scales0 + oldest * Tile::kBScaleBytes);
-      fp8_wgrad_release_stage(&shared.empty[oldest], lane);
+      sm90::release_stage_after_shared_reads<1>(&shared.empty[oldest], lane);
     };
     // The CTA's tiles in order. A skipped tile is neither loaded nor stored; a tile without blocks
     // (its sums are its start) is stored on the way with the partial for its sums (no block is in

@@ -61,31 +61,34 @@ EXPERT_GEMM_GROUP_M = 16
 FP8_EXPERT_GEMM_CLUSTER_M = 1
 FP8_EXPERT_GEMM_GROUP_M = 16
 # The mainloop of the FP8 GEMMs that store their bf16 rows (fc2 and the dgrads at EP = 1 or over the
-# collective exchange, fc1 before the act kernel): "wide_ordered" (ops.fp8_gemm.FP8_GEMM_VARIANTS; the
-# kernel of csrc/gemm/fp8_gemm_wide_sm90.cuh: 128 x 192 tiles, one m64n192k32 wgmma per 32 of K and one
-# partial sum per warpgroup, its stage descriptors in uniform registers, the two consumer warpgroups
-# issuing their K blocks in turn through a named barrier, as cuBLASLt's blockwise kernel does). Beside
-# "wide" (the same kernel, the warpgroups issuing whenever ready) it ran 1.03-1.18x in single calls
-# and 1.05-1.15x at the card's power cap (dense 8192^3 1047 against 914 TFLOP/s, cuBLASLt's blockwise
-# 1105), and took the DeepSeek-V3 layer's forward + backward from 26.79 to 25.93 ms, over the in-kernel
-# exchange from 29.16 to 27.71 (H100; docs/performance.md, "The wide FP8 GEMM with its consumers'
-# blocks issued in turn"). "wide_across_tiles" (the next tile's first K block issued before a tile's
-# epilogue, without the turns) was within the spread of "wide" in the layer; "wide_ordered_across_tiles"
-# (both) 0-3% above wide_ordered in single calls, level at the power cap and 0.7 ms slower in the
-# DeepSeek-V3 layer. Every mainloop gives the default's bits (tests/ops/test_gpu_fp8_gemm.py), so the
-# choice is speed only.
-FP8_EXPERT_GEMM_VARIANT = "wide_ordered"
+# collective exchange, fc1 before the act kernel): "wide_ordered_staged_scales"
+# (ops.fp8_gemm.FP8_GEMM_VARIANTS; the kernel of csrc/gemm/fp8_gemm_wide_sm90.cuh: 128 x 192 tiles,
+# one m64n192k32 wgmma per 32 of K and one partial sum per warpgroup, its stage descriptors in uniform
+# registers, the two consumer warpgroups issuing their K blocks in turn through a named barrier, and
+# the A scales bulk-copied into each stage beside its operands, as cuBLASLt's blockwise kernel does
+# both). Beside "wide_ordered" (the same turns, the A scales loaded from global memory a block ahead)
+# it ran 1.05-1.10x in single calls and level to 1.04x at the card's power cap, and took the
+# DeepSeek-V3 layer's forward + backward from 26.94 to 26.34 ms, over the in-kernel exchange from
+# 29.07 to 28.26 (H100; docs/performance.md, "The wide FP8 GEMM in turn with its A scales through the
+# stages"). "wide_ordered" itself ran 1.05-1.15x "wide" (the warpgroups issuing whenever ready) at
+# the power cap. "wide_across_tiles" (the next tile's first K block issued before a tile's epilogue,
+# without the turns) was within the spread of "wide" in the layer; "wide_ordered_across_tiles" (both)
+# 0-3% above wide_ordered in single calls, level at the power cap and 0.7 ms slower in the DeepSeek-V3
+# layer. Every mainloop gives the default's bits (tests/ops/test_gpu_fp8_gemm.py), so the choice is
+# speed only.
+FP8_EXPERT_GEMM_VARIANT = "wide_ordered_staged_scales"
 # Over the in-kernel exchange, the FP8 down projection and gate/up dgrad push their rows from the
 # GEMM's epilogue (ops.fp8_expert_gemm_push) instead of writing (capacity, H) bf16 rows that the
 # push kernel then reads and copies: the same bytes in the combine regions, without a write and read
 # of the rows in this rank's memory per pass (docs/performance.md, "The push in the FP8 GEMM's
 # epilogue"). The push GEMM is built in the default and overlap mainloops and the wide kernel
 # (ops.fp8_gemm.FP8_PUSH_GEMM_VARIANTS; ops.fp8_expert_gemm_push refuses the others by name); it runs
-# FP8_PUSH_GEMM_VARIANT, "wide_ordered" as the storing GEMMs: the one-rank step over the in-kernel
-# exchange took 27.71 ms with both in wide_ordered against 29.16 with both in wide (DeepSeek-V3;
-# Qwen3-30B 10.75 against 10.95; H100, scripts/bench_windows.py --gemm-variants wide,wide_ordered).
+# FP8_PUSH_GEMM_VARIANT, the storing GEMMs' mainloop: the one-rank step over the in-kernel exchange
+# took 28.26 ms with both in wide_ordered_staged_scales against 29.07 with both in wide_ordered
+# (DeepSeek-V3, one window; Qwen3-30B 11.22 against 11.38; H100, scripts/bench_windows.py
+# --gemm-variants wide_ordered,wide_ordered_staged_scales), as wide_ordered had against wide.
 FP8_PUSH_IN_EPILOGUE = True
-FP8_PUSH_GEMM_VARIANT = "wide_ordered"
+FP8_PUSH_GEMM_VARIANT = "wide_ordered_staged_scales"
 # The SwiGLU-epilogue GEMM of the forward gate/up (ops.fp8_expert_gemm_swiglu) runs the overlap
 # mainloop, its fastest (751 vs 658 TFLOP/s at DeepSeek-V3, 571 vs 507 at Qwen3-30B on the H200,
 # docs/performance.md).

@@ -29,17 +29,18 @@ E4M3 = torch.float8_e4m3fn
 # Fp8Mainloop (csrc/gemm/fp8_gemm_sm90.cuh, which says what each does); "wide" is another kernel,
 # 128 x 192 tiles with one partial per warpgroup (csrc/gemm/fp8_gemm_wide_sm90.cuh), and
 # "wide_across_tiles" that kernel with the next tile's first K block issued before a tile's epilogue,
-# "wide_ordered" that kernel with its two consumer warpgroups issuing their K blocks in turn, and
-# "wide_ordered_across_tiles" both.
+# "wide_ordered" that kernel with its two consumer warpgroups issuing their K blocks in turn,
+# "wide_ordered_across_tiles" both, and "wide_ordered_staged_scales" wide_ordered with the A scales
+# brought into each pipeline stage beside its operands (a_scales then must start 16-byte aligned).
 # Every one computes bitwise the same output, so the choice is speed only (backends/tuning.py's).
 FP8_GEMM_VARIANTS = ("default", "pingpong", "overlap", "overlap_late_scales", "overlap_eager_retire", "wide",
-                     "wide_across_tiles", "wide_ordered", "wide_ordered_across_tiles")
+                     "wide_across_tiles", "wide_ordered", "wide_ordered_across_tiles", "wide_ordered_staged_scales")
 # The mainloops of ops.fp8_expert_gemm_swiglu: pingpong's turn barriers beside the SwiGLU epilogue's
 # registers spill, so that instance is not built.
 FP8_SWIGLU_GEMM_VARIANTS = ("default", "overlap")
 # The mainloops of ops.fp8_expert_gemm_push (the instances built for it).
 FP8_PUSH_GEMM_VARIANTS = ("default", "overlap", "wide", "wide_across_tiles", "wide_ordered",
-                          "wide_ordered_across_tiles")
+                          "wide_ordered_across_tiles", "wide_ordered_staged_scales")
 # The mainloops of ops.fp8_expert_gemm_swiglu_backward (the instances built for it).
 FP8_SWIGLU_BACKWARD_GEMM_VARIANTS = ("default", "overlap")
 
@@ -96,7 +97,8 @@ def fp8_expert_gemm(
     Ref: fp8_expert_gemm_reference."""
     if variant not in FP8_GEMM_VARIANTS:
         raise ValueError(f"fp8_expert_gemm: variant must be one of {FP8_GEMM_VARIANTS}, got {variant!r}")
-    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, out=out)
+    check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, out=out,
+                               more_checks=lambda: check_staged_scales_alignment("fp8_expert_gemm", variant, a_scales))
     launch = (a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, FP8_GEMM_VARIANTS.index(variant))
     if out is None:
         return torch.ops.megatron_mok.fp8_expert_gemm(*launch)
@@ -234,6 +236,15 @@ def fp8_expert_gemm_push(
     )
 
 
+def check_staged_scales_alignment(op: str, variant: str, a_scales: torch.Tensor) -> None:
+    """wide_ordered_staged_scales bulk-copies each K block's A scales from a 16-byte aligned row (the
+    GEMM-A layout's rows are padded to a multiple of 4): a_scales itself must start 16-byte aligned (a
+    fresh tensor does; a view at an offset may not)."""
+    if variant == "wide_ordered_staged_scales" and a_scales.data_ptr() % 16:
+        raise ValueError(f"{op}: a_scales must start 16-byte aligned for variant {variant!r}, got address "
+                         f"{a_scales.data_ptr():#x}")
+
+
 def check_fp8_expert_gemm_push_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m,
                                     slot_to_route, topk, num_tokens, own_combine, peer_combine_ptrs, variant) -> None:
     """fp8_expert_gemm_push's ValueErrors naming the argument, devices last (check_fp8_expert_gemm_args)."""
@@ -264,6 +275,7 @@ def check_fp8_expert_gemm_push_args(a, a_scales, weight, weight_scales, expert_o
                              f"fewer than 2^31, got {len(ptrs) * num_tokens * topk}")
         if own_combine.data_ptr() not in ptrs:
             raise ValueError(f"{op}: own_combine's address must be one of peer_combine_ptrs (this rank's region)")
+        check_staged_scales_alignment(op, variant, a_scales)
 
     check_fp8_expert_gemm_args(a, a_scales, weight, weight_scales, expert_offsets, cluster_m, group_m, op=op,
                                more_checks=push_checks,

@@ -103,6 +103,22 @@ def test_misaligned_operand_is_a_value_error(name, shape):
         ops.fp8_expert_gemm(**gemm_args(**{name: misaligned}))
 
 
+def test_misaligned_a_scales_is_a_value_error_for_the_staged_scales_variant():
+    """wide_ordered_staged_scales bulk-copies each K block's A scales, from a 16-byte aligned row of
+    them: a_scales starting one float in is refused before any kernel runs, by both ops it serves,
+    naming a_scales and the variant; the other variants read the scales one by one and take it (the
+    CPU tensors then stop them at the device check)."""
+    shape = (K // 128, fp8_scale_rows(R))
+    misaligned = torch.ones(shape[0] * shape[1] + 1)[1:].view(shape)
+    words = r"a_scales must start 16-byte aligned for variant 'wide_ordered_staged_scales'"
+    with pytest.raises(ValueError, match=f"fp8_expert_gemm: {words}"):
+        ops.fp8_expert_gemm(**gemm_args(a_scales=misaligned, variant="wide_ordered_staged_scales"))
+    with pytest.raises(ValueError, match=f"fp8_expert_gemm_push: {words}"):
+        ops.fp8_expert_gemm_push(**push_args(a_scales=misaligned, variant="wide_ordered_staged_scales"))
+    with pytest.raises(ValueError, match="fp8_expert_gemm: a must be a CUDA tensor"):
+        ops.fp8_expert_gemm(**gemm_args(a_scales=misaligned, variant="wide_ordered"))
+
+
 def test_misaligned_or_overlapping_out_is_a_value_error():
     """out starting off a 16-byte boundary, or sharing bytes with an input the kernel reads while it
     writes out (here the weight's), is refused before any kernel runs."""
@@ -269,7 +285,8 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings
     mainloops, the store epilogue in the pingpong, overlap_late_scales and overlap_eager_retire
     ones, and the wide kernel with the store and push epilogues, the next tile's first block issued
     after or before a tile's epilogue (wide, wide_across_tiles), each also with the consumers' blocks
-    issued in turn (wide_ordered, wide_ordered_across_tiles), at both cluster sizes, all without a
+    issued in turn (wide_ordered, wide_ordered_across_tiles), and in turn with the A scales through the
+    stages (wide_ordered_staged_scales), at both cluster sizes, all without a
     spill (the promoted sums, the partials and the scales fit the consumers' registers; the pingpong
     turns' bounded waits too), and none of the silent losses tests/ops/test_extension.py lists for
     the BF16 kernels (C7510 a call, C7507 setmaxnreg ignored, C7518 / C7515 wgmma serialized), nor C7514 / C7517
@@ -283,11 +300,12 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(compiled_bindings
     # (cluster 1 and 2) x (SwiGLU default, SwiGLU overlap, store default, store pingpong, store overlap,
     # store overlap_late_scales, store overlap_eager_retire, push default, push overlap, SwiGLU backward
     # default, SwiGLU backward overlap, wide store, wide push, wide_across_tiles store, wide_across_tiles push,
-    # wide_ordered store, wide_ordered push, wide_ordered_across_tiles store, wide_ordered_across_tiles push)
-    assert len(kernels) == 38, [name for name, _ in kernels] or log[-4000:]
+    # wide_ordered store, wide_ordered push, wide_ordered_across_tiles store, wide_ordered_across_tiles push,
+    # wide_ordered_staged_scales store, wide_ordered_staged_scales push)
+    assert len(kernels) == 42, [name for name, _ in kernels] or log[-4000:]
     assert sum("Fp8SwigluBackwardEpilogue" in name for name, _ in kernels) == 4, [name for name, _ in kernels]
-    assert sum("Fp8ExpertGemmWideKernel" in name for name, _ in kernels) == 16, [name for name, _ in kernels]
-    assert sum("Fp8PushEpilogue" in name for name, _ in kernels) == 12, [name for name, _ in kernels]
+    assert sum("Fp8ExpertGemmWideKernel" in name for name, _ in kernels) == 20, [name for name, _ in kernels]
+    assert sum("Fp8PushEpilogue" in name for name, _ in kernels) == 14, [name for name, _ in kernels]
     for name, spill in kernels:
         assert spill == 0, f"{spill} bytes spilled in {name}"
 
@@ -350,7 +368,7 @@ def test_ordered_wide_kernels_take_turns_and_the_others_do_not(compiled_bindings
 
     _, _, object_path = compiled_bindings
     functions = {name: code for name, code in sass_by_function(object_path).items() if "Fp8ExpertGemmWideKernel" in name}
-    assert len(functions) == 16, list(functions)
+    assert len(functions) == 20, list(functions)
     ordered = 0
     for name, code in functions.items():
         turns = named_barrier_syncs(code, 5, 256)
@@ -362,4 +380,42 @@ def test_ordered_wide_kernels_take_turns_and_the_others_do_not(compiled_bindings
             assert len(turns) == 2 and all(turn.startswith("@") for turn in turns), (name, turns)
         else:
             assert not turns, (name, turns)
-    assert ordered == 8, ordered  # (cluster 1, 2) x (store, push) x (wide_ordered, wide_ordered_across_tiles)
+    # (cluster 1, 2) x (store, push) x (wide_ordered, wide_ordered_across_tiles, wide_ordered_staged_scales)
+    assert ordered == 12, ordered
+
+
+@NEEDS_TOOLCHAIN
+def test_staged_scales_kernels_copy_the_scales_and_the_others_do_not(compiled_bindings):
+    """wide_ordered_staged_scales differs from wide_ordered by where the A scales come from
+    (csrc/gemm/fp8_gemm_wide_sm90.cuh kStagedScales): in its SASS, at both cluster sizes and with
+    both epilogues, the producer bulk-copies them into the stage (UBLKCP, one site), the consumers
+    read them from shared memory (LDS: two rows at each of the two sites where a block's products
+    are formed, none elsewhere in the K loop's kernel), and every stage hand-back that follows a
+    scale read is fenced against the async proxy first. No other wide kernel copies or reads scales
+    through shared memory. Should the flag stop reaching the producer or the loop, this fails instead
+    of the variant silently running as wide_ordered."""
+    from cuda_checks import sass_by_function
+
+    _, _, object_path = compiled_bindings
+    functions = {name: code for name, code in sass_by_function(object_path).items() if "Fp8ExpertGemmWideKernel" in name}
+    staged = 0
+    for name, code in functions.items():
+        opcodes = [_opcode(instruction) for instruction in code]
+        copies = sum(op.startswith("UBLKCP") for op in opcodes)
+        # The kernel's bool template arguments after its epilogue, mangled: kAcrossTiles, kIssueOrder, kStagedScales.
+        flags = re.search(r"EpilogueELb([01])ELb([01])ELb([01])E", name)
+        assert flags is not None, name
+        if flags.group(3) == "1":
+            staged += 1
+            assert flags.group(2) == "1", name  # built in turn only
+            assert copies == 1, (name, copies)
+            reads = [i for i, op in enumerate(opcodes) if op.startswith("LDS")]
+            assert len(reads) == 4, (name, [code[i] for i in reads])
+            # Between a scale read and the next consumer arrival on an empty barrier, a proxy fence.
+            for i in reads:
+                arrival = next(j for j in range(i, len(opcodes)) if opcodes[j].startswith("SYNCS.ARRIVE"))
+                assert any(op.startswith("FENCE.VIEW.ASYNC.S") for op in opcodes[i:arrival]), (name, i, arrival)
+        else:
+            assert copies == 0, (name, copies)
+            assert not any(op.startswith("LDS") for op in opcodes), name
+    assert staged == 4, staged  # (cluster 1, 2) x (store, push)
