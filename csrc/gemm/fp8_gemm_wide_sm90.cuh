@@ -86,8 +86,8 @@ struct Fp8WideGemmTile : Fp8GemmTile {
   static constexpr uint32_t kStagingBytes = kStoreBoxes * ExpertGemmTile::kStoreBoxBytes;
   static constexpr int kStages = 4;  // 4 x 40 KB beside 48 KB of staging in the 227 KB an sm90 block may opt into
   // A stage's A scales (kStagedScales): the tile's 128 rows' from the 16-byte aligned row at or below
-  // row0 (a bulk copy's source and size are whole 16 bytes; a_rows is a multiple of 4), so up to 3
-  // rows before row0 and 1 after.
+  // row0 (a bulk copy's source and size are whole 16 bytes; a_rows is a multiple of 4), so row0 % 4
+  // rows before row0 and, where that is not 0, 4 - row0 % 4 past the tile's last: 132 at most.
   static constexpr int kAScaleRows = kM + 4;
   static constexpr uint32_t kAScaleBytes = kAScaleRows * sizeof(float);
   static_assert(kABytes % kSwizzleAlign == 0 && kBPartBytes % kSwizzleAlign == 0 &&

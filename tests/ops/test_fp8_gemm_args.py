@@ -358,12 +358,12 @@ def test_late_scales_mainloop_issues_each_block_without_a_promotion_in_between(c
 @NEEDS_TOOLCHAIN
 def test_ordered_wide_kernels_take_turns_and_the_others_do_not(compiled_bindings):
     """wide_ordered and wide_ordered_across_tiles differ from wide and wide_across_tiles only by the
-    consumers' turns (csrc/gemm/fp8_gemm_wide_sm90.cuh kIssueOrder): in their SASS, at both cluster
-    sizes and with both epilogues, the issue-order barrier (named barrier 5, tile_sm90.cuh
-    kIssueOrderBarrier, over both consumer warpgroups' 256 threads) is taken at exactly two sites,
-    each predicated (one warpgroup's after its issue, the other's before), and no other wide kernel
-    takes it. Should the template flag stop reaching the loop, this fails instead of the variant
-    silently running as wide."""
+    consumers' turns (csrc/gemm/fp8_gemm_wide_sm90.cuh kIssueOrder; wide_ordered_staged_scales takes
+    them as wide_ordered does): in their SASS, at both cluster sizes and with both epilogues, the
+    issue-order barrier (named barrier 5, tile_sm90.cuh kIssueOrderBarrier, over both consumer
+    warpgroups' 256 threads) is taken at exactly two sites, each predicated (one warpgroup's after
+    its issue, the other's before), and no other wide kernel takes it. Should the template flag stop
+    reaching the loop, this fails instead of the variant silently running as wide."""
     from cuda_checks import named_barrier_syncs, sass_by_function
 
     _, _, object_path = compiled_bindings
@@ -390,7 +390,7 @@ def test_staged_scales_kernels_copy_the_scales_and_the_others_do_not(compiled_bi
     (csrc/gemm/fp8_gemm_wide_sm90.cuh kStagedScales): in its SASS, at both cluster sizes and with
     both epilogues, the producer bulk-copies them into the stage (UBLKCP, one site), the consumers
     read them from shared memory (LDS: two rows at each of the two sites where a block's products
-    are formed, none elsewhere in the K loop's kernel), and every stage hand-back that follows a
+    are formed, and no other LDS in the kernel), and every stage hand-back that follows a
     scale read is fenced against the async proxy first. No other wide kernel copies or reads scales
     through shared memory. Should the flag stop reaching the producer or the loop, this fails instead
     of the variant silently running as wide_ordered."""
