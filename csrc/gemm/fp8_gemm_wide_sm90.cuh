@@ -27,8 +27,9 @@
 //   - with kStagedScales too (op variant "wide_ordered_staged_scales"), the A scales come with the
 //     stage: the producer bulk-copies the tile's 128 rows' scales of the block beside its A and B, and
 //     a consumer reads its two rows' from shared memory once the stage has landed. From global
-//     memory each block's A scales are a fresh line per 64 rows (one K block's scales lie a_rows
-//     apart), an L2 round trip a block ahead of its promotion; a stage lands kStages blocks ahead.
+//     memory each block's A scales are fresh cache lines (a K block's scales lie a_rows floats past
+//     the previous block's), an L2 round trip a block ahead of its promotion; a stage lands kStages
+//     blocks ahead.
 //     A warp then hands the stage back itself (its scale reads are the generic proxy's, the next
 //     copy into the stage the async proxy's: sm90::release_stage_after_shared_reads).
 //   - a cluster tile's m-tile that lies wholly past its segment (2-CTA clusters over an expert with
