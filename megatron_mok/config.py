@@ -95,6 +95,12 @@ class MoKConfig:
             after the pass: no FP8 copy is held between passes, which brings the layer's peak memory
             to about the BF16 layer's (docs/performance.md: below it at DeepSeek-V3's shape, 0.25%
             above at Qwen3-30B's), for one weight quantization more per microbatch.
+        fp8_cache_transposed_weights: with fp8_blockwise and fp8_cache_weights, the kernel backend
+            keeps each expert weight's transposed FP8 copy (the dgrads' operand: sm90's FP8 wgmma
+            reads K-major operands only) beside the forward copy until the weight changes, made in
+            the same pass as the forward copy, so that no backward makes it again (True); False,
+            the default, makes it in every backward, range of experts by range, each range freed
+            after its dgrad: the cache then holds half the weight's bf16 bytes, not all of them.
         check_expert_ids: validate that every expert id lies in [-1, num_experts). On CPU
             tensors a bad id raises ValueError; on CUDA a host-side check would synchronize, so
             the schedule kernel checks the ids as it reads them and traps on a bad one
@@ -113,6 +119,7 @@ class MoKConfig:
     fp8_weight_grad: bool = True
     fp8_pow2_scales: bool = False
     fp8_cache_weights: bool = True
+    fp8_cache_transposed_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -136,14 +143,18 @@ class MoKConfig:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
-        for name in ("fp8_weight_grad", "fp8_pow2_scales", "fp8_cache_weights"):
+        for name in ("fp8_weight_grad", "fp8_pow2_scales", "fp8_cache_weights", "fp8_cache_transposed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fp8_cache_transposed_weights and not self.fp8_cache_weights:
+            raise ValueError("MoKConfig.fp8_cache_transposed_weights=True needs fp8_cache_weights=True (the "
+                             "transposed copies are kept beside the cached forward copies)")
 
     def fp8_recipe(self) -> Optional[Fp8Recipe]:
         """The FP8 recipe a call runs, None for bf16."""
         if self.precision != "fp8_blockwise":
             return None
         return Fp8Recipe(
-            pow2_scales=self.fp8_pow2_scales, weight_grad=self.fp8_weight_grad, cache_weights=self.fp8_cache_weights
+            pow2_scales=self.fp8_pow2_scales, weight_grad=self.fp8_weight_grad, cache_weights=self.fp8_cache_weights,
+            cache_transposed_weights=self.fp8_cache_transposed_weights,
         )

@@ -23,7 +23,10 @@ step calls `clear()`.
 
 Forward takes `quantized`, backward `quantized_transposed`; between them autograd refuses in-place
 changes of a saved weight, so both read one version. The reference caches the transposed copy beside
-the forward one (made from it on first use). The kernel maker does not: its transposed copy is made
+the forward one (made from it on first use). The kernel maker does so only where asked
+(Fp8Recipe.cache_transposed_weights: `quantized(keep_transposed=True)` makes both copies in one
+pass of the quantization kernel, and `kept_transposed` hands the kept copy to the dgrads, so no
+backward of that weight version makes it again). Otherwise its transposed copy is made
 when a dgrad asks for it and dies with that GEMM, so a layer holds one FP8 copy per weight (half the
 bf16 weight's bytes) between its passes, not two. It is made from the cached forward copy
 (ops.fp8_transpose_weight: 128x128 blocks transpose exactly, so moving the bytes gives the bits a
@@ -108,6 +111,13 @@ def _quantize(weight: Tensor, pow2: bool, kernels: bool) -> QuantizedWeight:
         return QuantizedWeight(*quantize_weight(weight.detach(), pow2))
 
 
+def _quantize_both(weight: Tensor, pow2: bool) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """The kernel maker's forward and transposed copies in one pass (one read of the weight)."""
+    with torch.no_grad():
+        q, scales, q_t, scales_t = ops.fp8_quantize_weight(kernel_ready(weight.detach()), transposed=True, pow2=pow2)
+    return QuantizedWeight(q, scales), QuantizedWeight(q_t, scales_t)
+
+
 def _cacheable(weight: Tensor) -> bool:
     """False for an inference tensor (it has no version counter, so nothing can tell whether it
     changed) and inside a CUDA-graph capture (a replay must quantize the weights it reads then, not a
@@ -126,26 +136,34 @@ def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
         return entry if entry is not None and entry.made_from(weight, stamp) else None
 
 
-def _entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
-    """The weight's valid entry, quantized now if missing or stale; None where nothing is cached
-    (_cacheable)."""
+def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Optional[_Entry]:
+    """The weight's valid entry, quantized now if missing or stale (with both, the kernel maker's
+    forward and transposed copies in one pass); None where nothing is cached (_cacheable)."""
     entry = _valid_entry(weight, pow2, kernels)
     if entry is not None or not _cacheable(weight):
         return entry
-    entry = _Entry(_stamp(weight), _quantize(weight, pow2, kernels), StorageWeakRef(weight.untyped_storage()))
+    stamp, storage = _stamp(weight), StorageWeakRef(weight.untyped_storage())
+    if both and kernels:
+        forward, transposed = _quantize_both(weight, pow2)
+        entry = _Entry(stamp, forward, storage, transposed)
+    else:
+        entry = _Entry(stamp, _quantize(weight, pow2, kernels), storage)
     with _LOCK:
         _register_step_hook()
         _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry
     return entry
 
 
-def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True) -> QuantizedWeight:
+def quantized(weight: Tensor, pow2: bool = False, *, kernels: bool = False, cache: bool = True,
+              keep_transposed: bool = False) -> QuantizedWeight:
     """weight (E, N, K) bf16/fp32, N and K multiples of 128 -> its 128x128 quantization (cached).
     kernels: made by ops.fp8_quantize_weight (a CUDA weight; the kernel backend) instead of PyTorch.
     cache=False (Fp8Recipe.cache_weights): never cached nor read from the cache, so the copy lives
     only as long as the caller (or a copies_held block around the pass) holds it. So too where nothing
-    is cacheable (_cacheable: a CUDA-graph capture, an inference tensor) whatever cache says."""
-    entry = _entry(weight, pow2, kernels) if cache else None
+    is cacheable (_cacheable: a CUDA-graph capture, an inference tensor) whatever cache says.
+    keep_transposed (Fp8Recipe.cache_transposed_weights, with kernels and cache): a copy made now is
+    made with its transposed copy in the same pass, which the entry keeps for kept_transposed."""
+    entry = _entry(weight, pow2, kernels, both=keep_transposed) if cache else None
     if entry is None:  # cache=False, or nothing cacheable (a capture, an inference tensor)
         return _held_or_made((id(weight), pow2, kernels, "forward"), lambda: _quantize(weight, pow2, kernels))
     return entry.weight
@@ -167,6 +185,23 @@ def quantized_transposed(weight: Tensor, pow2: bool = False, *, kernels: bool = 
     with _LOCK:
         if entry.transposed is None:
             entry.transposed = _transposed(entry.weight)
+        return entry.transposed
+
+
+def kept_transposed(weight: Tensor, pow2: bool = False) -> Optional[QuantizedWeight]:
+    """The kernel maker's transposed copy of weight (E, N, K), (E, K, N) e4m3 and (E, K/128, N/128)
+    fp32, kept in the cache beside the forward copy (Fp8Recipe.cache_transposed_weights): the one
+    quantized(keep_transposed=True) made, else made now from the cached forward copy
+    (ops.fp8_transpose_weight, every expert) and kept, else both made now in one pass. It lives until
+    the weight changes, like the forward copy. None where nothing is cacheable (_cacheable: a
+    CUDA-graph capture, an inference tensor): the caller makes its copies as without the option."""
+    entry = _entry(weight, pow2, True, both=True)
+    if entry is None:
+        return None
+    with _LOCK:
+        if entry.transposed is None:
+            with torch.no_grad():
+                entry.transposed = QuantizedWeight(*ops.fp8_transpose_weight(entry.weight.values, entry.weight.scales))
         return entry.transposed
 
 

@@ -15,7 +15,8 @@ Terms, per rank and per layer call:
 
     held       y s*T*H, the route table (the down outputs s*C*H at R = 1 and M = 1, else s*T*K*H),
                the first window's gate/up s*W*2F, the index tables 8*(C + R*T*K + T*K), and with the
-               weight cache (MoKConfig.fp8_cache_weights) the forward copies Wq(2F, H) + Wq(H, F):
+               weight cache (MoKConfig.fp8_cache_weights) the forward copies Wq(2F, H) + Wq(H, F)
+               (twice that with MoKConfig.fp8_cache_transposed_weights, their transposed copies kept):
                the cache holds them from the first microbatch of a weight version to the optimizer
                step, and a later call allocates nothing for them (in a CUDA-graph capture nothing
                is cached: the forward makes the same bytes and holds them for its windows instead)
@@ -132,6 +133,11 @@ def fp8_layer_memory_bound(
 
     forward_copies = weight_copy_bytes(e, 2 * f, h) + weight_copy_bytes(e, h, f)
     cached = forward_copies if config.fp8_cache_weights else 0
+    # The transposed copies kept beside them (fp8_cache_transposed_weights): the same bytes again. The
+    # dgrads' range copies stay counted below: in a CUDA-graph capture nothing is cached and the
+    # dgrads make them as without the option.
+    if config.fp8_cache_weights and config.fp8_cache_transposed_weights:
+        cached += forward_copies
     route_table = s * c * h if one_window_one_rank else s * t * k * h
     held = s * t * h + route_table + s * w * 2 * f + 8 * (c + routes + t * k) + cached + FP8_HELD_BUFFERS * slack
 
@@ -140,7 +146,7 @@ def fp8_layer_memory_bound(
     forward_window = max(rows_q + s * w * 2 * f, s * w * 2 * f + act_q + s * w * h)
     tables = 8 * (2 * routes + m * w)
     forward_peak = (
-        held + quantized_rows_bytes(t, h) + (forward_copies - cached) + forward_window + tables
+        held + quantized_rows_bytes(t, h) + (0 if config.fp8_cache_weights else forward_copies) + forward_window + tables
         + FP8_FORWARD_BUFFERS * slack
     )
 

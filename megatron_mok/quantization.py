@@ -48,11 +48,16 @@ class Fp8Recipe:
     weight_grad: the weight gradients in FP8 (both operands 1x128 along tokens); False: in the
         activation dtype, as without FP8.
     cache_weights: each weight's forward FP8 copy kept until the weight changes
-        (fp8_weights.quantized); False: quantized in every forward and freed after the pass."""
+        (fp8_weights.quantized); False: quantized in every forward and freed after the pass.
+    cache_transposed_weights: with cache_weights, the dgrads' transposed copy kept beside the
+        forward copy (fp8_weights.kept_transposed; the kernel backend makes both in one pass);
+        False: the kernel backend makes it range of experts by range in every backward and frees it
+        after each dgrad (the reference backend caches it beside the forward copy either way)."""
 
     pow2_scales: bool = False
     weight_grad: bool = True
     cache_weights: bool = True
+    cache_transposed_weights: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

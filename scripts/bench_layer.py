@@ -5,7 +5,9 @@ the alltoall dispatcher (if megatron-core is installed) and mok, on the same inp
 
 --fp8 adds the FP8 blockwise rows: mok's kernel backend with MoKConfig(precision="fp8_blockwise")
 (with and without its weight cache, MoKConfig.fp8_cache_weights; a later microbatch's, the same weight
-leaves call after call, mok_kernel_fp8_later_microbatch; and with act quantized where
+leaves call after call, mok_kernel_fp8_later_microbatch; both with the transposed weight copies kept
+beside the forward ones, MoKConfig.fp8_cache_transposed_weights, mok_kernel_fp8_kept_transposed*;
+and with act quantized where
 backends.tuning.FP8_ACT_QUANTIZE does not choose, mok_kernel_fp8_act_*), and torchao's FP8 rowwise MoE op
 where torchao is installed (torch's grouped GEMM pipeline with each GEMM through torchao's
 dynamically quantizing FP8 rowwise grouped GEMM), each with its forward error beside the bf16 rows'.
@@ -109,6 +111,8 @@ def torchao_fp8_rowwise_pipeline():
 FP8_KERNEL = MoKConfig(backend="kernel", precision="fp8_blockwise")
 # The same without the weight cache: every forward quantizes its weights, no FP8 copy held between passes.
 FP8_KERNEL_UNCACHED = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_weights=False)
+# The same keeping the dgrads' transposed weight copies beside the forward ones (made in one pass).
+FP8_KERNEL_KEPT_TRANSPOSED = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_transposed_weights=True)
 # The same with BF16 weight gradients (MoKConfig.fp8_weight_grad=False): no column-wise quantization,
 # the BF16 kernel's weight gradients on bf16 rows, dY and act.
 FP8_KERNEL_BF16_WGRAD = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_weight_grad=False)
@@ -322,6 +326,8 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
         methods["mok_kernel_fp8"] = mok_layer(FP8_KERNEL)
         methods["mok_kernel_fp8_uncached"] = mok_layer(FP8_KERNEL_UNCACHED)
         methods["mok_kernel_fp8_later_microbatch"] = later_microbatch(mok_layer(FP8_KERNEL))
+        methods["mok_kernel_fp8_kept_transposed"] = mok_layer(FP8_KERNEL_KEPT_TRANSPOSED)
+        methods["mok_kernel_fp8_kept_transposed_later_microbatch"] = later_microbatch(mok_layer(FP8_KERNEL_KEPT_TRANSPOSED))
         methods["mok_kernel_fp8_bf16_wgrad"] = mok_layer(FP8_KERNEL_BF16_WGRAD)
         methods.update(fp8_alternatives())  # the tuning choices not made, beside the ones made
         torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
@@ -336,24 +342,26 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
             with torch.no_grad(), chosen():
                 return fn(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"])
 
-        def fwd_with_grad(s, fn=fn, chosen=chosen):
+        def fwd_with_grad(s, fn=fn, chosen=chosen, label=label):
             leaves = [s[n].detach().requires_grad_() for n in ("x", "weights", "fc1", "fc2")]
             if getattr(fn, "same_weights", False):
                 for i, n in ((2, "fc1"), (3, "fc2")):
-                    leaf = s.setdefault(f"{n}_leaf", s[n].detach().requires_grad_())
+                    # (each row's own leaves: the weight cache keeps one entry per leaf, and a row
+                    # must find there only what its own config made)
+                    leaf = s.setdefault(f"{n}_leaf_{label}", s[n].detach().requires_grad_())
                     leaf.grad = None
                     leaves[i] = leaf
             with chosen():
                 return fn(leaves[0], s["ids"], leaves[1], leaves[2], leaves[3])
 
-        def fwd_bwd(s, fn=fn, chosen=chosen):
+        def fwd_bwd(s, fn=fn, chosen=chosen, label=label):
             with chosen():
                 fwd_with_grad(s).backward(s["grad"])
             if getattr(fn, "same_weights", False):
                 # Dropped here too, not only before the next call: a held-memory measurement after
                 # this call would otherwise see them freed inside it (a negative held MB).
                 for n in ("fc1", "fc2"):
-                    s[f"{n}_leaf"].grad = None
+                    s[f"{n}_leaf_{label}"].grad = None
 
         ms_f, ms_fb = median_ms(fwd, sets), median_ms(fwd_bwd, sets)
         row[label] = dict(

@@ -26,7 +26,8 @@ dtype is bf16 (the kernel backend's). Per stage:
                        (the weighted pull kernel on the fp32 scales: one fp32 multiply, the
                        reference's); from a bf16 source, bf16's
     dgrad_swiglu       ops.fp8_expert_gemm with fc2 transposed (E, F, H) (expert range by range, each
-                       range's copy, of its experts with rows in the window, freed after its GEMM)
+                       range's copy, of its experts with rows in the window, freed after its GEMM;
+                       with Fp8Recipe.cache_transposed_weights the cache's whole copy, one launch)
                        -> d act bf16 -> with FP8
                        weight gradients ops.fp8_quantize_swiglu_backward: d gate_up bf16 and its
                        quantization 1x128 along 2F in one pass, then its quantization 1x128 along the
@@ -107,13 +108,26 @@ def _gemm(values: Tensor, gemm_a_scales: Tensor, weight: fp8_weights.QuantizedWe
 def _dgrad(values: Tensor, gemm_a_scales: Tensor, weight: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,
            push: Optional[PushTarget] = None) -> Optional[Tensor]:
     """(capacity, N) e4m3 rows times weight (E, N, K) bf16 per segment -> (capacity, K) bf16, through the
-    weight's transposed FP8 copy (E, K, N), range of experts by range (_gemm_by_expert_ranges). A
+    weight's transposed FP8 copy (E, K, N): the cache's whole copy in one launch where it keeps one
+    (_kept_transposed), else range of experts by range (_gemm_by_expert_ranges). A
     range's copy holds only its experts with rows in `offsets` (fp8_weights.transposed_experts): the
     windows of a backward over several receive windows transpose each expert about once in all and
     hold no copy between them."""
+    kept = _kept_transposed(weight, recipe)
+    if kept is not None:  # (one launch: bitwise the ranges', every row's sums are its own)
+        return _gemm(values, gemm_a_scales, kept, offsets, push=push)
     copy_of = functools.partial(fp8_weights.transposed_experts, weight, pow2=recipe.pow2_scales,
                                 cache=recipe.cache_weights)
     return _gemm_by_expert_ranges(values, gemm_a_scales, offsets, weight.shape[0], weight.shape[2], copy_of, push)
+
+
+def _kept_transposed(weight: Tensor, recipe: Fp8Recipe) -> Optional[fp8_weights.QuantizedWeight]:
+    """The weight's whole transposed copy as the cache keeps it (Fp8Recipe.cache_transposed_weights),
+    or None: without the option, or where nothing is cacheable (a CUDA-graph capture), the dgrads
+    make their copies range of experts by range."""
+    if not (recipe.cache_transposed_weights and recipe.cache_weights):
+        return None
+    return fp8_weights.kept_transposed(weight, recipe.pow2_scales)
 
 
 def _gemm_by_expert_ranges(values: Tensor, gemm_a_scales: Tensor, offsets: Tensor, num_experts: int,
@@ -182,7 +196,8 @@ def dispatch_gate_up(
     """-> (None, gate_up (capacity, 2F) bf16, act (capacity, F) as a GemmOperand). The FP8 rows are not
     returned: backward quantizes its weight gradients from the bf16 rows, and dropping them here frees
     them before the down projection runs. ring_minibatches (the BF16 dispatching GEMM's) does not apply."""
-    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+    weight = fp8_weights.quantized(fc1, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights,
+                                   keep_transposed=recipe.cache_transposed_weights)
     return _dispatch_gate_up(source, schedule, weight, recipe)
 
 
@@ -231,7 +246,8 @@ def recompute_gate_up(source: RowSource, schedule: Schedule, fc1: Tensor, *, rec
 def expert_down(act: GemmOperand, fc2: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,
                 push: Optional[PushTarget] = None) -> Optional[Tensor]:
     """act (capacity, F) FP8 -> (capacity, H) bf16; with push (expert_down_pushed) written there."""
-    weight = fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights)
+    weight = fp8_weights.quantized(fc2, recipe.pow2_scales, kernels=True, cache=recipe.cache_weights,
+                                   keep_transposed=recipe.cache_transposed_weights)
     return _gemm(act.values, act.scales, weight, offsets, push=push)
 
 
@@ -308,12 +324,16 @@ def _dgrad_with_swiglu_backward(grad_out: QuantizedRows, fc2: Tensor, gate_up: T
     (ops.fp8_expert_gemm_swiglu_backward), range of experts by range as _dgrad's (each range's
     transposed copy made, multiplied into the one output, freed) -> (d gate_up (capacity, 2F) bf16,
     its e4m3 rows, their GEMM-A scales): fp8_quantize_swiglu_backward's outputs of _dgrad's d act, bit
-    for bit on the segments' rows, with no d act in memory."""
+    for bit on the segments' rows, with no d act in memory. With a kept transposed copy
+    (_kept_transposed) one launch over it."""
     copy_of = functools.partial(fp8_weights.transposed_experts, fc2, pow2=recipe.pow2_scales,
                                 cache=recipe.cache_weights)
     values, scales = grad_out.values, gemm_a_layout(grad_out.scales)
     num_experts = fc2.shape[0]
     span = tuning.fp8_dgrad_expert_span(num_experts)
+    kept = _kept_transposed(fc2, recipe)
+    if kept is not None:  # the whole kept copy in one launch
+        copy_of, span = (lambda first, end, expert_offsets: kept), num_experts
     out = None
     for first in range(0, num_experts, span):
         end = min(num_experts, first + span)

@@ -81,7 +81,8 @@ def _megatron_fp8_settings(config: TransformerConfig, layer_number: Optional[int
 def mok_config_for(config: TransformerConfig, layer_number: Optional[int] = None) -> MoKConfig:
     """The MoKConfig of a model's MoE layer number layer_number (global, from 1; None: any layer):
     `config.mok_config` if set, else from `--mok-backend`, `--mok-expert-gemm`,
-    `--mok-dispatch-ring-minibatches`, `--mok-exchange`, `--mok-no-fp8-weight-cache` and the precision
+    `--mok-dispatch-ring-minibatches`, `--mok-exchange`, `--mok-no-fp8-weight-cache`,
+    `--mok-fp8-cache-transposed-weights` and the precision
     (checks.expert_precision: `--mok-precision`, or Megatron's --fp8-format e4m3 --fp8-recipe
     blockwise), else default; either way FP8 experts follow --first-last-layers-bf16 (BF16 in the
     layers Megatron keeps BF16) and --no-fp8-wgrad (BF16 weight gradients)."""
@@ -104,6 +105,11 @@ def mok_config_for(config: TransformerConfig, layer_number: Optional[int] = None
             fields[field] = value
     if args is not None and getattr(args, "mok_no_fp8_weight_cache", False):
         fields["fp8_cache_weights"] = False
+    if args is not None and getattr(args, "mok_fp8_cache_transposed_weights", False):
+        if not fields.get("fp8_cache_weights", True):
+            raise ValueError("--mok-fp8-cache-transposed-weights keeps the transposed copies beside the cached "
+                             "forward copies: it cannot go with --mok-no-fp8-weight-cache")
+        fields["fp8_cache_transposed_weights"] = True
     return _megatron_fp8_settings(config, layer_number, MoKConfig(**fields))
 
 

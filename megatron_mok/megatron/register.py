@@ -3,8 +3,8 @@
 - widens TransformerConfig.moe_token_dispatcher_type's Literal, from which Megatron's argument
   parser takes the choices of --moe-token-dispatcher-type;
 - adds MoK's own flags (--mok-backend, --mok-expert-gemm, --mok-dispatch-ring-minibatches,
-  --mok-exchange, --mok-precision, --mok-no-fp8-weight-cache, --mok-grouped-mm-experts) to every
-  Megatron argument parser;
+  --mok-exchange, --mok-precision, --mok-no-fp8-weight-cache, --mok-fp8-cache-transposed-weights,
+  --mok-grouped-mm-experts) to every Megatron argument parser;
 - checks mok's unsupported combinations when a TransformerConfig is built;
 - makes Megatron's MoE specs build MoKMoELayer, which is MoELayer unless the type is mok (with
   --mok-grouped-mm-experts, MoELayer with GroupedMMExperts).
@@ -86,6 +86,14 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "the pass, instead of keeping it until the optimizer step (MoKConfig.fp8_cache_weights=False): "
         "no FP8 weight copy held between passes (half the experts' bf16 weight bytes per MoE layer), "
         "for one weight quantization more per microbatch.",
+    )
+    group.add_argument(
+        "--mok-fp8-cache-transposed-weights",
+        action="store_true",
+        help="With FP8 experts and the weight cache: keep each expert weight's transposed FP8 copy (the "
+        "dgrads' operand) beside the forward copy until the optimizer step, made in the same pass "
+        "(MoKConfig.fp8_cache_transposed_weights=True), so no backward makes it again: the cache then "
+        "holds the experts' bf16 weight bytes per MoE layer instead of half of them.",
     )
     group.add_argument(
         "--mok-grouped-mm-experts",

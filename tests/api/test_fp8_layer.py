@@ -517,8 +517,11 @@ def test_hidden_or_ffn_not_a_multiple_of_128_is_a_value_error(hidden, ffn, messa
         (dict(precision="fp8_blockwise", fp8_weight_grad=1), "MoKConfig.fp8_weight_grad must be a bool"),
         (dict(fp8_pow2_scales="yes"), "MoKConfig.fp8_pow2_scales must be a bool"),
         (dict(fp8_cache_weights=None), "MoKConfig.fp8_cache_weights must be a bool"),
+        (dict(fp8_cache_transposed_weights=1), "MoKConfig.fp8_cache_transposed_weights must be a bool"),
+        (dict(fp8_cache_weights=False, fp8_cache_transposed_weights=True),
+         "MoKConfig.fp8_cache_transposed_weights=True needs fp8_cache_weights=True"),
     ],
-    ids=["precision", "weight_grad", "pow2", "cache_weights"],
+    ids=["precision", "weight_grad", "pow2", "cache_weights", "cache_transposed", "transposed_without_cache"],
 )
 def test_bad_config_is_a_value_error(fields, message):
     with pytest.raises(ValueError, match=message):

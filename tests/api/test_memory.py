@@ -61,6 +61,11 @@ def test_fp8_ep1_held_is_the_designs_count():
     assert layer_memory_bound(**DSV3, config=dataclasses.replace(FP8, fp8_cache_weights=False)).held == uncached
     copies = e * 3 * f * h + 4 * e * (2 * f // 128) * (h // 128) + 4 * e * (h // 128) * (f // 128)
     assert layer_memory_bound(**DSV3, config=FP8).held == uncached + copies
+    # Keeping the transposed copies beside them holds the same bytes again, and adds nothing else.
+    kept = layer_memory_bound(**DSV3, config=dataclasses.replace(FP8, fp8_cache_transposed_weights=True))
+    cached = layer_memory_bound(**DSV3, config=FP8)
+    assert kept.held == uncached + 2 * copies
+    assert (kept.forward_peak - cached.forward_peak, kept.backward_peak - cached.backward_peak) == (copies, copies)
 
 
 def test_fp8_bound_is_below_bf16s_without_the_cache_and_does_not_grow_with_ep():

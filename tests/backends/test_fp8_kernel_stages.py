@@ -370,6 +370,78 @@ def test_kernel_fp8_without_the_weight_cache_caches_nothing_and_equals_the_refer
     _assert_equal(got, run_layer(x, ids, weights, fc1, fc2, grad, config=reference_config), "uncached")
 
 
+@pytest.mark.parametrize("swiglu_backward_in_dgrad", [False, True], ids=["swiglu_backward_kernel", "in_dgrad"])
+def test_kept_transposed_copies_are_made_with_the_forward_copies_and_reused(simulated_kernels, monkeypatch,
+                                                                            swiglu_backward_in_dgrad):
+    """fp8_cache_transposed_weights: each weight's forward and transposed copies come from one
+    quantization call (transposed=True) in the first forward; each dgrad is one GEMM over the kept
+    copy of every expert (no range copies); a second forward and backward with the same weights makes
+    no copy at all; a weight updated in place gets both copies again. The layer is bitwise the
+    reference backend's every time."""
+    monkeypatch.setattr(tuning, "FP8_SWIGLU_BACKWARD_IN_DGRAD", swiglu_backward_in_dgrad)
+    monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", 3)  # (ranges would show as several launches)
+    calls = []
+
+    def recording(name):
+        def op(*args, **kwargs):
+            if name == "fp8_quantize_weight":
+                calls.append((name, kwargs.get("transposed", True), kwargs.get("forward_copy", True)))
+            elif name == "fp8_transpose_weight":
+                calls.append((name,))
+            else:  # a GEMM: the experts of the weight copy it multiplies by
+                calls.append((name, args[2].shape[0]))
+            return SIMULATED[name](*args, **kwargs)
+        return op
+
+    for name in ("fp8_quantize_weight", "fp8_transpose_weight", "fp8_expert_gemm", "fp8_expert_gemm_swiglu",
+                 "fp8_expert_gemm_swiglu_backward"):
+        monkeypatch.setattr(ops, name, recording(name))
+    x, ids, weights, fc1, fc2, grad = make_problem(SHAPES["small"], "skewed", torch.bfloat16, seed=12)
+    experts = fc1.shape[0]
+    kernel_config, reference_config = (dataclasses.replace(c, fp8_cache_transposed_weights=True) for c in _configs())
+    fp8_weights.clear()
+    leaves = [t.clone().requires_grad_() for t in (x, weights, fc1, fc2)]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        calls.clear()
+        y = mok_moe(leaves[0], ids, *leaves[1:], config=kernel_config)
+        y.backward(grad)
+        got = [y.detach()] + [leaf.grad for leaf in leaves]
+        _assert_equal(got, run_layer(x, ids, weights, leaves[2].detach(), leaves[3].detach(), grad,
+                                     config=reference_config), "kept transposed copies")
+        return list(calls)
+
+    first = step()
+    assert [c for c in first if c[0].startswith("fp8_quantize") or c[0] == "fp8_transpose_weight"] == [
+        ("fp8_quantize_weight", True, True)] * 2, first
+    gemms = [c for c in first if c[0].startswith("fp8_expert_gemm")]
+    assert len(gemms) == 4 and all(c[1] == experts for c in gemms), gemms  # fc1, fc2, two one-launch dgrads
+    again = step()
+    assert not [c for c in again if not c[0].startswith("fp8_expert_gemm")], again
+    assert len([c for c in again if c[0].startswith("fp8_expert_gemm")]) == 4, again
+    with torch.no_grad():
+        leaves[2].mul_(0.5)  # (an in-place update: the version counter moves)
+    updated = step()
+    assert [c for c in updated if c[0] == "fp8_quantize_weight"] == [("fp8_quantize_weight", True, True)], updated
+    assert not [c for c in updated if c[0] == "fp8_transpose_weight"], updated
+
+
+def test_kept_transposed_copies_are_not_kept_where_nothing_is_cacheable(simulated_kernels, monkeypatch):
+    """Where nothing is cacheable (here an inference-mode weight, as in a CUDA-graph capture)
+    kept_transposed gives None and the dgrads make their range copies as without the option."""
+    with torch.inference_mode():
+        weight = torch.randn(2, 256, 128).bfloat16()
+    assert fp8_weights.kept_transposed(weight) is None
+    weight = torch.randn(2, 256, 128).bfloat16()
+    fp8_weights.clear()
+    kept = fp8_weights.kept_transposed(weight)
+    assert kept is fp8_weights.kept_transposed(weight), "a second call must hand the kept copy"
+    want = ops.fp8_quantize_weight_reference(weight, False, transposed=True)
+    assert torch.equal(kept.values.view(torch.uint8), want[2].view(torch.uint8)) and torch.equal(kept.scales, want[3])
+
+
 @pytest.mark.parametrize("routing", ("uniform", "all_to_last_rank", "dropped"))
 def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(simulated_kernels, routing):
     num_ranks, t, h, f, e, k = 2, 9, 128, 128, 2, 3

@@ -181,6 +181,36 @@ def test_kernel_fp8_cuda_graph_replay():
     assert_mok_moe_graph_replays_eager(KERNEL_FP8, *make_inputs(SHAPES["odd_tokens"], "dropped", seed=34))
 
 
+KERNEL_FP8_KEPT_TRANSPOSED = MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_transposed_weights=True)
+
+
+@pytest.mark.parametrize("shape_name", ("odd_tokens", "qwen3_30b_like"))
+def test_kept_transposed_weight_copies_give_the_same_bits(shape_name):
+    """fp8_cache_transposed_weights: both copies from one quantization pass, the dgrads one launch
+    over the kept copy; the first and a second forward and backward with the same weights (the kept
+    copies read, nothing made) are bitwise the default layer's, which makes the transposed copies
+    range of experts by range in every backward."""
+    from megatron_mok import fp8_weights, mok_moe
+
+    x, ids, w, fc1, fc2, grad = make_inputs(SHAPES[shape_name], "skewed", seed=35)
+    want_y, want_grads = run(KERNEL_FP8, x, ids, w, fc1, fc2, grad)
+    fp8_weights.clear()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    for call in ("first", "second"):
+        for leaf in leaves:
+            leaf.grad = None
+        y = mok_moe(leaves[0], ids, *leaves[1:], config=KERNEL_FP8_KEPT_TRANSPOSED)
+        y.backward(grad)
+        for name, got, want in zip(NAMES, (y.detach(), *(leaf.grad for leaf in leaves)), (want_y, *want_grads)):
+            assert torch.equal(got, want), f"{call} call: {name} differs from the default layer's"
+    fp8_weights.clear()
+
+
+def test_kept_transposed_weight_copies_cuda_graph_replay():
+    """In a capture nothing is cached: the option's dgrads make their copies as without it."""
+    assert_mok_moe_graph_replays_eager(KERNEL_FP8_KEPT_TRANSPOSED, *make_inputs(SHAPES["odd_tokens"], "dropped", seed=36))
+
+
 @pytest.mark.parametrize("routing", ("uniform", "skewed", "all_to_last_rank", "dropped"))
 def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(routing):
     num_ranks, t, h, f, e, k = 2, 100, 256, 128, 2, 4

@@ -176,16 +176,24 @@ WEIGHT_CACHE = PRECISION.split("print(")[0] + """
 def cache(flags):
     sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "4", "--mok-precision", "fp8_blockwise", *flags]
     global_vars._GLOBAL_ARGS = parse_args()
-    return mok_config_for(Config()).fp8_cache_weights
+    try:
+        mok = mok_config_for(Config())
+    except ValueError as error:
+        return f"ValueError {error}"
+    return f"{mok.fp8_cache_weights} {mok.fp8_cache_transposed_weights}"
 
 print("default =>", cache([]))
 print("no cache =>", cache(["--mok-no-fp8-weight-cache"]))
+print("transposed kept =>", cache(["--mok-fp8-cache-transposed-weights"]))
+print("both =>", cache(["--mok-no-fp8-weight-cache", "--mok-fp8-cache-transposed-weights"]))
 """
 
 
-def test_the_fp8_weight_cache_flag_reaches_the_config():
+def test_the_fp8_weight_cache_flags_reach_the_config():
     got = _lines(_run(WEIGHT_CACHE))
-    assert got == {"default": "True", "no cache": "False"}, got
+    both = got.pop("both")
+    assert got == {"default": "True False", "no cache": "False False", "transposed kept": "True True"}, got
+    assert both.startswith("ValueError --mok-fp8-cache-transposed-weights") and "--mok-no-fp8-weight-cache" in both, both
 
 
 LAYER_SETTINGS = PRECISION.split("print(")[0] + """
