@@ -12,9 +12,11 @@ dispatcher with `--mok-grouped-mm-experts`, i.e. its experts on torch's grouped 
 SequentialMLP's loop over experts. `mok_fp8` is mok with the routed experts in FP8 blockwise
 (`--mok-precision fp8_blockwise`, no Transformer Engine needed) and `mok_fp8_reference` the same on
 the reference backend (the recipe in PyTorch); `mok_fp8_uncached` is mok_fp8 without the FP8 weight
-cache (`--mok-no-fp8-weight-cache`: the same bits, less memory). Each is also held against its twins
-that ran (LOSS_TWINS: mok_fp8 against BF16 mok and against mok_fp8_reference, mok_fp8_uncached
-against mok_fp8), in a table of its own.
+cache (`--mok-no-fp8-weight-cache`: the same bits, less memory) and `mok_fp8_kept_transposed` mok_fp8
+with the dgrads' transposed weight copies kept in the cache (`--mok-fp8-cache-transposed-weights`: the
+same bits, more memory). Each is also held against its twins that ran (LOSS_TWINS: mok_fp8 against
+BF16 mok and against mok_fp8_reference, mok_fp8_uncached and mok_fp8_kept_transposed against
+mok_fp8), in a table of its own.
 
 The table gives, after `--warmup` iterations: the median time per iteration (Megatron's own
 `interval-time`), tokens/s/GPU, TFLOP/s/GPU (Megatron's count, `--log-throughput`), the peak memory
@@ -63,11 +65,14 @@ MOK_FP8 = "mok_fp8"  # mok with the routed experts in FP8 blockwise
 MOK_FP8_REFERENCE = "mok_fp8_reference"
 # mok_fp8 with no FP8 weight copy held between passes: its loss curve is mok_fp8's, bit for bit.
 MOK_FP8_UNCACHED = "mok_fp8_uncached"
+# mok_fp8 keeping the transposed weight copies beside the forward ones: its loss curve is mok_fp8's, bit for bit.
+MOK_FP8_KEPT_TRANSPOSED = "mok_fp8_kept_transposed"
 # The runs a dispatcher's loss curve is also held against, beside the first dispatcher's: its twins
 # in the other precision or backend, where they ran. mok_fp8 against mok is the FP8 criterion of the
 # recipe (docs/design.md §12); against mok_fp8_reference it is the kernels' (same recipe: the
 # curves differ only by fp32 summation order, as BF16 mok's differs from the baselines').
-LOSS_TWINS = {MOK_FP8: ("mok", MOK_FP8_REFERENCE), MOK_FP8_REFERENCE: ("mok",), MOK_FP8_UNCACHED: (MOK_FP8,)}
+LOSS_TWINS = {MOK_FP8: ("mok", MOK_FP8_REFERENCE), MOK_FP8_REFERENCE: ("mok",), MOK_FP8_UNCACHED: (MOK_FP8,),
+              MOK_FP8_KEPT_TRANSPOSED: (MOK_FP8,)}
 # "Same curve": the first EARLY_ITERATIONS lm losses within EARLY_RTOL relative of the first
 # dispatcher's, and the mean of the last min(TAIL_ITERATIONS, n) within TAIL_RTOL relative.
 # Up to iteration 4 both runs compute the same function of (nearly) the same weights, so only
@@ -424,6 +429,8 @@ def dispatcher_flags(dispatcher: str) -> list[str]:
         return [*dispatcher_flags(MOK_FP8), "--mok-backend", "reference"]
     if dispatcher == MOK_FP8_UNCACHED:
         return [*dispatcher_flags(MOK_FP8), "--mok-no-fp8-weight-cache"]
+    if dispatcher == MOK_FP8_KEPT_TRANSPOSED:
+        return [*dispatcher_flags(MOK_FP8), "--mok-fp8-cache-transposed-weights"]
     if dispatcher.endswith(GROUPED_SUFFIX):
         return ["--moe-token-dispatcher-type", dispatcher[: -len(GROUPED_SUFFIX)], "--mok-grouped-mm-experts"]
     return ["--moe-token-dispatcher-type", dispatcher]
@@ -431,7 +438,7 @@ def dispatcher_flags(dispatcher: str) -> list[str]:
 
 def is_mok(dispatcher: str) -> bool:
     """mok in either precision: never a default baseline."""
-    return dispatcher in ("mok", MOK_FP8, MOK_FP8_REFERENCE, MOK_FP8_UNCACHED)
+    return dispatcher in ("mok", MOK_FP8, MOK_FP8_REFERENCE, MOK_FP8_UNCACHED, MOK_FP8_KEPT_TRANSPOSED)
 
 
 def run_one(dispatcher: str, options, run_dir: Path, port: int, index: int, count: int) -> int:

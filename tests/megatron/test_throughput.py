@@ -79,6 +79,9 @@ def test_dispatcher_flags():
     assert throughput.dispatcher_flags("mok_fp8_uncached") == [
         "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise", "--mok-no-fp8-weight-cache"]
     assert throughput.is_mok("mok_fp8_uncached")
+    assert throughput.dispatcher_flags("mok_fp8_kept_transposed") == [
+        "--moe-token-dispatcher-type", "mok", "--mok-precision", "fp8_blockwise", "--mok-fp8-cache-transposed-weights"]
+    assert throughput.is_mok("mok_fp8_kept_transposed")
 
 
 def _run(dispatcher: str, losses: dict[int, float]) -> dict:
