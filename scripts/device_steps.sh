@@ -130,7 +130,7 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_staged_clusters_sustained) echo 150 "for sp in dense_8192:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide_ordered_staged_scales --clusters 1,2 --seconds 2; done" ;;
         # MoKConfig.fp8_cache_transposed_weights: the layer bitwise the default's (first and second call),
         # its graph replay, and the memory tests (the bound's transposed copies).
-        fp8_kept) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py -k kept_transposed" ;;
+        fp8_kept) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py tests/comm/test_gpu_fp8_memory.py -k kept" ;;
         # The one-rank layer over the in-kernel exchange (one window, four) with the storing and pushing FP8
         # GEMMs in wide_ordered and in wide_ordered_staged_scales.
         fp8_staged_windows) echo 240 "python3 scripts/bench_windows.py --factors 1.0,0.25 --gemm-variants wide_ordered,wide_ordered_staged_scales" ;;

@@ -25,8 +25,9 @@ SHAPES = {"ep1": (1, 4096, 2048, 1024, 8, 8), "ep4": (4, 1024, 1024, 512, 4, 8)}
 ALLOCATOR_SLACK = 16 << 20
 
 
-def _config(cache: bool, factor: float) -> MoKConfig:
-    return MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_weights=cache, receive_capacity_factor=factor)
+def _config(cache: bool, factor: float, kept_transposed: bool = False) -> MoKConfig:
+    return MoKConfig(backend="kernel", precision="fp8_blockwise", fp8_cache_weights=cache, receive_capacity_factor=factor,
+                     fp8_cache_transposed_weights=kept_transposed)
 
 
 def _measure(shape: str, config: MoKConfig, routing: str, fresh_weight_copies: bool = False) -> list[dict]:
@@ -69,15 +70,24 @@ def test_fp8_memory_with_the_weight_gradients_from_the_ranks_regions_is_within_t
     _assert_within_the_bound("ep4", factor, windows, "uncached")
 
 
+@pytest.mark.parametrize("cache", ["kept", "kept_fresh"])
+@pytest.mark.parametrize("shape,factor,windows", [("ep1", 1.0, 1), ("ep4", 0.25, None)])
+def test_fp8_memory_with_the_transposed_weight_copies_kept_is_within_the_bound(shape, factor, windows, cache):
+    """MoKConfig.fp8_cache_transposed_weights: both copies of each weight held from the first forward
+    (kept_fresh: made in the measured call) to the optimizer step, which the bound counts in held;
+    the dgrads make no copies then."""
+    _assert_within_the_bound(shape, factor, windows, cache)
+
+
 def _assert_within_the_bound(shape: str, factor: float, windows, cache: str) -> None:
     num_ranks, t, h, f, e, k = SHAPES[shape]
-    config = _config(cache != "uncached", factor)
+    config = _config(cache != "uncached", factor, kept_transposed=cache.startswith("kept"))
     bound = layer_memory_bound(num_tokens=t, hidden=h, ffn_hidden=f, num_local_experts=e, topk=k,
                                num_ranks=num_ranks, config=config)
     assert bound.num_windows == windows if windows else bound.num_windows > 4, bound
     seen = {}
     for routing in ROUTINGS:
-        stats = _measure(shape, config, routing, fresh_weight_copies=cache == "cached_fresh")
+        stats = _measure(shape, config, routing, fresh_weight_copies=cache.endswith("_fresh"))
         for rank, rank_stats in enumerate(stats):
             context = (routing, rank, rank_stats, bound)
             assert rank_stats["held"] <= bound.held, context
