@@ -451,6 +451,29 @@ def test_kernel_fp8_emulated_ranks_equal_ep1_bitwise(simulated_kernels, routing)
     assert_bitwise(got, run_concatenated(problem, config), f"fp8 kernel stages r2/{routing}")
 
 
+@pytest.mark.parametrize("routing", ["uniform", "all_to_last_rank"])
+def test_kept_transposed_copies_over_windows_equal_ep1_bitwise(simulated_kernels, monkeypatch, routing):
+    """fp8_cache_transposed_weights over emulated ranks and several receive windows: every window's
+    dgrads take the kept copy (one launch each over every expert, the window's segments), no range copy
+    is made, and the outputs and gradients are bitwise EP = 1's without the option."""
+    from megatron_mok.comm.exchange import CollectiveExchange
+
+    num_ranks, t, h, f, e, k = 4, 64, 128, 128, 2, 4
+    problem = make_ranks_problem(num_ranks, t, h, f, e, k, routing, "cpu", torch.bfloat16, 29)
+    want = run_concatenated(problem, _configs()[0])
+    monkeypatch.setattr(CollectiveExchange, "windowed", True)
+    kept = dataclasses.replace(_configs()[0], receive_capacity_factor=0.3, fp8_cache_transposed_weights=True)
+    group = EmulatedGroup(num_ranks, "cpu")
+    assert functional.plan_for(CollectiveExchange(group.ranks[0]), t, k, e, kept).num_windows > 2
+    range_copies = []
+    original = fp8_weights.transposed_experts
+    monkeypatch.setattr(fp8_weights, "transposed_experts", lambda *a, **kw: range_copies.append(1) or original(*a, **kw))
+    fp8_weights.clear()
+    assert_bitwise(run_emulated(group, problem, e, kept), want, f"kept transposed copies over windows/{routing}")
+    assert not range_copies, "a dgrad made a range copy with the transposed copies kept"
+    fp8_weights.clear()
+
+
 def test_the_fp8_kernel_table_and_the_backend_choice():
     table = stages_for("kernel", "auto", Fp8Recipe())
     assert table.weight_grad_family == "fp8_kernel" and table.weight_grad_window is not None
