@@ -146,8 +146,8 @@ def fp8_layer_memory_bound(
     forward_window = max(rows_q + s * w * 2 * f, s * w * 2 * f + act_q + s * w * h)
     tables = 8 * (2 * routes + m * w)
     forward_peak = (
-        held + quantized_rows_bytes(t, h) + (0 if config.fp8_cache_weights else forward_copies) + forward_window + tables
-        + FP8_FORWARD_BUFFERS * slack
+        held + quantized_rows_bytes(t, h) + (0 if config.fp8_cache_weights else forward_copies) + forward_window
+        + tables + FP8_FORWARD_BUFFERS * slack
     )
 
     grad_gate_up_rows = w * 2 * f + gemm_a_scale_bytes(w, 2 * f)

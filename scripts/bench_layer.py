@@ -327,7 +327,8 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
         methods["mok_kernel_fp8_uncached"] = mok_layer(FP8_KERNEL_UNCACHED)
         methods["mok_kernel_fp8_later_microbatch"] = later_microbatch(mok_layer(FP8_KERNEL))
         methods["mok_kernel_fp8_kept_transposed"] = mok_layer(FP8_KERNEL_KEPT_TRANSPOSED)
-        methods["mok_kernel_fp8_kept_transposed_later_microbatch"] = later_microbatch(mok_layer(FP8_KERNEL_KEPT_TRANSPOSED))
+        methods["mok_kernel_fp8_kept_transposed_later_microbatch"] = later_microbatch(
+            mok_layer(FP8_KERNEL_KEPT_TRANSPOSED))
         methods["mok_kernel_fp8_bf16_wgrad"] = mok_layer(FP8_KERNEL_BF16_WGRAD)
         methods.update(fp8_alternatives())  # the tuning choices not made, beside the ones made
         torchao_run, row["torchao_why"] = torchao_fp8_rowwise_pipeline()
