@@ -35,7 +35,7 @@ from megatron_mok.limits import FP8_BLOCK
 from megatron_mok.quantization import Fp8Recipe, QuantizedRows
 from megatron_mok.receive import ReceivePlan, receive_plan, windows
 from megatron_mok.schedule import Schedule, build_schedule_from_gathered, check_expert_id_range
-from megatron_mok.validation import validate_moe_inputs
+from megatron_mok.validation import require_config_and_input, validate_moe_inputs
 
 
 @dataclasses.dataclass
@@ -171,6 +171,8 @@ def forward(
     Returns:
         y (num_tokens, hidden) in x.dtype, and the context for `backward`.
     """
+    if validate:
+        require_config_and_input(config, x)
     # The pass's group, exchange and receive plan, resolved once here and passed down: to the
     # schedule's build, the windows and the context backward reads.
     ep_group = get_expert_parallel_group(group, x.device)

@@ -20,6 +20,13 @@ def _require_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def require_config_and_input(config: object, x: object) -> None:
+    """The checks a pass needs before it reads config's fields or x's device (resolving the group)."""
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
+    _require_tensor("x", x)
+
+
 def _require_dim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must be {layout}, got shape {tuple(tensor.shape)}")
@@ -49,9 +56,7 @@ def validate_moe_inputs(
     shared_fc2: Optional[object] = None,
 ) -> None:
     """Checks the arguments of `mok_moe` (see its docstring for the layouts)."""
-    if not isinstance(config, MoKConfig):
-        raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
-    x = _require_tensor("x", x)
+    require_config_and_input(config, x)
     topk_ids = _require_tensor("topk_ids", topk_ids)
     topk_weights = _require_tensor("topk_weights", topk_weights)
     fc1 = _require_tensor("fc1", fc1)

@@ -190,7 +190,9 @@ def pull_route_grads(source, schedule: Schedule) -> torch.Tensor:
     safe_route = torch.where(valid, route, 0)
     rows = take_rows(grad_y_all, safe_route // schedule.topk).float()
     weight = torch.where(valid, take_rows(weights_all, safe_route), 0.0)
-    return (rows * weight.unsqueeze(1)).to(grad_y_all.dtype)
+    # Padding rows read route 0's dY through safe_route: zeroed by where, never by the weight 0,
+    # so a non-finite dY of token 0 stays out of other experts' segments (NaN * 0 is NaN).
+    return torch.where(valid.unsqueeze(1), rows * weight.unsqueeze(1), 0.0).to(grad_y_all.dtype)
 
 
 def route_weight_grads(

@@ -87,3 +87,20 @@ def test_group_without_distributed_is_rejected():
     args = good()
     with pytest.raises(ValueError, match="group was given"):
         call(args, group=object())
+
+
+@pytest.mark.parametrize(
+    "case,change,fragment",
+    [("config type", lambda a: a.update(config={"precision": "fp8_blockwise"}), "config must be a MoKConfig"),
+     ("x not a tensor", lambda a: a.update(x=[[1.0]]), "x must be a torch.Tensor")],
+    ids=["config type", "x not a tensor"],
+)
+def test_functional_forward_names_the_argument_before_reading_it(case, change, fragment):
+    """The functional entry reads config's fields and x's device (the group) first: it checks them
+    before, as mok_moe does."""
+    from megatron_mok import functional
+
+    args = good()
+    change(args)
+    with pytest.raises(TypeError, match=fragment):
+        functional.forward(args.pop("x"), args.pop("topk_ids"), args.pop("topk_weights"), args.pop("fc1"), args.pop("fc2"), **args)
