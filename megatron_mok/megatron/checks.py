@@ -107,7 +107,16 @@ def _unsupported(config: TransformerConfig) -> list[str]:
         f"--fp8-recipe {_recipe_name(config)} is not supported with mok: its experts run DeepSeek-V3's blockwise "
         f"recipe ({FP8_FLAGS}, or --mok-precision fp8_blockwise for the experts alone)",
     )
-    if expert_precision(config) == "fp8_blockwise":
+    flag(
+        bool(getattr(config, "fp16", False)),
+        "--fp16 is not supported with mok: its experts take bf16 or fp32 activations (pass --bf16)",
+    )
+    precision = expert_precision(config)
+    if precision != "fp8_blockwise" and getattr(config, "mok_config", None) is None:
+        for name in _set_fp8_cache_flags():
+            flag(True, f"{name} sets the FP8 experts' weight cache, but the experts run {precision} (pass "
+                       f"--mok-precision fp8_blockwise or {FP8_FLAGS}, or drop the flag)")
+    if precision == "fp8_blockwise":
         for name, size in (("--hidden-size", config.hidden_size), expert_ffn_size(config)):
             flag(
                 size is not None and size % FP8_BLOCK != 0,
@@ -132,9 +141,36 @@ def _unsupported(config: TransformerConfig) -> list[str]:
     return problems
 
 
+# The flags of mok's FP8 experts' weight cache, as (flag, the parsed argument's name).
+FP8_CACHE_FLAGS = (
+    ("--mok-no-fp8-weight-cache", "mok_no_fp8_weight_cache"),
+    ("--mok-fp8-cache-transposed-weights", "mok_fp8_cache_transposed_weights"),
+)
+
+
+def _set_fp8_cache_flags() -> list[str]:
+    args = parsed_args()
+    return [name for name, field in FP8_CACHE_FLAGS if getattr(args, field, False)]
+
+
+def _fp8_flags_without_mok() -> list[str]:
+    """The flags set that ask for mok's FP8 experts: with another dispatcher nothing would read them,
+    and the experts would run BF16 where the user asked for FP8."""
+    args = parsed_args()
+    names = ["--mok-precision fp8_blockwise"] if getattr(args, "mok_precision", None) == "fp8_blockwise" else []
+    return names + _set_fp8_cache_flags()
+
+
 def check_mok_config(config: TransformerConfig) -> None:
-    """Raises ValueError listing every unsupported setting when the dispatcher type is mok."""
+    """Raises ValueError listing every unsupported setting when the dispatcher type is mok, and
+    naming mok's FP8 flags when they are set for another dispatcher (which would ignore them)."""
     if config.moe_token_dispatcher_type != "mok":
+        ignored = _fp8_flags_without_mok()
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)}: mok's FP8 experts need --moe-token-dispatcher-type mok (this model's is "
+                f"{config.moe_token_dispatcher_type}, whose experts would ignore it): pass it, or drop the flag"
+            )
         return
     problems = _unsupported(config)
     if problems:

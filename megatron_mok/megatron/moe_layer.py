@@ -93,7 +93,6 @@ def mok_config_for(config: TransformerConfig, layer_number: Optional[int] = None
         return _megatron_fp8_settings(config, layer_number, explicit)
     args = parsed_args()
     fields = {"precision": expert_precision(config)}
-    _note_precision(config, fields["precision"])
     for flag, field in (
         ("mok_backend", "backend"),
         ("mok_expert_gemm", "expert_gemm"),
@@ -110,7 +109,10 @@ def mok_config_for(config: TransformerConfig, layer_number: Optional[int] = None
             raise ValueError("--mok-fp8-cache-transposed-weights keeps the transposed copies beside the cached "
                              "forward copies: it cannot go with --mok-no-fp8-weight-cache")
         fields["fp8_cache_transposed_weights"] = True
-    return _megatron_fp8_settings(config, layer_number, MoKConfig(**fields))
+    mok = _megatron_fp8_settings(config, layer_number, MoKConfig(**fields))
+    # After the layer's settings: no line where --first-last-layers-bf16 keeps these experts BF16.
+    _note_precision(config, mok.precision)
+    return mok
 
 
 class MoKMoELayer(MoELayer):

@@ -77,7 +77,8 @@ def add_mok_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "1x128 activation and 128x128 weight scales, fp32 promotion every 128 of K; hidden and expert ffn "
         "sizes multiples of 128). Default: fp8_blockwise under --fp8-format e4m3 --fp8-recipe blockwise "
         "(Transformer Engine runs the dense layers), else bf16. --mok-precision fp8_blockwise without "
-        "--fp8-format runs the experts alone in FP8 (no Transformer Engine needed).",
+        "--fp8-format runs the experts alone in FP8 (no Transformer Engine needed). With mok only: "
+        "fp8_blockwise with another dispatcher is an error (its experts would ignore it).",
     )
     group.add_argument(
         "--mok-no-fp8-weight-cache",

@@ -74,6 +74,19 @@ CONFIG_CASES = [
         ["--mok-precision", "fp8_blockwise"],
         None,
     ),
+    # fp16 activations: the experts take bf16 or fp32 (else the first step's x check would fail).
+    ("fp16", dict(fp16=True), [], "--fp16 is not supported with mok"),
+    ("fp16, fp8 experts", dict(hidden_size=128, moe_ffn_hidden_size=128, fp16=True), ["--mok-precision", "fp8_blockwise"], "--fp16"),
+    # The weight cache's flags with BF16 experts: nothing would read them.
+    ("cache flag, bf16 experts", dict(), ["--mok-fp8-cache-transposed-weights"], "--mok-fp8-cache-transposed-weights sets the FP8 experts' weight cache, but the experts run bf16"),
+    ("no-cache flag, bf16 experts", dict(), ["--mok-no-fp8-weight-cache"], "--mok-no-fp8-weight-cache sets"),
+    ("cache flag, mok-precision bf16", dict(), ["--mok-precision", "bf16", "--mok-fp8-cache-transposed-weights"], "--mok-fp8-cache-transposed-weights sets"),
+    ("cache flag, fp8 experts", dict(hidden_size=128, moe_ffn_hidden_size=128), ["--mok-precision", "fp8_blockwise", "--mok-fp8-cache-transposed-weights"], None),
+    # Another dispatcher: mok's FP8 flags would be ignored (BF16 experts where FP8 was asked for).
+    ("alltoall, mok-precision", dict(dispatcher="alltoall", hidden_size=128, moe_ffn_hidden_size=128), ["--mok-precision", "fp8_blockwise"], "--mok-precision fp8_blockwise: mok's FP8 experts need --moe-token-dispatcher-type mok (this model's is alltoall"),
+    ("alltoall, cache flags", dict(dispatcher="alltoall"), ["--mok-no-fp8-weight-cache"], "--mok-no-fp8-weight-cache: mok's FP8 experts need"),
+    ("alltoall, mok-precision bf16", dict(dispatcher="alltoall"), ["--mok-precision", "bf16"], None),
+    ("alltoall, no mok flag", dict(dispatcher="alltoall"), [], None),
 ]
 
 
@@ -89,10 +102,11 @@ def config_errors() -> dict[str, str]:
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     for case, overrides, flags, _ in {CONFIG_CASES!r}:
-        sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "8", *flags]
+        dispatcher = overrides.pop("dispatcher", "mok")
+        sys.argv = ["x", "--moe-token-dispatcher-type", dispatcher, "--num-experts", "8", *flags]
         global_vars._GLOBAL_ARGS = parse_args()
         try:
-            mh.transformer_config("mok", num_layers=1, **overrides)
+            mh.transformer_config(dispatcher, num_layers=1, **overrides)
             print(case, "=> NO ERROR")
         except Exception as error:
             print(case, "=>", type(error).__name__, str(error).replace(chr(10), " "))
@@ -330,3 +344,21 @@ def test_a_mok_layer_runs_its_experts_in_fp8():
     for name, value in got.items():
         finite, db = value.split()
         assert finite == "True" and 20.0 <= float(db) < 60.0, f"{name}: {value}"
+
+
+NOTICE_BY_LAYER = LAYER_SETTINGS.split("fp8 = dict(")[0] + """
+edges = dict(first_last_layers_bf16=True)
+print("layer 1 =>", settings(["--mok-precision", "fp8_blockwise"], 1, **edges))
+print("NOTICES after layer 1 =>", len(__import__("megatron_mok.megatron.moe_layer", fromlist=["x"]).precision_notes))
+print("layer 2 =>", settings(["--mok-precision", "fp8_blockwise"], 2, **edges))
+"""
+
+
+def test_the_notice_line_comes_with_the_first_layer_whose_experts_run_fp8():
+    """--first-last-layers-bf16 keeps layer 1's experts BF16: no "only the experts run FP8" line for
+    it; layer 2's run FP8 and print it."""
+    result = _run(NOTICE_BY_LAYER)
+    got = _lines(result)
+    assert got == {"layer 1": "bf16 True", "NOTICES after layer 1": "0", "layer 2": "fp8_blockwise True"}, got
+    notices = [line for line in result.stdout.splitlines() if "only the routed experts run FP8" in line]
+    assert len(notices) == 1, result.stdout
