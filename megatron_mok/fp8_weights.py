@@ -21,6 +21,11 @@ first cached weight; Megatron's optimizers wrap torch.optim ones and copy into t
 their step, before the next forward). Code that writes weights through `.data` outside an optimizer
 step calls `clear()`.
 
+Another tensor object over a cached weight's bytes (a detached alias: what non-reentrant
+checkpointing hands backward, a reentrant recompute's detached inputs) reads the weight's copies
+where both it and the weight are as they were when the copies were made (_aliased_entry), rather
+than quantizing and caching copies of its own.
+
 Forward takes `quantized`, backward `quantized_transposed`; between them autograd refuses in-place
 changes of a saved weight, so both read one version. The reference caches the transposed copy beside
 the forward one (made from it on first use). The kernel maker does so only where asked
@@ -53,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -91,6 +97,9 @@ class _Entry:
 
 # weight tensor -> {(pow2, kernels): _Entry}. Emulated ranks run their passes in threads: one lock.
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The storage of each weight _CACHE holds an entry of (its `_cdata`) -> that weight, held weakly: how
+# another tensor object over the same bytes (an alias) finds the weight's entry (_aliased_entry).
+_OWNERS: dict[int, weakref.ref] = {}
 _LOCK = threading.Lock()
 # The copies held by copies_held in this thread (a pass's windows): the kernel maker's transposed
 # copies and the uncached forward copies, {(id(weight), pow2, kernels, which): QuantizedWeight}, or
@@ -126,14 +135,37 @@ def _cacheable(weight: Tensor) -> bool:
 
 
 def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
-    """The weight's cached entry if it is still valid, else None (nothing is quantized)."""
+    """The weight's cached entry if it is still valid, else None (nothing is quantized): its own, or,
+    for another tensor object over a cached weight's bytes, that weight's (_aliased_entry)."""
     if not _cacheable(weight):
         return None
     stamp = _stamp(weight)
     with _LOCK:
         entries = _CACHE.get(weight)
         entry = entries.get((pow2, kernels)) if entries is not None else None
-        return entry if entry is not None and entry.made_from(weight, stamp) else None
+        if entry is not None and entry.made_from(weight, stamp):
+            return entry
+        return _aliased_entry(weight, stamp, pow2, kernels)
+
+
+def _aliased_entry(weight: Tensor, stamp: tuple, pow2: bool, kernels: bool) -> Optional[_Entry]:
+    """The entry of the cached weight whose storage weight shares, where it is valid for both (the
+    caller holds _LOCK). A weight can reach backward as another tensor object over the same bytes
+    (the detached alias non-reentrant checkpointing unpacks, the detached inputs of a reentrant
+    recompute): it finds the copies its forward made instead of caching copies of its own, which
+    the memory bound does not count and which die with the alias. Valid for both: the alias's stamp is
+    the entry's (same bytes, shape, strides, version count) and so is the cached weight's now, so an
+    alias never reads a copy its weight would not (an old `.data` view keeps version 0 while the
+    weight's counter moves on)."""
+    owner_ref = _OWNERS.get(weight.untyped_storage()._cdata)
+    owner = owner_ref() if owner_ref is not None else None
+    if owner is None or owner is weight:
+        return None
+    entries = _CACHE.get(owner)
+    entry = entries.get((pow2, kernels)) if entries is not None else None
+    if entry is None or not entry.made_from(owner, _stamp(owner)) or not entry.made_from(weight, stamp):
+        return None
+    return entry
 
 
 def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Optional[_Entry]:
@@ -142,6 +174,10 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Opt
     entry = _valid_entry(weight, pow2, kernels)
     if entry is not None or not _cacheable(weight):
         return entry
+    with _LOCK:  # a stale entry's copies go before the new ones are made, not after
+        entries = _CACHE.get(weight)
+        if entries is not None:
+            entries.pop((pow2, kernels), None)
     stamp, storage = _stamp(weight), StorageWeakRef(weight.untyped_storage())
     if both and kernels:
         forward, transposed = _quantize_both(weight, pow2)
@@ -151,6 +187,10 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Opt
     with _LOCK:
         _register_step_hook()
         _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry
+        _OWNERS[weight.untyped_storage()._cdata] = weakref.ref(weight)
+        if len(_OWNERS) > 2 * len(_CACHE) + 64:  # weights gone since: their storages' lines
+            for key in [key for key, ref in _OWNERS.items() if ref() is None]:
+                del _OWNERS[key]
     return entry
 
 
@@ -192,10 +232,13 @@ def kept_transposed(weight: Tensor, pow2: bool = False) -> Optional[QuantizedWei
     """The kernel maker's transposed copy of weight (E, N, K), (E, K, N) e4m3 and (E, K/128, N/128)
     fp32, kept in the cache beside the forward copy (Fp8Recipe.cache_transposed_weights): the one
     quantized(keep_transposed=True) made, else made now from the cached forward copy
-    (ops.fp8_transpose_weight, every expert) and kept, else both made now in one pass. It lives until
-    the weight changes, like the forward copy. None where nothing is cacheable (_cacheable: a
-    CUDA-graph capture, an inference tensor): the caller makes its copies as without the option."""
-    entry = _entry(weight, pow2, True, both=True)
+    (ops.fp8_transpose_weight, every expert) and kept. It lives until the weight changes, like the
+    forward copy. None where the weight has no valid cached forward copy (nothing cacheable: a
+    CUDA-graph capture, an inference tensor; or bytes that are no cached weight's, as a saved-tensor
+    hook's copy, or that changed since): the caller then makes its copies range by range as without
+    the option. A backward never caches copies of its own: they would outlive it beside the forward's
+    and the memory bound counts one kept pair per weight."""
+    entry = _valid_entry(weight, pow2, True)
     if entry is None:
         return None
     with _LOCK:
@@ -295,6 +338,7 @@ def clear() -> None:
     """Drops every cached copy: the next call quantizes again."""
     with _LOCK:
         _CACHE.clear()
+        _OWNERS.clear()
 
 
 def cached_count() -> int:

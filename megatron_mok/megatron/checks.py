@@ -17,6 +17,7 @@ from typing import Optional
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mok.config import MoKConfig
 from megatron_mok.limits import FP8_BLOCK
 
 FP8_FLAGS = "--fp8-format e4m3 --fp8-recipe blockwise"
@@ -112,10 +113,15 @@ def _unsupported(config: TransformerConfig) -> list[str]:
         "--fp16 is not supported with mok: its experts take bf16 or fp32 activations (pass --bf16)",
     )
     precision = expert_precision(config)
-    if precision != "fp8_blockwise" and getattr(config, "mok_config", None) is None:
+    if getattr(config, "mok_config", None) is not None:
+        problems.extend(_flags_against_explicit_config(config.mok_config))
+    elif precision != "fp8_blockwise":
         for name in _set_fp8_cache_flags():
             flag(True, f"{name} sets the FP8 experts' weight cache, but the experts run {precision} (pass "
                        f"--mok-precision fp8_blockwise or {FP8_FLAGS}, or drop the flag)")
+    elif len(_set_fp8_cache_flags()) == len(FP8_CACHE_FLAGS):
+        flag(True, "--mok-fp8-cache-transposed-weights keeps the transposed copies beside the cached forward "
+                   "copies: it cannot go with --mok-no-fp8-weight-cache (drop one)")
     if precision == "fp8_blockwise":
         for name, size in (("--hidden-size", config.hidden_size), expert_ffn_size(config)):
             flag(
@@ -151,6 +157,43 @@ FP8_CACHE_FLAGS = (
 def _set_fp8_cache_flags() -> list[str]:
     args = parsed_args()
     return [name for name, field in FP8_CACHE_FLAGS if getattr(args, field, False)]
+
+
+# mok's flags that set a field of the layer's MoKConfig, as (flag, the parsed argument's name, the
+# field, the argument's value when the flag is absent).
+MOK_CONFIG_FLAGS = (
+    ("--mok-backend", "mok_backend", "backend", "auto"),
+    ("--mok-expert-gemm", "mok_expert_gemm", "expert_gemm", "auto"),
+    ("--mok-dispatch-ring-minibatches", "mok_dispatch_ring_minibatches", "dispatch_ring_minibatches",
+     MoKConfig.dispatch_ring_minibatches),
+    ("--mok-exchange", "mok_exchange", "exchange", "auto"),
+    ("--mok-precision", "mok_precision", "precision", None),
+    ("--mok-no-fp8-weight-cache", "mok_no_fp8_weight_cache", "fp8_cache_weights", False),
+    ("--mok-fp8-cache-transposed-weights", "mok_fp8_cache_transposed_weights", "fp8_cache_transposed_weights", False),
+)
+
+
+def _flags_against_explicit_config(explicit) -> list[str]:
+    """The flags set that ask for another value of a field than TransformerConfig.mok_config, the
+    layer config set in code, gives it: mok_config_for takes that config as it is, so each such flag
+    would be ignored."""
+    args = parsed_args()
+    if args is None or not hasattr(explicit, "precision"):
+        return []
+    problems = []
+    for name, argument, field, absent in MOK_CONFIG_FLAGS:
+        given = getattr(args, argument, absent)
+        if given == absent:
+            continue
+        if isinstance(given, bool):  # a switch: the field's value it stands for
+            wanted, shown = (field == "fp8_cache_transposed_weights"), name
+        else:
+            wanted, shown = given, f"{name} {given}"
+        if getattr(explicit, field) != wanted:
+            problems.append(f"{shown} asks for {field}={wanted!r}, but TransformerConfig.mok_config (set in code, "
+                            f"and taken as it is) has {field}={getattr(explicit, field)!r}: drop the flag or set "
+                            f"the field there")
+    return problems
 
 
 def _fp8_flags_without_mok() -> list[str]:

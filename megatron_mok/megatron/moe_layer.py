@@ -80,9 +80,9 @@ def _megatron_fp8_settings(config: TransformerConfig, layer_number: Optional[int
 
 def mok_config_for(config: TransformerConfig, layer_number: Optional[int] = None) -> MoKConfig:
     """The MoKConfig of a model's MoE layer number layer_number (global, from 1; None: any layer):
-    `config.mok_config` if set, else from `--mok-backend`, `--mok-expert-gemm`,
-    `--mok-dispatch-ring-minibatches`, `--mok-exchange`, `--mok-no-fp8-weight-cache`,
-    `--mok-fp8-cache-transposed-weights` and the precision
+    `config.mok_config` if set (as it is: check_mok_config refuses a flag asking otherwise), else
+    from `--mok-backend`, `--mok-expert-gemm`, `--mok-dispatch-ring-minibatches`, `--mok-exchange`,
+    `--mok-no-fp8-weight-cache`, `--mok-fp8-cache-transposed-weights` and the precision
     (checks.expert_precision: `--mok-precision`, or Megatron's --fp8-format e4m3 --fp8-recipe
     blockwise), else default; either way FP8 experts follow --first-last-layers-bf16 (BF16 in the
     layers Megatron keeps BF16) and --no-fp8-wgrad (BF16 weight gradients)."""

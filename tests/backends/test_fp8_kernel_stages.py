@@ -430,16 +430,143 @@ def test_kept_transposed_copies_are_made_with_the_forward_copies_and_reused(simu
 
 def test_kept_transposed_copies_are_not_kept_where_nothing_is_cacheable(simulated_kernels, monkeypatch):
     """Where nothing is cacheable (here an inference-mode weight, as in a CUDA-graph capture)
-    kept_transposed gives None and the dgrads make their range copies as without the option."""
+    kept_transposed gives None and the dgrads make their range copies as without the option; so it
+    does for a weight with no cached forward copy (it never quantizes: a backward caches nothing of
+    its own). Over a forward copy cached without its transposed one, it makes that from the forward
+    copy and keeps it."""
     with torch.inference_mode():
         weight = torch.randn(2, 256, 128).bfloat16()
     assert fp8_weights.kept_transposed(weight) is None
     weight = torch.randn(2, 256, 128).bfloat16()
-    fp8_weights.clear()
-    kept = fp8_weights.kept_transposed(weight)
-    assert kept is fp8_weights.kept_transposed(weight), "a second call must hand the kept copy"
     want = ops.fp8_quantize_weight_reference(weight, False, transposed=True)
-    assert torch.equal(kept.values.view(torch.uint8), want[2].view(torch.uint8)) and torch.equal(kept.scales, want[3])
+    for keep_transposed in (True, False):
+        fp8_weights.clear()
+        assert fp8_weights.kept_transposed(weight) is None and fp8_weights.cached_count() == 0
+        fp8_weights.quantized(weight, kernels=True, keep_transposed=keep_transposed)
+        kept = fp8_weights.kept_transposed(weight)
+        assert kept is fp8_weights.kept_transposed(weight), "a second call must hand the kept copy"
+        assert torch.equal(kept.values.view(torch.uint8), want[2].view(torch.uint8))
+        assert torch.equal(kept.scales, want[3])
+
+
+def _cached_copy_bytes() -> int:
+    """The bytes of every copy the weight cache holds now (forward and kept transposed)."""
+    total = 0
+    with fp8_weights._LOCK:
+        for entries in list(fp8_weights._CACHE.values()):
+            for entry in entries.values():
+                for copy in (entry.weight, entry.transposed):
+                    if copy is not None:
+                        total += copy.values.numel() * copy.values.element_size() + copy.scales.numel() * 4
+    return total
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "kept_transposed"])
+@pytest.mark.parametrize("route", ["checkpoint", "checkpoint_reentrant", "copying_hook"])
+def test_weights_reaching_backward_as_other_tensors(simulated_kernels, monkeypatch, route, kept):
+    """fc1 and fc2 can reach backward as other tensor objects than the forward's: the detached alias
+    non-reentrant checkpointing hands back, the detached inputs of a reentrant recompute, or a copy
+    (an offloading saved-tensor hook). The layer stays bitwise a plain call's; an alias finds the
+    copies its forward cached (a later call quantizes nothing), a copy makes its dgrads' range
+    copies; and during backward the cache never holds more than the bound counts: the forward copies,
+    and with fp8_cache_transposed_weights their kept transposed copies (no copies cached for the
+    alias or the copy, which would outlive nothing but still count)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_mok.memory_fp8 import weight_copy_bytes
+
+    monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", 4)
+    shape = Shape(64, 256, 128, 8, 2)  # T, H, F, E, K
+    x, ids, weights, fc1, fc2, grad = make_problem(shape, "uniform", torch.bfloat16, seed=5)
+    config = dataclasses.replace(_configs()[0], fp8_cache_transposed_weights=kept)
+    forward_copies = weight_copy_bytes(8, 256, 256) + weight_copy_bytes(8, 256, 128)
+    bound = forward_copies * (2 if kept else 1)
+    peak, weight_quantizations = [0], []
+    for name in ("fp8_expert_gemm", "fp8_expert_gemm_swiglu_backward"):
+        simulated = SIMULATED[name]
+        monkeypatch.setattr(ops, name, lambda *a, _op=simulated, **k: (
+            peak.__setitem__(0, max(peak[0], _cached_copy_bytes())), _op(*a, **k))[1])
+    quantize = SIMULATED["fp8_quantize_weight"]
+    monkeypatch.setattr(ops, "fp8_quantize_weight", lambda *a, **k: (
+        weight_quantizations.append(k.get("forward_copy", True)), quantize(*a, **k))[1])
+
+    def layer(x_leaf, a, b):
+        return mok_moe(x_leaf, ids, weights, a, b, config=config)
+
+    def run(how):
+        fp8_weights.clear()
+        params = [torch.nn.Parameter(w.clone()) for w in (fc1, fc2)]
+        results = []
+        for _ in range(2):
+            peak[0] = 0
+            weight_quantizations.clear()
+            x_leaf = x.clone().requires_grad_()
+            if how == "plain":
+                y = layer(x_leaf, *params)
+            elif how == "copying_hook":
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+                    y = layer(x_leaf, *params)
+            else:
+                y = checkpoint(layer, x_leaf, *params, use_reentrant=how == "checkpoint_reentrant")
+            y.backward(grad)
+            results.append(([y.detach(), x_leaf.grad] + [p.grad for p in params], list(weight_quantizations), peak[0]))
+            for p in params:
+                p.grad = None
+        return results
+
+    for (want, _, _), (got, quantizations, cache_peak) in zip(run("plain"), run(route)):
+        _assert_equal(got, want, route)
+        assert cache_peak <= bound, f"{route}: the cache held {cache_peak} B in backward, the bound counts {bound}"
+    if route != "copying_hook":
+        assert quantizations == [], f"{route}: a later call quantized {quantizations} (its alias missed the cache)"
+    else:  # the copies' dgrads: transposed range copies only, no forward copy made again
+        assert quantizations and not any(quantizations), quantizations
+
+
+def test_an_alias_never_reads_copies_its_weight_would_not(simulated_kernels):
+    """A `.data` view taken before an in-place update keeps version 0 while the weight's counter
+    moves on: it must quantize the bytes as they are now, not read the copies made before."""
+    weight = torch.nn.Parameter(torch.randn(2, 256, 128).bfloat16())
+    fp8_weights.clear()
+    old_view = weight.data
+    before = fp8_weights.quantized(weight, kernels=True)
+    assert fp8_weights.quantized(weight.detach(), kernels=True) is before, "a detached alias reads the copy"
+    with torch.no_grad():
+        weight.mul_(0.5)
+    got = fp8_weights.quantized(old_view, kernels=True)
+    want = ops.fp8_quantize_weight_reference(old_view, False, transposed=False)
+    assert got is not before
+    assert torch.equal(got.values.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got.scales, want[1])
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "kept_transposed"])
+def test_a_stale_entry_goes_before_its_weight_is_quantized_again(simulated_kernels, monkeypatch, kept):
+    """After an in-place update the next call quantizes again; the stale copies leave the cache before
+    the new ones are made, so the cache plus the copies being made never exceed one set per weight."""
+    x, ids, weights, fc1, fc2, grad = make_problem(Shape(64, 256, 128, 8, 2), "uniform", torch.bfloat16, seed=5)
+    config = dataclasses.replace(_configs()[0], fp8_cache_transposed_weights=kept)
+    params = [torch.nn.Parameter(w.clone()) for w in (fc1, fc2)]
+    fp8_weights.clear()
+    peak = [0]
+    quantize = SIMULATED["fp8_quantize_weight"]
+
+    def recording(*args, **kwargs):
+        made = quantize(*args, **kwargs)
+        new_bytes = sum(t.numel() * t.element_size() for t in made if t is not None)
+        peak[0] = max(peak[0], _cached_copy_bytes() + new_bytes)
+        return made
+
+    monkeypatch.setattr(ops, "fp8_quantize_weight", recording)
+    mok_moe(x, ids, weights, *params, config=config).backward(grad)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.01)
+    peak[0] = 0
+    mok_moe(x, ids, weights, *params, config=config).backward(grad)
+    from megatron_mok.memory_fp8 import weight_copy_bytes
+
+    held = (weight_copy_bytes(8, 256, 256) + weight_copy_bytes(8, 256, 128)) * (2 if kept else 1)
+    assert 0 < peak[0] <= held, (peak[0], held)
 
 
 @pytest.mark.parametrize("routing", ("uniform", "all_to_last_rank", "dropped"))

@@ -82,6 +82,7 @@ CONFIG_CASES = [
     ("no-cache flag, bf16 experts", dict(), ["--mok-no-fp8-weight-cache"], "--mok-no-fp8-weight-cache sets"),
     ("cache flag, mok-precision bf16", dict(), ["--mok-precision", "bf16", "--mok-fp8-cache-transposed-weights"], "--mok-fp8-cache-transposed-weights sets"),
     ("cache flag, fp8 experts", dict(hidden_size=128, moe_ffn_hidden_size=128), ["--mok-precision", "fp8_blockwise", "--mok-fp8-cache-transposed-weights"], None),
+    ("both cache flags, fp8 experts", dict(hidden_size=128, moe_ffn_hidden_size=128), ["--mok-precision", "fp8_blockwise", "--mok-fp8-cache-transposed-weights", "--mok-no-fp8-weight-cache"], "--mok-fp8-cache-transposed-weights keeps the transposed copies beside the cached forward copies: it cannot go with --mok-no-fp8-weight-cache"),
     # Another dispatcher: mok's FP8 flags would be ignored (BF16 experts where FP8 was asked for).
     ("alltoall, mok-precision", dict(dispatcher="alltoall", hidden_size=128, moe_ffn_hidden_size=128), ["--mok-precision", "fp8_blockwise"], "--mok-precision fp8_blockwise: mok's FP8 experts need --moe-token-dispatcher-type mok (this model's is alltoall"),
     ("alltoall, cache flags", dict(dispatcher="alltoall"), ["--mok-no-fp8-weight-cache"], "--mok-no-fp8-weight-cache: mok's FP8 experts need"),
@@ -201,6 +202,65 @@ print("no cache =>", cache(["--mok-no-fp8-weight-cache"]))
 print("transposed kept =>", cache(["--mok-fp8-cache-transposed-weights"]))
 print("both =>", cache(["--mok-no-fp8-weight-cache", "--mok-fp8-cache-transposed-weights"]))
 """
+
+
+# (case, the explicit TransformerConfig.mok_config's fields, Megatron flags, the text the error must hold or None)
+EXPLICIT_CASES = [
+    ("default, no flags", dict(), [], None),
+    ("bf16, cache flag", dict(), ["--mok-fp8-cache-transposed-weights"],
+     "--mok-fp8-cache-transposed-weights asks for fp8_cache_transposed_weights=True, but TransformerConfig.mok_config"),
+    ("fp8, cache flag", dict(precision="fp8_blockwise"), ["--mok-fp8-cache-transposed-weights"],
+     "--mok-fp8-cache-transposed-weights asks for fp8_cache_transposed_weights=True"),
+    ("fp8 kept, cache flag", dict(precision="fp8_blockwise", fp8_cache_transposed_weights=True),
+     ["--mok-fp8-cache-transposed-weights"], None),
+    ("fp8, no-cache flag", dict(precision="fp8_blockwise"), ["--mok-no-fp8-weight-cache"],
+     "--mok-no-fp8-weight-cache asks for fp8_cache_weights=False"),
+    ("bf16, mok-precision fp8", dict(), ["--mok-precision", "fp8_blockwise"],
+     "--mok-precision fp8_blockwise asks for precision='fp8_blockwise'"),
+    ("fp8, mok-precision fp8", dict(precision="fp8_blockwise"), ["--mok-precision", "fp8_blockwise"], None),
+    ("reference, mok-backend kernel", dict(backend="reference"), ["--mok-backend", "kernel"],
+     "--mok-backend kernel asks for backend='kernel'"),
+    ("default, ring 0", dict(), ["--mok-dispatch-ring-minibatches", "0"],
+     "--mok-dispatch-ring-minibatches 0 asks for dispatch_ring_minibatches=0"),
+    ("collective, mok-exchange collective", dict(exchange="collective"), ["--mok-exchange", "collective"], None),
+]
+
+
+def test_flags_that_an_explicit_mok_config_would_ignore_are_refused():
+    """TransformerConfig.mok_config, set in code, is taken as it is: a mok flag asking for another value
+    of one of its fields is an error naming the flag and the field (it used to be ignored)."""
+    code = f"""
+    import sys
+    sys.path.insert(0, "tests")
+    import megatron_mok
+    megatron_mok.register()
+    import megatron_harness as mh
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+    from megatron_mok import MoKConfig
+    from megatron_mok.megatron.checks import check_mok_config
+    for case, fields, flags, _ in {EXPLICIT_CASES!r}:
+        # The config is built without the flags (mok_config is set after it is built, as in code) ...
+        sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "8"]
+        global_vars._GLOBAL_ARGS = parse_args()
+        config = mh.transformer_config("mok", num_layers=1, hidden_size=128, moe_ffn_hidden_size=128)
+        config.mok_config = MoKConfig(**fields)
+        # ... and checked as the layer checks it when built, under the flags.
+        sys.argv = ["x", "--moe-token-dispatcher-type", "mok", "--num-experts", "8", *flags]
+        global_vars._GLOBAL_ARGS = parse_args()
+        try:
+            check_mok_config(config)
+            print(case, "=> NO ERROR")
+        except Exception as error:
+            print(case, "=>", type(error).__name__, str(error).replace(chr(10), " "))
+    """
+    got = _lines(_run(code))
+    for case, _, _, message in EXPLICIT_CASES:
+        error = got[case]
+        if message is None:
+            assert error == "NO ERROR", (case, error)
+        else:
+            assert error.startswith("ValueError") and message in error, (case, error)
 
 
 def test_the_fp8_weight_cache_flags_reach_the_config():
