@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import dense_gemm_tflops, held_memory_mb, median_ms, median_ms_queued, peak_memory_mb  # noqa: E402
 
-from megatron_mok import MoKConfig, mok_moe  # noqa: E402
+from megatron_mok import MoKConfig, fp8_weights, mok_moe  # noqa: E402
 
 SHAPES = {
     # name: (tokens, hidden, ffn, experts, topk)
@@ -126,11 +126,13 @@ def mok_layer(config):
 
 
 def later_microbatch(run):
-    """run, marked to be timed forward + backward with the same fc1 and fc2 leaves call after call
-    (their gradients dropped before each call, not accumulated): a microbatch after the first of an
-    optimizer step, whose FP8 forward copies the weight cache already holds. Every other row gets
-    fresh weight leaves per call, so it quantizes its weights inside the timed call, as the first
-    microbatch after an optimizer step does."""
+    """run, marked to be timed (forward, and forward + backward) with the FP8 weight cache kept from
+    call to call, and forward + backward with the same fc1 and fc2 leaves call after call (their
+    gradients dropped before each call, not accumulated): a microbatch after the first of an
+    optimizer step, whose FP8 forward copies the weight cache already holds. Every other row empties
+    the cache at the start of each timed call (fp8_weights.clear(); a detached leaf over the same
+    bytes would otherwise find the copies an earlier call made), so it quantizes its weights inside
+    the timed call, forward alone too, as the first microbatch after an optimizer step does."""
     run.same_weights = True
     return run
 
@@ -339,11 +341,18 @@ def bench_shape(name, shape, results, progress, fp8: bool = False):
 
         chosen = functools.partial(tuning_set, fn.tuning) if hasattr(fn, "tuning") else contextlib.nullcontext
 
-        def fwd(s, fn=fn, chosen=chosen):
+        fp8_weights.clear()  # (no row finds copies another row's config made)
+        first_microbatch = not getattr(fn, "same_weights", False)
+
+        def fwd(s, fn=fn, chosen=chosen, first_microbatch=first_microbatch):
+            if first_microbatch:
+                fp8_weights.clear()
             with torch.no_grad(), chosen():
                 return fn(s["x"], s["ids"], s["weights"], s["fc1"], s["fc2"])
 
-        def fwd_with_grad(s, fn=fn, chosen=chosen, label=label):
+        def fwd_with_grad(s, fn=fn, chosen=chosen, label=label, first_microbatch=first_microbatch):
+            if first_microbatch:
+                fp8_weights.clear()
             leaves = [s[n].detach().requires_grad_() for n in ("x", "weights", "fc1", "fc2")]
             if getattr(fn, "same_weights", False):
                 for i, n in ((2, "fc1"), (3, "fc2")):

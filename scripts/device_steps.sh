@@ -130,10 +130,8 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         fp8_staged_clusters_sustained) echo 150 "for sp in dense_8192:fc1 deepseek_v3_ep8:fc2 deepseek_v3_ep8:dgrad_fc1 qwen3_30b:fc2; do python3 scripts/bench_gemm_sustained.py --shape \${sp%%:*} --projection \${sp##*:} --variants wide_ordered_staged_scales --clusters 1,2 --seconds 2; done" ;;
         # MoKConfig.fp8_cache_transposed_weights: the layer bitwise the default's (first and second call),
         # its graph replay, and the memory tests (the bound's transposed copies).
-        # With docs/log/patch_2026-12-07_swiglu_fast_division.patch applied (git apply): the SwiGLU math's
-        # batched fast path against the IEEE formulas for every fp32 gate, the quantization kernels that
-        # call it, BF16's digests, and the quantization launches timed (run the last two before applying
-        # it too, for the baseline).
+        # The SwiGLU math's batched fast path against the IEEE formulas for every fp32 gate, the
+        # quantization kernels that call it, BF16's digests, and the quantization launches timed.
         swiglu_fast) echo 420 "f=0; $PYTEST tests/ops/test_gpu_swiglu_math.py || f=1; $PYTEST tests/ops/test_gpu_fp8_quant.py -k swiglu || f=1; python3 scripts/digests.py --compare docs/log/digests_2026-12-01_before_restructure.json || f=1; [ \$f = 0 ] && python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         fp8_kept) echo 200 "$PYTEST tests/backends/test_gpu_fp8_kernel.py tests/comm/test_gpu_fp8_memory.py -k kept" ;;
         # The one-rank layer over the in-kernel exchange (one window, four) with the storing and pushing FP8

@@ -389,8 +389,13 @@ struct Fp8ExpertGemmWideKernel {
       // Raw scales of the block after the one issued last (its products formed before its issue);
       // with kStagedScales its B scales only, and its A scales once it has been issued.
       float s[4];
-      tile_scales.load(p, 0, k_blocks, s);
-      issue();  // block 0 of the first tile
+      // Tile c's start: its scales, block 0's raw scales loaded, block 0 issued.
+      const auto start_tile = [&]() {
+        tile_scales = TileScales(p, c, fragment_row, staged_scales0);
+        tile_scales.load(p, 0, k_blocks, s);
+        issue();
+      };
+      start_tile();  // the first tile's
       while (true) {  // c has rows of this warpgroup, its block 0 is in flight and s holds its raw scales
         float scale[2][2];
         if constexpr (kStagedScales) {
@@ -432,16 +437,12 @@ struct Fp8ExpertGemmWideKernel {
             epilogue(done);
             break;
           }
-          tile_scales = TileScales(p, c, fragment_row, staged_scales0);
-          tile_scales.load(p, 0, k_blocks, s);
-          issue();
+          start_tile();
           epilogue(done);
         } else {
           epilogue(done);
           if (!next_tile_with_rows(c)) break;
-          tile_scales = TileScales(p, c, fragment_row, staged_scales0);
-          tile_scales.load(p, 0, k_blocks, s);
-          issue();
+          start_tile();
         }
       }
     }

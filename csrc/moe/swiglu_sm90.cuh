@@ -25,11 +25,13 @@ __global__ void swiglu_forward_kernel(const SwigluParams p) {
     const P* up = reinterpret_cast<const P*>(base + p.ffn);
     for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
       const P g = gate[i], u = up[i];
+      float gate_values[kVec], up_values[kVec], act[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) gate_values[j] = to_float(g.v[j]), up_values[j] = to_float(u.v[j]);
+      swiglu_values(gate_values, up_values, act);
       P a;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        a.v[j] = from_float<T>(swiglu_value(to_float(g.v[j]), to_float(u.v[j])));
-      }
+      for (int j = 0; j < kVec; ++j) a.v[j] = from_float<T>(act[j]);
       out[i] = a;
     }
   }
@@ -55,13 +57,17 @@ __global__ void swiglu_backward_kernel(const SwigluParams p) {
     const P* grad_act = reinterpret_cast<const P*>(static_cast<const T*>(p.grad_act) + row * p.ffn);
     for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
       const P g = gate[i], u = up[i], d = grad_act[i];
+      float gate_values[kVec], up_values[kVec], grad_values[kVec], grad_gate_values[kVec], grad_up_values[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        gate_values[j] = to_float(g.v[j]), up_values[j] = to_float(u.v[j]), grad_values[j] = to_float(d.v[j]);
+      }
+      swiglu_backward_values(gate_values, up_values, grad_values, grad_gate_values, grad_up_values);
       P dg, du;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        float grad_gate, grad_up;
-        swiglu_backward_value(to_float(g.v[j]), to_float(u.v[j]), to_float(d.v[j]), grad_gate, grad_up);
-        dg.v[j] = from_float<T>(grad_gate);
-        du.v[j] = from_float<T>(grad_up);
+        dg.v[j] = from_float<T>(grad_gate_values[j]);
+        du.v[j] = from_float<T>(grad_up_values[j]);
       }
       grad_gate[i] = dg;
       grad_up[i] = du;

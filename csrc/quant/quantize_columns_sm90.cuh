@@ -71,10 +71,14 @@ __device__ __forceinline__ uint4 weighted_piece(const uint4& piece, float w) {
 __device__ __forceinline__ uint4 swiglu_piece(const uint4& gate, const uint4& up) {
   const auto* g = reinterpret_cast<const __nv_bfloat16*>(&gate);
   const auto* u = reinterpret_cast<const __nv_bfloat16*>(&up);
+  float gate_values[8], up_values[8], values[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) gate_values[j] = to_float(g[j]), up_values[j] = to_float(u[j]);
+  swiglu_values(gate_values, up_values, values);
   uint4 act;
   auto* a = reinterpret_cast<__nv_bfloat16*>(&act);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) a[j] = from_float<__nv_bfloat16>(swiglu_value(to_float(g[j]), to_float(u[j])));
+  for (int j = 0; j < 8; ++j) a[j] = from_float<__nv_bfloat16>(values[j]);
   return act;
 }
 

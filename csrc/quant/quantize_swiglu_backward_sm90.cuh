@@ -72,11 +72,11 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_swiglu_backward_ker
       unpack_bf16x8(gate_raw[u], gate);
       unpack_bf16x8(up_raw[u], up);
       unpack_bf16x8(grad_raw[u], grad);
+      swiglu_backward_values(gate, up, grad, grad_gate, grad_up);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         // Rounded to bf16 first (swiglu_backward's output), then quantized; a zero triple gives +0
         // for both, so a row past the end is a zero row.
-        swiglu_backward_value(gate[i], up[i], grad[i], grad_gate[i], grad_up[i]);
         grad_gate[i] = __bfloat162float(__float2bfloat16_rn(grad_gate[i]));
         grad_up[i] = __bfloat162float(__float2bfloat16_rn(grad_up[i]));
       }

@@ -62,11 +62,12 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_swiglu_kernel(const
       float gate[8], up[8], v[8];
       unpack_bf16x8(gate_raw[u], gate);
       unpack_bf16x8(up_raw[u], up);
+      swiglu_values(gate, up, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         // act rounded to bf16 first (swiglu_forward's output), then quantized; SwiGLU of a zero
         // pair is +0, so a row past the end quantizes as zeros.
-        v[i] = __bfloat162float(__float2bfloat16_rn(swiglu_value(gate[i], up[i])));
+        v[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
       }
       const float amax = half_warp_block_amax(v);
       if (unit >= units) continue;
