@@ -97,15 +97,21 @@ class _Entry:
 
 # weight tensor -> {(pow2, kernels): _Entry}. Emulated ranks run their passes in threads: one lock.
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# The storage of each weight _CACHE holds an entry of (its `_cdata`) -> that weight, held weakly: how
-# another tensor object over the same bytes (an alias) finds the weight's entry (_aliased_entry).
-_OWNERS: dict[int, weakref.ref] = {}
+# Where each weight _CACHE holds an entry of lies (_place: its storage and first byte) -> that
+# weight, held weakly: how another tensor object over the same bytes (an alias) finds the weight's
+# entry (_aliased_entry). The first byte too: weights can be views into one buffer (Megatron's
+# contiguous parameter buffer), so one storage holds several.
+_OWNERS: dict[tuple[int, int], weakref.ref] = {}
 _LOCK = threading.Lock()
 # The copies held by copies_held in this thread (a pass's windows): the kernel maker's transposed
 # copies and the uncached forward copies, {(id(weight), pow2, kernels, which): QuantizedWeight}, or
 # None outside such a block.
 _HELD = threading.local()
 _step_hook = None
+
+
+def _place(weight: Tensor) -> tuple[int, int]:
+    return weight.untyped_storage()._cdata, weight.data_ptr()
 
 
 def _stamp(weight: Tensor) -> tuple:
@@ -149,7 +155,7 @@ def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
 
 
 def _aliased_entry(weight: Tensor, stamp: tuple, pow2: bool, kernels: bool) -> Optional[_Entry]:
-    """The entry of the cached weight whose storage weight shares, where it is valid for both (the
+    """The entry of the cached weight whose bytes weight starts at, where it is valid for both (the
     caller holds _LOCK). A weight can reach backward as another tensor object over the same bytes
     (the detached alias non-reentrant checkpointing unpacks, the detached inputs of a reentrant
     recompute): it finds the copies its forward made instead of caching copies of its own, which
@@ -157,7 +163,7 @@ def _aliased_entry(weight: Tensor, stamp: tuple, pow2: bool, kernels: bool) -> O
     the entry's (same bytes, shape, strides, version count) and so is the cached weight's now, so an
     alias never reads a copy its weight would not (an old `.data` view keeps version 0 while the
     weight's counter moves on)."""
-    owner_ref = _OWNERS.get(weight.untyped_storage()._cdata)
+    owner_ref = _OWNERS.get(_place(weight))
     owner = owner_ref() if owner_ref is not None else None
     if owner is None or owner is weight:
         return None
@@ -187,8 +193,8 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Opt
     with _LOCK:
         _register_step_hook()
         _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry
-        _OWNERS[weight.untyped_storage()._cdata] = weakref.ref(weight)
-        if len(_OWNERS) > 2 * len(_CACHE) + 64:  # weights gone since: their storages' lines
+        _OWNERS[_place(weight)] = weakref.ref(weight)
+        if len(_OWNERS) > 2 * len(_CACHE) + 64:  # weights gone since: their lines
             for key in [key for key, ref in _OWNERS.items() if ref() is None]:
                 del _OWNERS[key]
     return entry

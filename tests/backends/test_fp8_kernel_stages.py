@@ -539,6 +539,20 @@ def test_an_alias_never_reads_copies_its_weight_would_not(simulated_kernels):
     assert torch.equal(got.values.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got.scales, want[1])
 
 
+def test_aliases_of_weights_that_are_views_into_one_buffer_find_their_own_copies(simulated_kernels):
+    """Megatron's contiguous parameter buffer makes every weight a view into one storage: each
+    weight's detached alias finds its own weight's copies, never another view's."""
+    buffer = torch.randn(2 * 2 * 256 * 128).bfloat16()
+    fc1 = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+    fc2 = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+    fc1.data, fc2.data = buffer[: buffer.numel() // 2].view(2, 256, 128), buffer[buffer.numel() // 2 :].view(2, 256, 128)
+    fp8_weights.clear()
+    copies = [fp8_weights.quantized(w, kernels=True) for w in (fc1, fc2)]
+    for weight, copy in zip((fc1, fc2), copies):
+        assert fp8_weights.quantized(weight.detach(), kernels=True) is copy
+    assert fp8_weights.cached_count() == 2
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["default", "kept_transposed"])
 def test_a_stale_entry_goes_before_its_weight_is_quantized_again(simulated_kernels, monkeypatch, kept):
     """After an in-place update the next call quantizes again; the stale copies leave the cache before
