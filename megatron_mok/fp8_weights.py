@@ -24,7 +24,9 @@ step calls `clear()`.
 Another tensor object over a cached weight's bytes (a detached alias: what non-reentrant
 checkpointing hands backward, a reentrant recompute's detached inputs) reads the weight's copies
 where both it and the weight are as they were when the copies were made (_aliased_entry), rather
-than quantizing and caching copies of its own.
+than quantizing and caching copies of its own. A `.data` view is such an object with a version
+counter of its own: a write through it is a write through `.data` (above), for the weight and its
+aliases alike.
 
 Forward takes `quantized`, backward `quantized_transposed`; between them autograd refuses in-place
 changes of a saved weight, so both read one version. The reference caches the transposed copy beside
@@ -115,7 +117,8 @@ def _place(weight: Tensor) -> tuple[int, int]:
 
 
 def _stamp(weight: Tensor) -> tuple:
-    return (weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device)
+    return (weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device,
+            weight.is_neg(), weight.is_conj())
 
 
 def _quantize(weight: Tensor, pow2: bool, kernels: bool) -> QuantizedWeight:
@@ -149,8 +152,10 @@ def _valid_entry(weight: Tensor, pow2: bool, kernels: bool) -> Optional[_Entry]:
     with _LOCK:
         entries = _CACHE.get(weight)
         entry = entries.get((pow2, kernels)) if entries is not None else None
-        if entry is not None and entry.made_from(weight, stamp):
-            return entry
+        if entry is not None:
+            if entry.made_from(weight, stamp):
+                return entry
+            del entries[(pow2, kernels)]  # stale for good: its copies go now, whoever answers instead
         return _aliased_entry(weight, stamp, pow2, kernels)
 
 
@@ -162,9 +167,10 @@ def _aliased_entry(weight: Tensor, stamp: tuple, pow2: bool, kernels: bool) -> O
     the memory bound does not count and which die with the alias. Valid for both: the alias's stamp is
     the entry's (same bytes, shape, strides, version count) and so is the cached weight's now, so an
     alias never reads a copy its weight would not (an old `.data` view keeps version 0 while the
-    weight's counter moves on)."""
-    owner_ref = _OWNERS.get(_place(weight))
-    owner = owner_ref() if owner_ref is not None else None
+    weight's counter moves on). An alias with a version counter of its own (a `.data` view) is the
+    weight's `.data` limitation (the module's docstring): a write through it that no counter of the
+    weight sees leaves both reading the copies made before, until `clear()`."""
+    owner = _owner(_place(weight))
     if owner is None or owner is weight:
         return None
     entries = _CACHE.get(owner)
@@ -172,6 +178,20 @@ def _aliased_entry(weight: Tensor, stamp: tuple, pow2: bool, kernels: bool) -> O
     if entry is None or not entry.made_from(owner, _stamp(owner)) or not entry.made_from(weight, stamp):
         return None
     return entry
+
+
+def _owner(place: tuple[int, int]) -> Optional[Tensor]:
+    """The cached weight _OWNERS names for place while it still lies there and holds a valid entry,
+    else None (the caller holds _LOCK)."""
+    owner_ref = _OWNERS.get(place)
+    owner = owner_ref() if owner_ref is not None else None
+    if owner is None or _place(owner) != place:
+        return None
+    stamp = _stamp(owner)
+    entries = _CACHE.get(owner)
+    if entries is None or not any(entry.made_from(owner, stamp) for entry in entries.values()):
+        return None
+    return owner
 
 
 def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Optional[_Entry]:
@@ -193,9 +213,12 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Opt
     with _LOCK:
         _register_step_hook()
         _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry
-        _OWNERS[_place(weight)] = weakref.ref(weight)
-        if len(_OWNERS) > 2 * len(_CACHE) + 64:  # weights gone since: their lines
-            for key in [key for key, ref in _OWNERS.items() if ref() is None]:
+        place = _place(weight)
+        owner = _owner(place)
+        if owner is None or owner is weight:  # (an alias that missed does not displace a valid owner)
+            _OWNERS[place] = weakref.ref(weight)
+        if len(_OWNERS) > 2 * len(_CACHE) + 64:  # lines of weights gone, moved or stale since
+            for key in [key for key in _OWNERS if _owner(key) is None]:
                 del _OWNERS[key]
     return entry
 

@@ -553,6 +553,32 @@ def test_aliases_of_weights_that_are_views_into_one_buffer_find_their_own_copies
     assert fp8_weights.cached_count() == 2
 
 
+def test_an_alias_that_misses_leaves_its_weight_findable_and_stale_copies_go(simulated_kernels):
+    """An alias that misses (another pow2 choice here) caches copies of its own without taking the
+    weight's place from it: once the alias is gone, the weight's next aliases still find the weight's
+    copies. And a weight whose copies went stale loses them at its next look-up, even where an alias's
+    newer copies answer for it, so one weight never holds two entries."""
+    import gc
+
+    weight = torch.nn.Parameter(torch.randn(2, 256, 128).bfloat16())
+    fp8_weights.clear()
+    copy = fp8_weights.quantized(weight, kernels=True)
+    alias = weight.detach()
+    fp8_weights.quantized(alias, pow2=True, kernels=True)
+    del alias
+    gc.collect()
+    assert all(fp8_weights.quantized(weight.detach(), kernels=True) is copy for _ in range(3))
+
+    with torch.no_grad():
+        weight.mul_(2)  # (the alias below shares the counter: both see the update)
+    alias = weight.detach()
+    fresh = fp8_weights.quantized(alias, kernels=True)
+    assert fp8_weights.quantized(weight, kernels=True) is fresh
+    with fp8_weights._LOCK:
+        own = fp8_weights._CACHE.get(weight, {})
+        assert (False, True) not in own, "the weight's stale copies stayed in the cache"
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["default", "kept_transposed"])
 def test_a_stale_entry_goes_before_its_weight_is_quantized_again(simulated_kernels, monkeypatch, kept):
     """After an in-place update the next call quantizes again; the stale copies leave the cache before
