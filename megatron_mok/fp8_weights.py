@@ -197,13 +197,9 @@ def _owner(place: tuple[int, int]) -> Optional[Tensor]:
 def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Optional[_Entry]:
     """The weight's valid entry, quantized now if missing or stale (with both, the kernel maker's
     forward and transposed copies in one pass); None where nothing is cached (_cacheable)."""
-    entry = _valid_entry(weight, pow2, kernels)
+    entry = _valid_entry(weight, pow2, kernels)  # (a stale entry's copies go there, before new ones are made)
     if entry is not None or not _cacheable(weight):
         return entry
-    with _LOCK:  # a stale entry's copies go before the new ones are made, not after
-        entries = _CACHE.get(weight)
-        if entries is not None:
-            entries.pop((pow2, kernels), None)
     stamp, storage = _stamp(weight), StorageWeakRef(weight.untyped_storage())
     if both and kernels:
         forward, transposed = _quantize_both(weight, pow2)

@@ -160,16 +160,18 @@ def _set_fp8_cache_flags() -> list[str]:
 
 
 # mok's flags that set a field of the layer's MoKConfig, as (flag, the parsed argument's name, the
-# field, the argument's value when the flag is absent).
+# field, the argument's value when the flag is absent, the field's value a switch asks for: None
+# where the argument's value is the field's).
 MOK_CONFIG_FLAGS = (
-    ("--mok-backend", "mok_backend", "backend", "auto"),
-    ("--mok-expert-gemm", "mok_expert_gemm", "expert_gemm", "auto"),
+    ("--mok-backend", "mok_backend", "backend", "auto", None),
+    ("--mok-expert-gemm", "mok_expert_gemm", "expert_gemm", "auto", None),
     ("--mok-dispatch-ring-minibatches", "mok_dispatch_ring_minibatches", "dispatch_ring_minibatches",
-     MoKConfig.dispatch_ring_minibatches),
-    ("--mok-exchange", "mok_exchange", "exchange", "auto"),
-    ("--mok-precision", "mok_precision", "precision", None),
-    ("--mok-no-fp8-weight-cache", "mok_no_fp8_weight_cache", "fp8_cache_weights", False),
-    ("--mok-fp8-cache-transposed-weights", "mok_fp8_cache_transposed_weights", "fp8_cache_transposed_weights", False),
+     MoKConfig.dispatch_ring_minibatches, None),
+    ("--mok-exchange", "mok_exchange", "exchange", "auto", None),
+    ("--mok-precision", "mok_precision", "precision", None, None),
+    ("--mok-no-fp8-weight-cache", "mok_no_fp8_weight_cache", "fp8_cache_weights", False, False),
+    ("--mok-fp8-cache-transposed-weights", "mok_fp8_cache_transposed_weights", "fp8_cache_transposed_weights",
+     False, True),
 )
 
 
@@ -181,14 +183,11 @@ def _flags_against_explicit_config(explicit) -> list[str]:
     if args is None or not hasattr(explicit, "precision"):
         return []
     problems = []
-    for name, argument, field, absent in MOK_CONFIG_FLAGS:
+    for name, argument, field, absent, switched in MOK_CONFIG_FLAGS:
         given = getattr(args, argument, absent)
         if given == absent:
             continue
-        if isinstance(given, bool):  # a switch: the field's value it stands for
-            wanted, shown = (field == "fp8_cache_transposed_weights"), name
-        else:
-            wanted, shown = given, f"{name} {given}"
+        wanted, shown = (given, f"{name} {given}") if switched is None else (switched, name)
         if getattr(explicit, field) != wanted:
             problems.append(f"{shown} asks for {field}={wanted!r}, but TransformerConfig.mok_config (set in code, "
                             f"and taken as it is) has {field}={getattr(explicit, field)!r}: drop the flag or set "
