@@ -25,6 +25,7 @@ from megatron_mok import MoKConfig, fp8_weights, functional, mok_moe, ops
 from megatron_mok.backends import kernel_fp8, reference, resolve_backend, stages_for, tuning
 from megatron_mok.ops import fp8_gemm, fp8_quant, fp8_wgrad
 from megatron_mok.emulation import EmulatedGroup
+from megatron_mok.memory_fp8 import weight_copy_bytes
 from megatron_mok import quantization
 from megatron_mok.quantization import E4M3, Fp8Recipe
 
@@ -473,8 +474,6 @@ def test_weights_reaching_backward_as_other_tensors(simulated_kernels, monkeypat
     alias or the copy, which would outlive nothing but still count)."""
     from torch.utils.checkpoint import checkpoint
 
-    from megatron_mok.memory_fp8 import weight_copy_bytes
-
     monkeypatch.setattr(tuning, "FP8_DGRAD_EXPERT_RANGES", 4)
     shape = Shape(64, 256, 128, 8, 2)  # T, H, F, E, K
     x, ids, weights, fc1, fc2, grad = make_problem(shape, "uniform", torch.bfloat16, seed=5)
@@ -603,8 +602,6 @@ def test_a_stale_entry_goes_before_its_weight_is_quantized_again(simulated_kerne
             p.add_(0.01)
     peak[0] = 0
     mok_moe(x, ids, weights, *params, config=config).backward(grad)
-    from megatron_mok.memory_fp8 import weight_copy_bytes
-
     held = (weight_copy_bytes(8, 256, 256) + weight_copy_bytes(8, 256, 128)) * (2 if kept else 1)
     assert 0 < peak[0] <= held, (peak[0], held)
 
