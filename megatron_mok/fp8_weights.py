@@ -170,19 +170,19 @@ def _aliased_entry(weight: Tensor, stamp: tuple, pow2: bool, kernels: bool) -> O
     weight's counter moves on). An alias with a version counter of its own (a `.data` view) is the
     weight's `.data` limitation (the module's docstring): a write through it that no counter of the
     weight sees leaves both reading the copies made before, until `clear()`."""
-    owner = _owner(_place(weight))
-    if owner is None or owner is weight:
+    found = _owner(_place(weight))
+    if found is None or found[0] is weight:
         return None
-    entries = _CACHE.get(owner)
-    entry = entries.get((pow2, kernels)) if entries is not None else None
-    if entry is None or not entry.made_from(owner, _stamp(owner)) or not entry.made_from(weight, stamp):
+    owner, owner_stamp = found
+    entry = _CACHE[owner].get((pow2, kernels))
+    if entry is None or not entry.made_from(owner, owner_stamp) or not entry.made_from(weight, stamp):
         return None
     return entry
 
 
-def _owner(place: tuple[int, int]) -> Optional[Tensor]:
-    """The cached weight _OWNERS names for place while it still lies there and holds a valid entry,
-    else None (the caller holds _LOCK)."""
+def _owner(place: tuple[int, int]) -> Optional[tuple[Tensor, tuple]]:
+    """(the cached weight _OWNERS names for place, its stamp now) while it still lies there and holds
+    a valid entry, else None (the caller holds _LOCK)."""
     owner_ref = _OWNERS.get(place)
     owner = owner_ref() if owner_ref is not None else None
     if owner is None or _place(owner) != place:
@@ -191,7 +191,7 @@ def _owner(place: tuple[int, int]) -> Optional[Tensor]:
     entries = _CACHE.get(owner)
     if entries is None or not any(entry.made_from(owner, stamp) for entry in entries.values()):
         return None
-    return owner
+    return owner, stamp
 
 
 def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Optional[_Entry]:
@@ -210,8 +210,8 @@ def _entry(weight: Tensor, pow2: bool, kernels: bool, both: bool = False) -> Opt
         _register_step_hook()
         _CACHE.setdefault(weight, {})[(pow2, kernels)] = entry
         place = _place(weight)
-        owner = _owner(place)
-        if owner is None or owner is weight:  # (an alias that missed does not displace a valid owner)
+        found = _owner(place)
+        if found is None or found[0] is weight:  # (an alias that missed does not displace a valid owner)
             _OWNERS[place] = weakref.ref(weight)
         if len(_OWNERS) > 2 * len(_CACHE) + 64:  # lines of weights gone, moved or stale since
             for key in [key for key in _OWNERS if _owner(key) is None]:

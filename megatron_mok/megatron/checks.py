@@ -113,13 +113,14 @@ def _unsupported(config: TransformerConfig) -> list[str]:
         "--fp16 is not supported with mok: its experts take bf16 or fp32 activations (pass --bf16)",
     )
     precision = expert_precision(config)
+    cache_flags = _set_fp8_cache_flags()
     if getattr(config, "mok_config", None) is not None:
         problems.extend(_flags_against_explicit_config(config.mok_config))
     elif precision != "fp8_blockwise":
-        for name in _set_fp8_cache_flags():
+        for name in cache_flags:
             flag(True, f"{name} sets the FP8 experts' weight cache, but the experts run {precision} (pass "
                        f"--mok-precision fp8_blockwise or {FP8_FLAGS}, or drop the flag)")
-    elif len(_set_fp8_cache_flags()) == len(FP8_CACHE_FLAGS):
+    elif len(cache_flags) == len(FP8_CACHE_FLAGS):
         flag(True, "--mok-fp8-cache-transposed-weights keeps the transposed copies beside the cached forward "
                    "copies: it cannot go with --mok-no-fp8-weight-cache (drop one)")
     if precision == "fp8_blockwise":
