@@ -391,6 +391,27 @@ struct Fp8QuantizeSwigluBackwardParams {
   int32_t pow2;
 };
 
+// The SwiGLU backward of gate/up rows with d act and both of d gate_up's FP8 copies from one pass
+// (quant/quantize_swiglu_backward_tiles_sm90.cuh): the row copy 1x128 along 2 ffn with GEMM-A scales
+// (the gate/up dgrad's operand) and the column copy 1x128 along the rows, transposed (the fc1 weight
+// gradient's), with no bf16 d gate_up. Rows at or past expert_offsets[num_experts] are not read: zero
+// rows of both copies; the column copy's rows past num_rows (to padded_rows) are zeros.
+struct Fp8QuantizeSwigluBackwardCopiesParams {
+  const void* gate_up;            // (num_rows, 2 ffn) bf16
+  const void* grad_act;           // (num_rows, ffn) bf16
+  const int32_t* expert_offsets;  // (num_experts + 1,) on the device: the schedule's end row
+  int32_t num_experts;
+  uint8_t* rows_q;                // (num_rows, 2 ffn) e4m3
+  float* rows_scales;             // (2 ffn / 128, gemm_a_rows) fp32: the GEMM-A layout
+  uint8_t* columns_q;             // (2 ffn, padded_rows) e4m3
+  float* columns_scales;          // (padded_rows / 128, 2 ffn) fp32
+  int64_t num_rows;
+  int64_t ffn;                    // a multiple of 128
+  int64_t gemm_a_rows;            // num_rows rounded up to kFp8ScaleRowPad
+  int64_t padded_rows;            // num_rows rounded up to 128
+  int32_t pow2;
+};
+
 // 128x128 blocks of a weight (quantization.quantize_weight), and with q_t its transposed copy
 // (quantization.transpose_weight of it): one pass over the weight.
 struct Fp8QuantizeWeightParams {

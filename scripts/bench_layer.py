@@ -207,6 +207,12 @@ def fp8_alternatives() -> dict:
     if not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD:
         runs["mok_kernel_fp8_swiglu_bwd_epilogue"] = with_tuning("FP8_SWIGLU_BACKWARD_IN_DGRAD", True,
                                                                  mok_layer(FP8_KERNEL))
+    # d gate_up's two FP8 copies from one pass (ops.fp8_quantize_swiglu_backward_copies, no bf16 d
+    # gate_up), or from the SwiGLU backward's launch and a column quantization, whichever tuning does
+    # not choose, beside tuning's.
+    one_pass = not tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS
+    runs["mok_kernel_fp8_grad_gate_up_" + ("one_pass" if one_pass else "two_launches")] = with_tuning(
+        "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", one_pass, mok_layer(FP8_KERNEL))
     return runs
 
 

@@ -17,6 +17,11 @@ Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments p
                       d act (C, F): d gate_up in bf16 and quantized 1x128 along 2F in one launch (what
                       backward runs with FP8 weight gradients), beside
     the same, two launches  ops.swiglu_backward, then d gate_up rows (what it replaces)
+    d gate_up's two copies, one pass  ops.fp8_quantize_swiglu_backward_copies of gate_up (C, 2F) and
+                      d act (C, F): both E4M3 copies (1x128 along 2F and along C) and their scales, no
+                      bf16 d gate_up (tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS), beside
+    the same, SwiGLU backward then columns  ops.fp8_quantize_swiglu_backward, then d gate_up columns
+                      (what backward runs without it)
     x columns, gathered  (C, H) rows gathered from x by the schedule (row_index): fc1's weight gradient
     w dY columns, gathered  (C, H) rows w * dY gathered from dY by the schedule with each row's route
                       weight (row_index, row_weights): fc2's weight gradient operand as backward makes
@@ -86,6 +91,13 @@ def _two_launches(s):
     return ops.fp8_quantize_rows(grad_gate_up, source_scales=False)
 
 
+def _swiglu_backward_then_columns(s):
+    """What ops.fp8_quantize_swiglu_backward_copies replaces: the SwiGLU backward with d gate_up's row
+    copy (bf16 d gate_up written), then d gate_up's column copy (read back)."""
+    grad_gate_up, rows_q, rows_scales = ops.fp8_quantize_swiglu_backward(s["dgate_up"], s["act"], s["offsets"])
+    return rows_q, rows_scales, *ops.fp8_quantize_columns(grad_gate_up, s["offsets"])
+
+
 def _pulled_then_columns(s):
     """What the weighted gathered columns replace: the weighted pull of bf16 w * dY rows, then their
     column quantization."""
@@ -102,6 +114,8 @@ def cases(s):
     weight = lambda w: w.numel() * 3 + w.numel() // 128**2 * 4  # noqa: E731
     moved = lambda w: w.numel() * 2 + w.numel() // 128**2 * 8  # noqa: E731
     swiglu_backward_bytes = rows * f2 * 3 + rows * f2 * 3 + rows * (f2 // 128) * 4
+    # (gate_up (2 bytes a value) and d act (1 a gate_up column) in; two E4M3 copies and their scales out)
+    copies_bytes = rows * f2 * 3 + rows * f2 * 2 + rows * (f2 // 128) * 4 + (rows // 128 + 1) * f2 * 4
     return {
         "x rows": (lambda s: ops.fp8_quantize_rows(s["x"]), rows_bytes(t, h)),
         "dY rows": (lambda s: ops.fp8_quantize_rows(s["dy"]), rows_bytes(t, h)),
@@ -117,6 +131,11 @@ def cases(s):
         "d gate_up and its rows, SwiGLU backward": (
             lambda s: ops.fp8_quantize_swiglu_backward(s["dgate_up"], s["act"], s["offsets"]), swiglu_backward_bytes),
         "the same, two launches": (lambda s: _two_launches(s), swiglu_backward_bytes),
+        # (gate_up and d act in; both E4M3 copies and their scales out. The two launches are given the
+        # same bytes, the work's.)
+        "d gate_up's two copies, one pass": (
+            lambda s: ops.fp8_quantize_swiglu_backward_copies(s["dgate_up"], s["act"], s["offsets"]), copies_bytes),
+        "the same, SwiGLU backward then columns": (_swiglu_backward_then_columns, copies_bytes),
         "x columns, gathered": (lambda s: ops.fp8_quantize_columns(s["x"], s["offsets"], row_index=s["index"]),
                                 cols(rows, h)),
         # (The two rows are given the same bytes, the work's: dY rows gathered, E4M3 and scales out.)

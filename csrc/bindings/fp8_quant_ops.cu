@@ -1,7 +1,8 @@
 // Torch bindings of the FP8 blockwise quantization kernels (quant/): ops fp8_quantize_rows,
 // fp8_quantize_swiglu, fp8_quantize_columns (and its form over the ranks' regions,
 // fp8_quantize_columns_from_peers), fp8_quantize_swiglu_columns,
-// fp8_quantize_swiglu_backward, fp8_quantize_weight and fp8_transpose_weight of the `megatron_mok`
+// fp8_quantize_swiglu_backward (and its form writing both FP8 copies, fp8_quantize_swiglu_backward_copies),
+// fp8_quantize_weight and fp8_transpose_weight of the `megatron_mok`
 // library (validated wrappers, fake implementations and references in megatron_mok/ops/fp8_quant.py,
 // which raise ValueError before these run; the checks here are the same, for callers of torch.ops
 // directly). Each fills its params struct (mok_params.h) once and launches one kernel. An output a
@@ -27,6 +28,7 @@
 #include "quant/quantize_columns_sm90.cuh"
 #include "quant/quantize_rows_sm90.cuh"
 #include "quant/quantize_swiglu_backward_sm90.cuh"
+#include "quant/quantize_swiglu_backward_tiles_sm90.cuh"
 #include "quant/quantize_swiglu_sm90.cuh"
 #include "quant/quantize_weight_sm90.cuh"
 #include "quant/transpose_weight_sm90.cuh"
@@ -296,6 +298,21 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_swiglu_columns(const at::Tensor&
   return launch_quantize_columns<false, true>(p, gate_up.options(), gate_up.size(0), gate_up.size(1) / 2, kOp);
 }
 
+// The SwiGLU backward quantizations' inputs: check_swiglu_inputs', and grad_act (R, F) bf16 beside gate_up.
+void check_swiglu_backward_inputs(const char* op, const at::Tensor& gate_up, const at::Tensor& grad_act,
+                                  const at::Tensor& expert_offsets) {
+  check_swiglu_inputs(op, gate_up, expert_offsets);
+  const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
+  TORCH_CHECK(grad_act.is_cuda() && grad_act.is_contiguous() && grad_act.device() == gate_up.device(), op,
+              "grad_act must be a contiguous CUDA tensor on gate_up's device");
+  TORCH_CHECK(grad_act.scalar_type() == at::kBFloat16, op, "grad_act must be bfloat16, got ",
+              c10::toString(grad_act.scalar_type()));
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == rows && grad_act.size(1) == ffn, op,
+              "grad_act must be (rows, F) = (", std::to_string(rows), ", ", std::to_string(ffn), ") for gate_up ",
+              sizes_str(gate_up), ", got ", sizes_str(grad_act));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(grad_act.data_ptr()) % 16 == 0, op, "grad_act must start 16-byte aligned");
+}
+
 // (grad_gate_up (R, 2F) bf16, rows_q (R, 2F) e4m3, rows_scales (2F/128, fp8_scale_rows(R)) fp32 in the
 // GEMM-A layout, padding columns 1): d gate_up, the SwiGLU backward of gate_up (R, 2F) bf16 with
 // grad_act (R, F) bf16 (swiglu_backward's values), and its quantization 1x128 along 2F; rows at or
@@ -305,16 +322,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward(cons
                                                                             const at::Tensor& expert_offsets,
                                                                             bool pow2) {
   constexpr const char* kOp = "fp8_quantize_swiglu_backward: ";
-  check_swiglu_inputs(kOp, gate_up, expert_offsets);
+  check_swiglu_backward_inputs(kOp, gate_up, grad_act, expert_offsets);
   const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
-  TORCH_CHECK(grad_act.is_cuda() && grad_act.is_contiguous() && grad_act.device() == gate_up.device(), kOp,
-              "grad_act must be a contiguous CUDA tensor on gate_up's device");
-  TORCH_CHECK(grad_act.scalar_type() == at::kBFloat16, kOp, "grad_act must be bfloat16, got ",
-              c10::toString(grad_act.scalar_type()));
-  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == rows && grad_act.size(1) == ffn, kOp,
-              "grad_act must be (rows, F) = (", std::to_string(rows), ", ", std::to_string(ffn), ") for gate_up ",
-              sizes_str(gate_up), ", got ", sizes_str(grad_act));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(grad_act.data_ptr()) % 16 == 0, kOp, "grad_act must start 16-byte aligned");
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
   auto grad_gate_up = at::empty({rows, 2 * ffn}, gate_up.options());
@@ -340,6 +349,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward(cons
                                     0, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {grad_gate_up, rows_q, rows_scales};
+}
+
+// (rows_q (R, 2F) e4m3, rows_scales (2F/128, fp8_scale_rows(R)) fp32 in the GEMM-A layout, padding
+// columns 1, columns_q (2F, R_pad) e4m3, columns_scales (R_pad/128, 2F) fp32), R_pad = R rounded up to
+// 128: both FP8 copies of d gate_up, the SwiGLU backward of gate_up (R, 2F) bf16 with grad_act (R, F)
+// bf16, from one pass and with no bf16 d gate_up: fp8_quantize_swiglu_backward's row copy and
+// fp8_quantize_columns' copy of its d gate_up, bit for bit. Rows at or past expert_offsets[-1] are
+// not read and quantize as zeros in both.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward_copies(
+    const at::Tensor& gate_up, const at::Tensor& grad_act, const at::Tensor& expert_offsets, bool pow2) {
+  constexpr const char* kOp = "fp8_quantize_swiglu_backward_copies: ";
+  check_swiglu_backward_inputs(kOp, gate_up, grad_act, expert_offsets);
+  const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t gemm_a_rows = (rows + kFp8ScaleRowPad - 1) / kFp8ScaleRowPad * kFp8ScaleRowPad;
+  const int64_t padded_rows = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
+  const auto options = gate_up.options();
+  auto rows_q = at::empty({rows, 2 * ffn}, options.dtype(at::kFloat8_e4m3fn));
+  auto rows_scales = at::empty({2 * ffn / kFp8Block, gemm_a_rows}, options.dtype(at::kFloat));
+  auto columns_q = at::empty({2 * ffn, padded_rows}, options.dtype(at::kFloat8_e4m3fn));
+  auto columns_scales = at::empty({padded_rows / kFp8Block, 2 * ffn}, options.dtype(at::kFloat));
+  if (rows == 0) {
+    rows_scales.fill_(1.f);
+    return {rows_q, rows_scales, columns_q, columns_scales};
+  }
+  const int64_t tiles = (padded_rows / kFp8Block) * (ffn / kFp8Block);
+  TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 tiles of 128 x 128");
+  Fp8QuantizeSwigluBackwardCopiesParams p{};
+  p.gate_up = gate_up.data_ptr();
+  p.grad_act = grad_act.data_ptr();
+  p.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  p.num_experts = int32_t(expert_offsets.numel() - 1);
+  p.rows_q = e4m3_ptr(rows_q);
+  p.rows_scales = rows_scales.data_ptr<float>();
+  p.columns_q = e4m3_ptr(columns_q);
+  p.columns_scales = columns_scales.data_ptr<float>();
+  p.num_rows = rows;
+  p.ffn = ffn;
+  p.gemm_a_rows = gemm_a_rows;
+  p.padded_rows = padded_rows;
+  p.pow2 = pow2 ? 1 : 0;
+  // (every launch: the attribute is the function's, per device, and costs no stream work)
+  C10_CUDA_CHECK(cudaFuncSetAttribute(quantize_swiglu_backward_tiles_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kTilesSharedBytes));
+  quantize_swiglu_backward_tiles_kernel<<<int(tiles), kTilesThreads, kTilesSharedBytes,
+                                          c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {rows_q, rows_scales, columns_q, columns_scales};
 }
 
 // (q (E, N, K) e4m3 and scales (E, N/128, K/128) fp32, or (0,) each without forward_copy; q_t
@@ -444,6 +501,9 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
       "(Tensor, Tensor, Tensor)");
   m.def(
+      "fp8_quantize_swiglu_backward_copies(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy, Tensor? expert_offsets=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_transpose_weight(Tensor q, Tensor scales, Tensor? expert_offsets=None) -> (Tensor, Tensor)");
@@ -456,6 +516,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("fp8_quantize_columns_from_peers", &fp8_quantize_columns_from_peers);
   m.impl("fp8_quantize_swiglu_columns", &fp8_quantize_swiglu_columns);
   m.impl("fp8_quantize_swiglu_backward", &fp8_quantize_swiglu_backward);
+  m.impl("fp8_quantize_swiglu_backward_copies", &fp8_quantize_swiglu_backward_copies);
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_transpose_weight", &fp8_transpose_weight);
   m.impl("fp8_quantize_swiglu", &fp8_quantize_swiglu);

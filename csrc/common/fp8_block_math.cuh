@@ -112,6 +112,19 @@ struct Fp8BlockQuantizer {
     return __fdiv_rn(v, scale);
   }
 
+  // Whether a value's quotient needs the IEEE division (kDivide, kSpecial): the other two modes take
+  // every block of bf16 values whose amax lies in [~3.5e-28, bf16's max] (kReciprocal), and every pow2
+  // scale of a normal block (kMultiply).
+  __device__ __forceinline__ bool divides() const { return mode >= kDivide; }
+
+  // quad() of a quantizer that does not divide (its caller checks divides() once for all its values,
+  // so the division's code sits on a path of its own): the same bytes, one select a value instead of
+  // quad()'s branches.
+  __device__ __forceinline__ uint32_t quad_without_division(float v0, float v1, float v2, float v3) const {
+    const auto q = [&](float v) { return mode == kMultiply ? __fmul_rn(v, inverse) : reciprocal_quotient(v); };
+    return e4m3x2(q(v0), q(v1)) | (uint32_t(e4m3x2(q(v2), q(v3))) << 16);
+  }
+
   // v[0], v[1] -> two E4M3 bytes, v[0] at the lower address.
   __device__ __forceinline__ uint32_t pair(float lo, float hi) const {
     if (mode == kReciprocal) return e4m3x2(reciprocal_quotient(lo), reciprocal_quotient(hi));  // (one branch a pair)

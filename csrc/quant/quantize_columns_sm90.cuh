@@ -52,6 +52,34 @@ static_assert(kColumnsThreads == (kColumnsTileCols / 2) * 4, "a thread per colum
 
 __device__ __forceinline__ int columns_swizzle(int row) { return 8 * ((row / kColumnsRowsPerPart) % 4); }
 
+// The bf16 pair (column 2 pair low, 2 pair + 1 high) of row `row` of a tile in shared memory.
+__device__ __forceinline__ uint32_t columns_tile_pair(const uint32_t* words, int row, int pair) {
+  return words[row * kColumnsRowWords + (pair ^ columns_swizzle(row))];
+}
+
+// The amax of this thread's two columns (2 pair, 2 pair + 1 of the tile) over its 128-row block: its
+// own 32 rows from first_row, then the other three parts' (the lanes of its quad) by two shuffles
+// each. Every lane of the warp calls it.
+__device__ __forceinline__ void columns_pair_amax(const uint32_t* words, int first_row, int pair, float (&amax)[2]) {
+  amax[0] = amax[1] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kColumnsRowsPerPart; ++i) {
+    const uint32_t w = columns_tile_pair(words, first_row + i, pair);
+    amax[0] = max_nan(amax[0], fabsf(__uint_as_float(w << 16)));
+    amax[1] = max_nan(amax[1], fabsf(__uint_as_float(w & 0xFFFF0000u)));
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    amax[c] = max_nan(amax[c], __shfl_xor_sync(0xffffffffu, amax[c], 1));
+    amax[c] = max_nan(amax[c], __shfl_xor_sync(0xffffffffu, amax[c], 2));
+  }
+}
+
+// The scales of this thread's two columns (low, high) from their block amax (columns_pair_amax).
+__device__ __forceinline__ float2 columns_pair_scales(const float (&amax)[2], bool pow2) {
+  return make_float2(fp8_block_scale(amax[0], pow2), fp8_block_scale(amax[1], pow2));
+}
+
 // A row index outside [-1, num_src_rows): record it, then trap (as the row kernel does).
 __device__ __noinline__ void fail_columns_row_index_check(const Fp8QuantizeColumnsParams& p) {
   record_failure(p.failure_record, kFp8QuantizeKernel, kCheckRowIndex, -1, -1);
@@ -169,28 +197,13 @@ __global__ void __launch_bounds__(kColumnsThreads, kSwiglu ? 4 : 3)
   const int first_row = part * kColumnsRowsPerPart;
   // The bf16 pair (column 2p low, 2p + 1 high) of row first_row + i, read twice (amax, then
   // quantize) rather than held in registers.
-  const auto pair_of = [&](int i) {
-    const int row = first_row + i;
-    return words[row * kColumnsRowWords + (pair ^ columns_swizzle(row))];
-  };
-  float amax[2] = {0.f, 0.f};
-#pragma unroll
-  for (int i = 0; i < kColumnsRowsPerPart; ++i) {
-    const uint32_t w = pair_of(i);
-    amax[0] = max_nan(amax[0], fabsf(__uint_as_float(w << 16)));
-    amax[1] = max_nan(amax[1], fabsf(__uint_as_float(w & 0xFFFF0000u)));
-  }
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    amax[c] = max_nan(amax[c], __shfl_xor_sync(0xffffffffu, amax[c], 1));
-    amax[c] = max_nan(amax[c], __shfl_xor_sync(0xffffffffu, amax[c], 2));
-  }
-  const float scale[2] = {fp8_block_scale(amax[0], p.pow2 != 0), fp8_block_scale(amax[1], p.pow2 != 0)};
-  if (part == 0) {
-    *reinterpret_cast<float2*>(p.scales + row_block * p.cols + col0 + 2 * pair) = make_float2(scale[0], scale[1]);
-  }
-  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale[0], /*bf16_values=*/true),
-                                          Fp8BlockQuantizer(scale[1], /*bf16_values=*/true)};
+  const auto pair_of = [&](int i) { return columns_tile_pair(words, first_row + i, pair); };
+  float amax[2];
+  columns_pair_amax(words, first_row, pair, amax);
+  const float2 scale = columns_pair_scales(amax, p.pow2 != 0);
+  if (part == 0) *reinterpret_cast<float2*>(p.scales + row_block * p.cols + col0 + 2 * pair) = scale;
+  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale.x, /*bf16_values=*/true),
+                                          Fp8BlockQuantizer(scale.y, /*bf16_values=*/true)};
   uint32_t out[2][kColumnsRowsPerPart / 4];  // each column's 32 bytes, row first_row + 4j + i in byte i of word j
 #pragma unroll
   for (int j = 0; j < kColumnsRowsPerPart / 4; ++j) {

@@ -33,6 +33,17 @@
 
 namespace mok {
 
+// A thread's three 16-byte pieces of a row for the 128 of F's columns in `block`: gate's, up's (F
+// columns on in gate_up's row) and d act's, piece `piece` of each (8 columns).
+__device__ __forceinline__ void load_swiglu_backward_pieces(const __nv_bfloat16* gate_up, const __nv_bfloat16* grad_act,
+                                                            int64_t row, int64_t ffn, int64_t block, int piece,
+                                                            uint4& gate, uint4& up, uint4& grad) {
+  const uint4* packs = reinterpret_cast<const uint4*>(gate_up + row * 2 * ffn);
+  gate = __ldg(packs + block * kRowsUnitThreads + piece);
+  up = __ldg(packs + ffn / 8 + block * kRowsUnitThreads + piece);
+  grad = __ldg(reinterpret_cast<const uint4*>(grad_act + row * ffn) + block * kRowsUnitThreads + piece);
+}
+
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_swiglu_backward_kernel(
     const Fp8QuantizeSwigluBackwardParams p) {
   const int64_t blocks_per_half = p.ffn / kFp8Block;  // of F: d gate's blocks, then as many of d up
@@ -58,10 +69,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_swiglu_backward_ker
       const int64_t row = unit / blocks_per_half, block = unit - row * blocks_per_half;
       gate_raw[u] = up_raw[u] = grad_raw[u] = make_uint4(0, 0, 0, 0);
       if (unit < units && row < end) {
-        const uint4* packs = reinterpret_cast<const uint4*>(gate_up + row * 2 * p.ffn);
-        gate_raw[u] = __ldg(packs + block * kRowsUnitThreads + piece);
-        up_raw[u] = __ldg(packs + up_packs + block * kRowsUnitThreads + piece);
-        grad_raw[u] = __ldg(reinterpret_cast<const uint4*>(grad_act + row * p.ffn) + block * kRowsUnitThreads + piece);
+        load_swiglu_backward_pieces(gate_up, grad_act, row, p.ffn, block, piece, gate_raw[u], up_raw[u], grad_raw[u]);
       }
     }
 #pragma unroll

@@ -31,7 +31,9 @@ dtype is bf16 (the kernel backend's). Per stage:
                        -> d act bf16 -> with FP8
                        weight gradients ops.fp8_quantize_swiglu_backward: d gate_up bf16 and its
                        quantization 1x128 along 2F in one pass, then its quantization 1x128 along the
-                       rows, the bf16 values freed (GradGateUp: both FP8 copies); with BF16 ones the
+                       rows, the bf16 values freed (GradGateUp: both FP8 copies; with
+                       tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS both from one pass,
+                       ops.fp8_quantize_swiglu_backward_copies, no bf16 values); with BF16 ones the
                        SwiGLU backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
     dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
                        ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) (as dgrad_swiglu: by expert
@@ -279,7 +281,9 @@ class GradGateUp:
     FP8 copies and no bf16 values. The row-wise one (1x128 along 2F, the gate/up dgrad's left
     operand) comes out of the SwiGLU backward's own pass (ops.fp8_quantize_swiglu_backward); the
     column-wise one (1x128 along the rows, the fc1 weight gradient's operand) is quantized from the
-    bf16 values at once, which are then freed, so that what stays alive through the fc2 weight
+    bf16 values at once, which are then freed (with tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS both
+    copies come out of that one pass, ops.fp8_quantize_swiglu_backward_copies, and no bf16 values
+    exist), so that what stays alive through the fc2 weight
     gradient is two one-byte copies, the bytes of the bf16 d gate_up that was alive there before.
     The dgrad takes the row-wise copy (take_rows) and frees it: the fc1 weight gradient runs beside
     the column-wise copy alone. Both copies are bitwise what quantizing the bf16 d gate_up gives."""
@@ -310,6 +314,11 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
         grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
         if not recipe.weight_grad:
             return ops.swiglu_backward(gate_up, grad_act, offsets)
+        if tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS:  # both copies from one pass, no bf16 d gate_up
+            rows, rows_scales, *columns = ops.fp8_quantize_swiglu_backward_copies(
+                kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
+            )
+            return GradGateUp(GemmOperand(rows, rows_scales), tuple(columns), tuple(gate_up.shape))
         values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
             kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
         )

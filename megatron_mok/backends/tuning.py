@@ -104,6 +104,13 @@ FP8_EXPERT_GEMM_SWIGLU_VARIANT = "overlap"
 # docs/performance.md, 2026-12-06).
 FP8_SWIGLU_BACKWARD_IN_DGRAD = False
 FP8_SWIGLU_BACKWARD_GEMM_VARIANT = "overlap"
+# With FP8 weight gradients (and the SwiGLU backward outside the dgrad), d gate_up's two FP8 copies
+# from one launch over 128 x 128 tiles (ops.fp8_quantize_swiglu_backward_copies: no bf16 d gate_up
+# written and read back, 10 bytes per row and F column moved against the two launches' 18) instead
+# of ops.fp8_quantize_swiglu_backward then ops.fp8_quantize_columns: the same bytes of both copies
+# (tests/ops/test_gpu_fp8_quant.py). Off until measured against the two launches on a GPU: its first
+# form (2026-12-04, before the SwiGLU math's batched fast path) was slower, issue-bound.
+FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS = False
 
 # Where the forward's act is quantized (the same bytes either way in the rows before the schedule's
 # end, the only ones read: tests/ops/test_gpu_fp8_quant.py, tests/ops/test_gpu_fp8_gemm.py):

@@ -21,7 +21,9 @@ implementation beside its wrapper; the extension's loading and self-report in `e
                          transposed; fp8_quantize_columns_from_peers: gathered from the ranks'
                          regions), fp8_quantize_swiglu_columns (SwiGLU of gate/up quantized 1x128
                          along tokens), fp8_quantize_swiglu_backward (the SwiGLU backward with d
-                         gate_up's row-wise quantization), fp8_quantize_weight (128x128 and its transposed copy),
+                         gate_up's row-wise quantization; fp8_quantize_swiglu_backward_copies: with
+                         both of its FP8 copies and no bf16 values), fp8_quantize_weight (128x128
+                         and its transposed copy),
                          fp8_transpose_weight (the transposed copy from the 128x128 one); their
                          references beside them
     tensor_checks.py     overlap (whether two tensors share bytes: the wrappers' aliasing checks)
@@ -81,6 +83,8 @@ from megatron_mok.ops.fp8_quant import (
     fp8_quantize_swiglu_columns,
     fp8_quantize_swiglu_columns_reference,
     fp8_quantize_swiglu_backward,
+    fp8_quantize_swiglu_backward_copies,
+    fp8_quantize_swiglu_backward_copies_reference,
     fp8_quantize_swiglu_backward_reference,
     fp8_quantize_grad_gate_up_reference,
     fp8_quantize_swiglu_reference,
@@ -130,6 +134,8 @@ __all__ = [
     "fp8_quantize_swiglu_columns",
     "fp8_quantize_swiglu_columns_reference",
     "fp8_quantize_swiglu_backward",
+    "fp8_quantize_swiglu_backward_copies",
+    "fp8_quantize_swiglu_backward_copies_reference",
     "fp8_quantize_swiglu_backward_reference",
     "fp8_quantize_grad_gate_up_reference",
     "fp8_quantize_swiglu_reference",

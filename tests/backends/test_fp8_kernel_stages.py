@@ -14,6 +14,7 @@ layout, scale, weight copy or a read past the schedule's end breaks it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import zlib
 from pathlib import Path
@@ -212,6 +213,14 @@ def _sim_fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, *, pow2
     return ops.fp8_quantize_swiglu_backward_reference(gate_up, grad_act, expert_offsets, pow2)
 
 
+def _sim_fp8_quantize_swiglu_backward_copies(gate_up, grad_act, expert_offsets, *, pow2=False):
+    _meets_the_op_contract(functools.partial(fp8_quant.check_fp8_quantize_swiglu_backward_args,
+                                             op="fp8_quantize_swiglu_backward_copies"),
+                           gate_up, grad_act, expert_offsets, pow2)
+    # (rows at or past the end, NaN here, are never read: zero rows of both copies)
+    return ops.fp8_quantize_swiglu_backward_copies_reference(gate_up, grad_act, expert_offsets, pow2)
+
+
 def _poison_experts_without_rows(copies, expert_offsets):
     """The weight copies with expert_offsets: the blocks of experts without rows there are left
     unwritten by the kernels; here NaN bytes and scales, so a GEMM that read one would show it."""
@@ -247,6 +256,7 @@ SIMULATED = {
     "fp8_quantize_swiglu": _sim_fp8_quantize_swiglu,
     "fp8_quantize_swiglu_columns": _sim_fp8_quantize_swiglu_columns,
     "fp8_quantize_swiglu_backward": _sim_fp8_quantize_swiglu_backward,
+    "fp8_quantize_swiglu_backward_copies": _sim_fp8_quantize_swiglu_backward_copies,
     "fp8_quantize_weight": _sim_fp8_quantize_weight,
     "fp8_transpose_weight": _sim_fp8_transpose_weight,
     "fp8_quantize_columns": _sim_fp8_quantize_columns,
@@ -722,6 +732,57 @@ def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_ker
         wanted = {"fp8_expert_gemm_swiglu_backward" if in_dgrad else "fp8_quantize_swiglu_backward"}
     unwanted = {*names, "d gate_up rows"} - wanted - {"fp8_quantize_rows"}
     assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
+
+
+@pytest.mark.parametrize("routing", ("skewed", "one_expert", "dropped"))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_d_gate_ups_copies_from_one_pass_equal_the_reference(simulated_kernels, monkeypatch, shape, routing):
+    """tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS: both FP8 copies of d gate_up come from one op
+    (ops.fp8_quantize_swiglu_backward_copies); neither the row-wise SwiGLU backward op nor a column
+    quantization of a bf16 d gate_up runs, and no bf16 d gate_up exists between the stages. The
+    layer is bitwise the reference backend's."""
+    monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", True)
+    called, column_sources = [], []
+
+    def record(name, sim):
+        def op(*args, **kwargs):
+            called.append(name)
+            if name == "fp8_quantize_columns" and kwargs.get("row_index") is None:
+                column_sources.append(tuple(args[0].shape))  # (x's and w * dY's are gathered from their rows)
+            return sim(*args, **kwargs)
+        return op
+
+    names = ("swiglu_backward", "fp8_quantize_swiglu_backward", "fp8_quantize_swiglu_backward_copies",
+             "fp8_quantize_columns")
+    for name in names:
+        monkeypatch.setattr(ops, name, record(name, SIMULATED[name]))
+    problem = make_problem(SHAPES[shape], routing, torch.bfloat16, seed=zlib.crc32(f"copies/{shape}/{routing}".encode()))
+    kernel_config, reference_config = _configs()
+    _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config),
+                  f"one-pass copies {shape}/{routing}")
+    assert "fp8_quantize_swiglu_backward_copies" in called, called
+    assert "fp8_quantize_swiglu_backward" not in called and "swiglu_backward" not in called, called
+    assert not column_sources, f"a column quantization of rows in memory (d gate_up's): {column_sources}"
+
+
+def test_d_gate_ups_copies_from_one_pass_over_windows_equal_ep1_bitwise(simulated_kernels, monkeypatch):
+    """The one-pass copies over emulated ranks and several receive windows (each window's d gate_up
+    its own pass): bitwise EP = 1's with the two launches."""
+    from megatron_mok.comm.exchange import CollectiveExchange
+
+    num_ranks, t, h, f, e, k = 4, 64, 128, 128, 2, 4
+    problem = make_ranks_problem(num_ranks, t, h, f, e, k, "uniform", "cpu", torch.bfloat16, 31)
+    want = run_concatenated(problem, _configs()[0])
+    monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", True)
+    monkeypatch.setattr(CollectiveExchange, "windowed", True)
+    windowed = dataclasses.replace(_configs()[0], receive_capacity_factor=0.3)
+    group = EmulatedGroup(num_ranks, "cpu")
+    assert functional.plan_for(CollectiveExchange(group.ranks[0]), t, k, e, windowed).num_windows > 2
+    passes = []
+    monkeypatch.setattr(ops, "fp8_quantize_swiglu_backward_copies", lambda *a, **kw: passes.append(1) or
+                        SIMULATED["fp8_quantize_swiglu_backward_copies"](*a, **kw))
+    assert_bitwise(run_emulated(group, problem, e, windowed), want, "one-pass copies over windows")
+    assert len(passes) > num_ranks, "the windows did not make their d gate_up copies in one pass each"
 
 
 @pytest.mark.parametrize("ranges", [1, 2, 3, 4, 9])

@@ -1,6 +1,7 @@
 """The FP8 quantization ops' argument checks on the CPU (ops.fp8_quantize_rows, fp8_quantize_swiglu,
 fp8_quantize_columns, fp8_quantize_columns_from_peers, fp8_quantize_swiglu_columns,
-fp8_quantize_swiglu_backward, fp8_quantize_weight, fp8_transpose_weight: types, dtypes, shapes, the multiple of
+fp8_quantize_swiglu_backward, fp8_quantize_swiglu_backward_copies, fp8_quantize_weight, fp8_transpose_weight:
+types, dtypes, shapes, the multiple of
 128, contiguity and alignment before devices, so every error but the device's shows without a GPU and
 before any kernel runs), and their references' layouts on CPU tensors. The kernels against the references: tests/ops/test_gpu_fp8_quant.py."""
 
@@ -156,6 +157,23 @@ BAD_ARGS = {
     "swiglu_backward_flag_int": ("fp8_quantize_swiglu_backward", swiglu_backward_args, dict(pow2=1),
                                  "pow2 must be a bool"),
     "swiglu_backward_cpu": ("fp8_quantize_swiglu_backward", swiglu_backward_args, {}, "gate_up must be a CUDA tensor"),
+    # (the one-pass form's checks are the same, under its own name)
+    "swiglu_backward_copies_f_not_multiple": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args,
+                                              dict(gate_up=torch.zeros(R, 384, dtype=torch.bfloat16),
+                                                   grad_act=torch.zeros(R, 192, dtype=torch.bfloat16)),
+                                              r"gate_up's columns \(2F\) must be twice a positive multiple of 128"),
+    "swiglu_backward_copies_grad_rows": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args,
+                                         dict(grad_act=torch.zeros(R + 1, C // 2, dtype=torch.bfloat16)),
+                                         r"grad_act must be \(R, F\) = \(10, 128\) for gate_up \(10, 256\)"),
+    "swiglu_backward_copies_grad_misaligned": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args,
+                                               dict(grad_act=_misaligned(R, C // 2)),
+                                               "grad_act must start 16-byte aligned"),
+    "swiglu_backward_copies_offsets_missing": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args,
+                                               dict(expert_offsets=None), "expert_offsets must be a tensor"),
+    "swiglu_backward_copies_flag_int": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args, dict(pow2=1),
+                                        "pow2 must be a bool"),
+    "swiglu_backward_copies_cpu": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args, {},
+                                   "gate_up must be a CUDA tensor"),
     "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
     "weight_fp16": ("fp8_quantize_weight", weight_args, dict(weight=torch.zeros(2, 256, 384, dtype=torch.float16)),
                     "weight must be torch.bfloat16 or torch.float32"),
@@ -299,6 +317,29 @@ def test_swiglu_backward_reference_is_swiglu_backward_then_quantize_rowwise_with
     assert not bool(q[140:].view(torch.uint8).any()) and bool((scales[:, 140:] == 1).all())
 
 
+def test_swiglu_backward_copies_reference_is_both_quantizations_of_the_swiglu_backward():
+    """The one-pass form's reference: the row copy of fp8_quantize_swiglu_backward_reference and the
+    column copy (quantize_columnwise over the rows padded to 128) of its d gate_up, rows at or past the
+    end zero in both (gate_up and grad_act are NaN there)."""
+    from megatron_mok.backends import reference
+
+    gate_up, offsets = gate_up_ending_at(150, 140, seed=5)
+    grad_act = torch.randn(150, C, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grad_act[140:] = float("nan")
+    rows_q, rows_scales, columns_q, columns_scales = ops.fp8_quantize_swiglu_backward_copies_reference(
+        gate_up, grad_act, offsets)
+    want = torch.zeros(256, 2 * C, dtype=torch.bfloat16)  # padded to two 128-row blocks
+    want[:140] = reference.swiglu_backward(gate_up[:140], grad_act[:140])
+    want_rows_q, want_rows_scales = quantization.quantize_rowwise(want[:150])
+    assert torch.equal(rows_q.view(torch.uint8), want_rows_q.view(torch.uint8))
+    assert torch.equal(rows_scales, quantization.gemm_a_scales(want_rows_scales))
+    want_columns_q, want_columns_scales = quantization.quantize_columnwise(want)
+    assert columns_q.shape == (2 * C, 256) and columns_scales.shape == (2, 2 * C)
+    assert torch.equal(columns_q.view(torch.uint8), want_columns_q.view(torch.uint8))
+    assert torch.equal(columns_scales, want_columns_scales)
+    assert not bool(columns_q[:, 140:].view(torch.uint8).any())
+
+
 def test_rows_reference_gathers_and_zero_fills():
     """Row r of the reference is x[row_index[r]] quantized, and a -1 row is all zeros with scale 1;
     the GEMM-A layout is the source layout transposed with padding columns 1."""
@@ -397,7 +438,8 @@ KNOWN_SPILL_BYTES: dict[str, int] = {}
 @NEEDS_TOOLCHAIN
 def test_kernels_compile_without_new_spills(tmp_path):
     """ptxas's verdict on every quantization kernel the bindings instantiate (csrc/bindings/
-    fp8_quant_ops.cu compiled as setup.py does): the row, SwiGLU, SwiGLU backward, column (plain,
+    fp8_quant_ops.cu compiled as setup.py does): the row, SwiGLU, SwiGLU backward (and its one-pass
+    form with both copies), column (plain,
     gathered, weighted, from the SwiGLU act, gathered and weighted from the ranks' regions), weight (bf16 and fp32) and transpose kernels, none
     spilling beyond KNOWN_SPILL_BYTES. They are memory-bound: a spill inside their per-value loop
     costs a local-memory round trip per value."""
@@ -406,6 +448,7 @@ def test_kernels_compile_without_new_spills(tmp_path):
     log, found = ptxas_report("fp8_quant_ops.cu", tmp_path)
     names = {name: spill for name, spill in found}
     for kernel in ("quantize_rows_kernel", "quantize_swiglu_kernel", "quantize_swiglu_backward_kernel",
+                   "quantize_swiglu_backward_tiles_kernel",
                    "quantize_columns_kernel", "PeerFp8QuantizeColumnsParams", "quantize_weight_kernel",
                    "transpose_weight_kernel"):
         assert any(kernel in name for name in names), (kernel, list(names))

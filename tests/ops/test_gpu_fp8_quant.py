@@ -1,5 +1,6 @@
 """The FP8 quantization kernels (ops.fp8_quantize_rows, fp8_quantize_swiglu, fp8_quantize_columns,
-fp8_quantize_swiglu_columns, fp8_quantize_swiglu_backward, fp8_quantize_weight, fp8_transpose_weight;
+fp8_quantize_swiglu_columns, fp8_quantize_swiglu_backward, fp8_quantize_swiglu_backward_copies,
+fp8_quantize_weight, fp8_transpose_weight;
 csrc/quant/) against megatron_mok/quantization.py run on the same GPU tensors (skipped without a
 Hopper GPU and the built extension; run on the device).
 
@@ -272,6 +273,45 @@ def test_swiglu_backward_equals_swiglu_backward_then_quantize_rowwise(shape, kin
         got_q, _, gemm_a = ops.fp8_quantize_rows(kernel_grad, source_scales=False, pow2=pow2)
         assert_q_equal(q, got_q, "rows against swiglu_backward + fp8_quantize_rows")
         assert_scales_equal(scales, gemm_a, "row scales against swiglu_backward + fp8_quantize_rows")
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(SWIGLU_SHAPES))
+def test_swiglu_backward_copies_equal_the_two_launches(shape, kind, pow2):
+    """ops.fp8_quantize_swiglu_backward_copies (both FP8 copies of d gate_up from one pass, no bf16
+    d gate_up) against the reference's quantizations of the SwiGLU backward kernel's d gate_up (its
+    rows at or past the end zeroed): the row copy as quantize_rowwise with GEMM-A scales, the column
+    copy as quantize_columnwise over the rows padded to 128, byte for byte; and against the launches
+    it replaces (fp8_quantize_swiglu_backward, then fp8_quantize_columns of its d gate_up), byte for
+    byte, so the layer's bits do not depend on tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS. Rows at or
+    past the end hold NaN in both inputs (never written) and must quantize as zero rows in both copies,
+    never read; the column copy's padding rows are zeros too."""
+    gate_up, offsets, rows, ffn, end = swiglu_case(shape, kind, "swiglu_backward_copies")
+    grad_act = row_values(kind, rows, ffn, seed_of("swiglu_backward_copies_grad", shape, kind))
+    grad_act[end:] = float("nan")
+    poison_allocator()
+    rows_q, rows_scales, columns_q, columns_scales = ops.fp8_quantize_swiglu_backward_copies(
+        gate_up, grad_act, offsets, pow2=pow2)
+    padded = -(-rows // 128) * 128
+    assert rows_q.shape == (rows, 2 * ffn) and rows_scales.shape == (2 * ffn // 128, fp8_scale_rows(rows))
+    assert columns_q.shape == (2 * ffn, padded) and columns_scales.shape == (padded // 128, 2 * ffn)
+    kernel_grad = ops.swiglu_backward(gate_up, grad_act, offsets)
+    want_grad, want_rows_q, want_rows_scales = ops.fp8_quantize_grad_gate_up_reference(kernel_grad, offsets, pow2)
+    want_columns_q, want_columns_scales = ops.fp8_quantize_columns_reference(want_grad, offsets, pow2)
+    assert_q_equal(rows_q, want_rows_q, "d gate_up rows")
+    assert_scales_equal(rows_scales, want_rows_scales, "d gate_up row scales (GEMM-A layout, padding columns 1)")
+    assert_q_equal(columns_q, want_columns_q, "d gate_up columns")
+    assert_scales_equal(columns_scales, want_columns_scales, "d gate_up column scales")
+    assert not bool(rows_q[end:].view(torch.uint8).any()) and bool((rows_scales[:, end:] == 1).all())
+    assert not bool(columns_q[:, end:].view(torch.uint8).any())
+    grad_gate_up, two_rows_q, two_rows_scales = ops.fp8_quantize_swiglu_backward(gate_up, grad_act, offsets, pow2=pow2)
+    two_columns_q, two_columns_scales = ops.fp8_quantize_columns(grad_gate_up, offsets, pow2=pow2)
+    assert_q_equal(rows_q, two_rows_q, "rows against fp8_quantize_swiglu_backward")
+    assert_scales_equal(rows_scales, two_rows_scales, "row scales against fp8_quantize_swiglu_backward")
+    assert_q_equal(columns_q, two_columns_q, "columns against fp8_quantize_swiglu_backward + fp8_quantize_columns")
+    assert_scales_equal(columns_scales, two_columns_scales,
+                        "column scales against fp8_quantize_swiglu_backward + fp8_quantize_columns")
 
 
 # name: (source rows, the index): repeats, reversed order, -1 rows, all -1, an empty source.
@@ -721,6 +761,11 @@ def op_cases():
         ("swiglu_backward", torch.ops.megatron_mok.fp8_quantize_swiglu_backward.default,
          (row_values("gaussian", 130, 512, seed=5), row_values("gaussian", 130, 256, seed=6),
           torch.tensor([0, 128, 129], dtype=torch.int32, device="cuda"), False)),
+        # (the same inputs, both copies: two 128-row blocks of columns, the second holding 2 rows and
+        # 126 padding rows)
+        ("swiglu_backward_copies", torch.ops.megatron_mok.fp8_quantize_swiglu_backward_copies.default,
+         (row_values("gaussian", 130, 512, seed=5), row_values("gaussian", 130, 256, seed=6),
+          torch.tensor([0, 128, 129], dtype=torch.int32, device="cuda"), False)),
     ]
 
 
@@ -729,9 +774,9 @@ def same_outputs(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9],
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10],
                          ids=["rows", "gathered_rows", "columns", "weighted_columns", "weight", "transpose_weight", "swiglu",
-                              "swiglu_columns", "swiglu_backward"])
+                              "swiglu_columns", "swiglu_backward", "swiglu_backward_copies"])
 def test_deterministic_and_graph_replay_equals_eager(case):
     _, op, args = op_cases()[case]
     first = [t.clone() for t in op(*args)]
@@ -752,9 +797,9 @@ def test_deterministic_and_graph_replay_equals_eager(case):
         assert same_outputs(captured, first)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9],
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10],
                          ids=["rows", "gathered_rows", "columns", "weighted_columns", "weight", "transpose_weight", "swiglu",
-                              "swiglu_columns", "swiglu_backward"])
+                              "swiglu_columns", "swiglu_backward", "swiglu_backward_copies"])
 def test_registration_fake_no_mutation_and_compile(case):
     """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
     torch.compile(fullgraph=True) of the op gives the eager bytes."""

@@ -1,0 +1,217 @@
+// The SwiGLU backward with both of d gate_up's FP8 copies, from one pass over 128 x 128 tiles
+// (mok_params.h Fp8QuantizeSwigluBackwardCopiesParams): d gate_up = the SwiGLU backward of gate_up with
+// d act, each value as swiglu_backward_kernel computes it (fp32, common/swiglu_math.cuh, rounded once
+// to bf16), quantized 1x128 along 2F (the gate/up dgrad's left operand, GEMM-A scales) and 1x128
+// along the rows (the fc1 weight gradient's operand, transposed): bit for bit
+// quantize_swiglu_backward_kernel's row copy and quantize_columns_kernel's column copy of its bf16
+// d gate_up, with no bf16 d gate_up in memory. Memory-bound: gate_up and d act read once, each copy
+// and its scales written once (the two launches it replaces also write the bf16 values and read
+// them back).
+//
+// One CTA per tile of 128 rows and 128 of F's columns: the same columns of d gate (a 128 x 128 block
+// of the column copy, and a 1x128 block of each row of the row copy) and of d up (F columns on). Two
+// steps:
+//   rows     a half-warp per row (16 threads of 8 columns, one 16-byte load each of gate, up and
+//            d act), kTilesRowBatch rows a thread at a time, all their loads issued first; the
+//            row blocks' amax four shuffles inside the half-warp, their E4M3 bytes stored at once,
+//            the rounded bf16 values of d gate and d up kept in shared memory;
+//   columns  thread (pair p, part g) takes rows 32g .. 32g + 31 of columns 2p, 2p + 1 of the d gate
+//            tile and then of the d up tile (quant/quantize_columns_sm90.cuh's step and swizzle).
+// Rows at or past the schedule's end (min(expert_offsets[E], num_rows)) are not read: zero rows of
+// both copies (the row copy's scale 1), what the separate launches give there; rows past num_rows
+// (the last row block's padding) are zeros of the column copy and absent from the row copy.
+//
+// Shared memory: the two bf16 tiles, 64 KB (dynamic): three CTAs per SM at this kernel's 79
+// registers. Why this form can beat the two launches where its first form (2026-12-04) could not:
+// that form was issue-bound on the IEEE divisions' branches and calls, per value in the SwiGLU math
+// and per four values in the quantization. Here the SwiGLU backward takes swiglu_backward_values'
+// batched fast path, each block decides once whether its quantizer divides, and the dividing
+// blocks (NaN, inf, tiny amax) take out-of-line functions, so the common path's code is the
+// multiply or reciprocal quotient alone.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/fp8_block_math.cuh"
+#include "common/limits.h"
+#include "common/swiglu_math.cuh"
+#include "mok_params.h"
+#include "quant/quantize_columns_sm90.cuh"
+#include "quant/quantize_rows_sm90.cuh"
+#include "quant/quantize_swiglu_backward_sm90.cuh"
+#include "quant/row_block_sm90.cuh"
+
+namespace mok {
+
+constexpr int kTilesThreads = 256;
+constexpr int kTilesRowBatch = 2;  // rows a thread loads before it computes (3 loads of 16 bytes each)
+constexpr int kTilesRowsPerHalfWarp = kColumnsTileRows / (2 * kTilesThreads / 32);  // 8 of the tile's 128
+constexpr int kTilesSharedBytes = 2 * kColumnsTileRows * kColumnsTileCols * 2;  // d gate's and d up's bf16 tiles
+static_assert(kColumnsTileCols == kFp8Block, "a tile's columns are one row block of d gate and one of d up");
+static_assert(kTilesThreads == kColumnsThreads, "the columns step is quantize_columns_kernel's thread layout");
+static_assert(kTilesRowsPerHalfWarp % kTilesRowBatch == 0, "whole batches of rows per half-warp");
+
+// The 16-byte piece `piece` of row `row` of a tile (64 words a row, column pair p at word
+// p ^ columns_swizzle(row), quant/quantize_columns_sm90.cuh): the swizzle moves bits 3-4 of the word,
+// bits 1-2 of the piece, so a piece stays whole.
+__device__ __forceinline__ uint4& tile_piece(uint4* tile, int row, int piece) {
+  return tile[row * (kColumnsRowWords / 4) + (piece ^ (columns_swizzle(row) / 4))];
+}
+
+// The E4M3 bytes of this thread's two columns over rows 32 part .. 32 part + 31 of a tile, read again
+// from shared memory, stored at `column_q` (the first column's 32 bytes; the second's padded_rows
+// bytes on): the quad of a pair writes each column's 128 bytes of the row block. kDivides: the
+// quantizers may divide (quad()); else neither does (quad_without_division()).
+template <bool kDivides>
+__device__ __forceinline__ void store_tile_columns(uint8_t* column_q, int64_t padded_rows, const uint32_t* words,
+                                                   int pair, int part, const Fp8BlockQuantizer (&quantizer)[2]) {
+  const int first_row = part * kColumnsRowsPerPart;
+  uint32_t out[2][kColumnsRowsPerPart / 4];  // each column's 32 bytes, row first_row + 4j + i in byte i of word j
+#pragma unroll
+  for (int j = 0; j < kColumnsRowsPerPart / 4; ++j) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = columns_tile_pair(words, first_row + 4 * j + i, pair);
+    float lo[4], hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) lo[i] = __uint_as_float(w[i] << 16), hi[i] = __uint_as_float(w[i] & 0xFFFF0000u);
+    if constexpr (kDivides) {
+      out[0][j] = quantizer[0].quad(lo[0], lo[1], lo[2], lo[3]);
+      out[1][j] = quantizer[1].quad(hi[0], hi[1], hi[2], hi[3]);
+    } else {
+      out[0][j] = quantizer[0].quad_without_division(lo[0], lo[1], lo[2], lo[3]);
+      out[1][j] = quantizer[1].quad_without_division(hi[0], hi[1], hi[2], hi[3]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    uint4* dst = reinterpret_cast<uint4*>(column_q + c * padded_rows);
+    dst[0] = make_uint4(out[c][0], out[c][1], out[c][2], out[c][3]);
+    dst[1] = make_uint4(out[c][4], out[c][5], out[c][6], out[c][7]);
+  }
+}
+
+// store_tile_columns where a quantizer divides (a block holding NaN, inf or only tiny values): out of
+// line, so the common path's code stays small (scalar arguments: a reference to the kernel's params
+// would copy them to the stack in every thread).
+__device__ __noinline__ void store_tile_columns_dividing(uint8_t* column_q, int64_t padded_rows, const uint32_t* words,
+                                                         int pair, int part, float scale_low, float scale_high) {
+  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale_low, /*bf16_values=*/true),
+                                          Fp8BlockQuantizer(scale_high, /*bf16_values=*/true)};
+  store_tile_columns<true>(column_q, padded_rows, words, pair, part, quantizer);
+}
+
+// The columns step for one tile (d gate's or d up's): this thread's two columns (column, column + 1
+// of d gate_up) over rows 32 part .. 32 part + 31 of the row block, read twice from shared memory
+// (amax, then quantize): 32 words held across the quantization spill at this kernel's budget.
+__device__ __forceinline__ void quantize_tile_columns(const Fp8QuantizeSwigluBackwardCopiesParams& p,
+                                                      const uint32_t* words, int64_t row_block, int64_t column,
+                                                      int pair, int part) {
+  const int first_row = part * kColumnsRowsPerPart;
+  float amax[2];
+  columns_pair_amax(words, first_row, pair, amax);
+  const float2 scale = columns_pair_scales(amax, p.pow2 != 0);
+  if (part == 0) *reinterpret_cast<float2*>(p.columns_scales + row_block * 2 * p.ffn + column) = scale;
+  const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale.x, /*bf16_values=*/true),
+                                          Fp8BlockQuantizer(scale.y, /*bf16_values=*/true)};
+  uint8_t* column_q = p.columns_q + column * p.padded_rows + row_block * kColumnsTileRows + first_row;
+  if (quantizer[0].divides() || quantizer[1].divides()) {
+    store_tile_columns_dividing(column_q, p.padded_rows, words, pair, part, scale.x, scale.y);
+  } else {
+    store_tile_columns<false>(column_q, p.padded_rows, words, pair, part, quantizer);
+  }
+}
+
+// A row piece's E4M3 bytes of d gate and of d up (8 bf16 values each, packed) where a quantizer
+// divides: out of line, as store_tile_columns_dividing (the values in registers: arrays would go
+// through the stack on the common path too).
+__device__ __noinline__ void store_row_pieces_dividing(uint8_t* gate_q, uint8_t* up_q, int piece, float scale_gate,
+                                                       float scale_up, uint4 gate_packed, uint4 up_packed) {
+  float grad_gate[8], grad_up[8];
+  unpack_bf16x8(gate_packed, grad_gate);
+  unpack_bf16x8(up_packed, grad_up);
+  store_quantized_piece(gate_q, piece, scale_gate, grad_gate);
+  store_quantized_piece(up_q, piece, scale_up, grad_up);
+}
+
+__global__ void __launch_bounds__(kTilesThreads, 3)
+    quantize_swiglu_backward_tiles_kernel(const Fp8QuantizeSwigluBackwardCopiesParams p) {
+  extern __shared__ uint4 tiles_shared[];
+  uint4* gate_tile = tiles_shared;  // (128 rows x 16 pieces) each
+  uint4* up_tile = tiles_shared + kColumnsTileRows * kColumnsRowWords / 4;
+  const int64_t blocks_per_half = p.ffn / kFp8Block;  // of F: d gate's blocks, then as many of d up
+  const int64_t row_block = blockIdx.x / blocks_per_half, block = blockIdx.x % blocks_per_half;
+  const int64_t row0 = row_block * kColumnsTileRows, column0 = block * kFp8Block;
+  const int64_t end = min(int64_t(__ldg(p.expert_offsets + p.num_experts)), p.num_rows);
+
+  fill_gemm_a_padding(p.rows_scales, 2 * blocks_per_half, p.num_rows, p.gemm_a_rows);
+
+  // Rows: half-warp h takes rows h, h + 16, ..., of the tile, kTilesRowBatch at a time.
+  const int piece = threadIdx.x % kRowsUnitThreads, half_warp = threadIdx.x / kRowsUnitThreads;
+  constexpr int kHalfWarps = kTilesThreads / kRowsUnitThreads;
+  const auto* gate_up = static_cast<const __nv_bfloat16*>(p.gate_up);
+  const auto* grad_act = static_cast<const __nv_bfloat16*>(p.grad_act);
+#pragma unroll 1
+  for (int first = 0; first < kTilesRowsPerHalfWarp; first += kTilesRowBatch) {
+    uint4 gate_raw[kTilesRowBatch], up_raw[kTilesRowBatch], grad_raw[kTilesRowBatch];
+#pragma unroll
+    for (int u = 0; u < kTilesRowBatch; ++u) {
+      const int64_t row = row0 + half_warp + (first + u) * kHalfWarps;
+      gate_raw[u] = up_raw[u] = grad_raw[u] = make_uint4(0, 0, 0, 0);  // a zero triple gives +0 for both
+      if (row < end) {
+        load_swiglu_backward_pieces(gate_up, grad_act, row, p.ffn, block, piece, gate_raw[u], up_raw[u], grad_raw[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kTilesRowBatch; ++u) {
+      const int tile_row = half_warp + (first + u) * kHalfWarps;
+      const int64_t row = row0 + tile_row;
+      float gate[8], up[8], grad[8], grad_gate[8], grad_up[8];
+      unpack_bf16x8(gate_raw[u], gate);
+      unpack_bf16x8(up_raw[u], up);
+      unpack_bf16x8(grad_raw[u], grad);
+      swiglu_backward_values(gate, up, grad, grad_gate, grad_up);
+      // Rounded to bf16 once (swiglu_backward's output), then quantized both ways from those values.
+      const uint4 gate_packed = pack_bf16x8(grad_gate), up_packed = pack_bf16x8(grad_up);
+      tile_piece(gate_tile, tile_row, piece) = gate_packed;
+      tile_piece(up_tile, tile_row, piece) = up_packed;
+      unpack_bf16x8(gate_packed, grad_gate);
+      unpack_bf16x8(up_packed, grad_up);
+      const float amax_gate = half_warp_block_amax(grad_gate);
+      const float amax_up = half_warp_block_amax(grad_up);
+      if (row >= p.num_rows) continue;  // (the padding rows: zeros of the column copy only)
+      const float scale_gate = fp8_block_scale(amax_gate, p.pow2 != 0);
+      const float scale_up = fp8_block_scale(amax_up, p.pow2 != 0);
+      uint8_t* q_row = p.rows_q + row * 2 * p.ffn;
+      const Fp8BlockQuantizer gate_quantizer(scale_gate, /*bf16_values=*/true), up_quantizer(scale_up, true);
+      if (gate_quantizer.divides() || up_quantizer.divides()) {
+        store_row_pieces_dividing(q_row + column0, q_row + p.ffn + column0, piece, scale_gate, scale_up, gate_packed,
+                                  up_packed);
+      } else {  // (store_quantized_piece's bytes)
+        reinterpret_cast<uint2*>(q_row + column0)[piece] =
+            make_uint2(gate_quantizer.quad_without_division(grad_gate[0], grad_gate[1], grad_gate[2], grad_gate[3]),
+                       gate_quantizer.quad_without_division(grad_gate[4], grad_gate[5], grad_gate[6], grad_gate[7]));
+        reinterpret_cast<uint2*>(q_row + p.ffn + column0)[piece] =
+            make_uint2(up_quantizer.quad_without_division(grad_up[0], grad_up[1], grad_up[2], grad_up[3]),
+                       up_quantizer.quad_without_division(grad_up[4], grad_up[5], grad_up[6], grad_up[7]));
+      }
+      if (piece == 0) {
+        p.rows_scales[block * p.gemm_a_rows + row] = scale_gate;
+        p.rows_scales[(blocks_per_half + block) * p.gemm_a_rows + row] = scale_up;
+      }
+    }
+  }
+  __syncthreads();  // every row of both tiles is in shared memory before any column is read
+
+  const int pair = threadIdx.x / 4, part = threadIdx.x % 4;
+#pragma unroll 1
+  for (int half = 0; half < 2; ++half) {  // d gate's tile, then d up's (one copy of the step's code)
+    const uint4* tile = half == 0 ? gate_tile : up_tile;
+    quantize_tile_columns(p, reinterpret_cast<const uint32_t*>(tile), row_block, half * p.ffn + column0 + 2 * pair,
+                          pair, part);
+  }
+}
+
+}  // namespace mok
