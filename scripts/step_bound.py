@@ -3,7 +3,7 @@ each quantization pass moving its bytes at a given copy bandwidth, the other lau
 idle time. Arithmetic only (no GPU): the rates come from measurements (docs/performance.md).
 
     python3 scripts/step_bound.py [--gemm-tflops 1094] [--copy-gbs 3010] [--bf16-ms deepseek_v3=32.31,...]
-                                  [--other-ms deepseek_v3=1.76,...]
+                                  [--other-ms deepseek_v3=1.76,...] [--one-pass-copies]
 
 Per shape (T tokens, H, F, E experts, top-k; R = T*K routed rows, C = R + 64 E, the segments'
 average padding to 128 rows):
@@ -14,7 +14,10 @@ average padding to 128 rows):
                x and dY rows (T, H); act rows from gate_up (C, 2F); the SwiGLU backward (gate_up and
                d act in, d gate_up bf16 and E4M3 out); the column-wise operands of the weight
                gradients (d gate_up, act from gate_up, x and w dY gathered); the weights' forward
-               copies and their transposed copies (once per weight version)
+               copies and their transposed copies (once per weight version). --one-pass-copies: d
+               gate_up's two copies from the SwiGLU backward's one pass
+               (tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS: no bf16 d gate_up written, nor read for
+               its column copy)
     other      combine, dispatch and the rest, as the kernel profile measured them (--other-ms)
 The bound is their sum; "cached" leaves out the weight copies (a later microbatch with
 MoKConfig.fp8_cache_transposed_weights); the ratio is our BF16 kernel's measured time over it.
@@ -31,15 +34,22 @@ SHAPES = {
 }
 
 
-def pass_bytes(t: int, h: int, f: int, e: int, k: int) -> dict[str, int]:
+def pass_bytes(t: int, h: int, f: int, e: int, k: int, one_pass_copies: bool = False) -> dict[str, int]:
     """The bytes each quantization launch of one forward + backward moves at least."""
     c = t * k + 64 * e
     scales = lambda n, cols: n * (cols // 128) * 4  # noqa: E731
+    grad_gate_up_in = c * 2 * f * 2 + c * f * 2  # gate_up and d act, bf16
+    if one_pass_copies:  # both E4M3 copies out, nothing else
+        swiglu_backward = grad_gate_up_in + 2 * c * 2 * f + scales(c, 2 * f) * 2
+        grad_gate_up_columns = 0
+    else:  # d gate_up bf16 and its row copy out; the column copy reads the bf16 values back
+        swiglu_backward = grad_gate_up_in + c * 2 * f * 3 + scales(c, 2 * f)
+        grad_gate_up_columns = c * 2 * f * 3
     return {
         "x and dY rows": 2 * (t * h * 3 + scales(t, h)),
         "act rows": c * 2 * f * 2 + c * f + scales(c, f),
-        "SwiGLU backward": c * 2 * f * 2 + c * f * 2 + c * 2 * f * 3 + scales(c, 2 * f),
-        "columns": c * 2 * f * 3 + (c * 2 * f * 2 + c * f) + 2 * c * h * 3,
+        "SwiGLU backward": swiglu_backward,
+        "columns": grad_gate_up_columns + (c * 2 * f * 2 + c * f) + 2 * c * h * 3,
         "weights": e * 3 * f * h * 3,
         "transposed weights": e * 3 * f * h * 2,
     }
@@ -55,6 +65,8 @@ def main() -> None:
     parser.add_argument("--copy-gbs", type=float, default=3010.0)
     parser.add_argument("--bf16-ms", default="deepseek_v3=32.31,qwen3_30b=9.17")
     parser.add_argument("--other-ms", default="deepseek_v3=1.76,qwen3_30b=1.08")
+    parser.add_argument("--one-pass-copies", action="store_true",
+                        help="d gate_up's two FP8 copies from the SwiGLU backward's one pass")
     args = parser.parse_args()
     bf16, other = parse_pairs(args.bf16_ms), parse_pairs(args.other_ms)
     print(f"GEMMs at {args.gemm_tflops:.0f} TFLOP/s, passes at {args.copy_gbs:.0f} GB/s; ms")
@@ -62,7 +74,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (t, h, f, e, k) in SHAPES.items():
         gemms = 3 * 6 * t * k * f * h / (args.gemm_tflops * 1e12) * 1e3
-        passes = {what: nbytes / (args.copy_gbs * 1e9) * 1e3 for what, nbytes in pass_bytes(t, h, f, e, k).items()}
+        passes = {what: nbytes / (args.copy_gbs * 1e9) * 1e3 for what, nbytes in pass_bytes(t, h, f, e, k, args.one_pass_copies).items()}
         weights = passes["weights"] + passes["transposed weights"]
         bound = gemms + sum(passes.values()) + other[name]
         cached = bound - weights

@@ -15,9 +15,10 @@
 //
 // The column-wise copy the fc1 weight gradient needs is not made here: a 1x128 block along the rows
 // spans 128 rows, which this layout's units do not hold together (quant/quantize_columns_sm90.cuh
-// makes it from the bf16 d gate_up written here). Both copies from one kernel (a CTA per 128 x 128
-// tile of d gate and of d up, in shared memory) was slower than the separate kernels: its
-// instructions per byte leave it issue-bound at the occupancy its registers and 64 KB allow.
+// makes it from the bf16 d gate_up written here). Both copies from one kernel, with no bf16 d
+// gate_up: quant/quantize_swiglu_backward_tiles_sm90.cuh (a CTA per 128 x 128 tile of d gate and of
+// d up in shared memory; its first form, 2026-12-04, was issue-bound and slower than this kernel and
+// the column kernel).
 #pragma once
 
 #include <cuda_bf16.h>
