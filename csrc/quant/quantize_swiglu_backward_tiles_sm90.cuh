@@ -12,7 +12,7 @@
 // of the column copy, and a 1x128 block of each row of the row copy) and of d up (F columns on). Two
 // steps:
 //   rows     a half-warp per row (16 threads of 8 columns, one 16-byte load each of gate, up and
-//            d act), kTilesRowBatch rows a thread at a time, all their loads issued first; the
+//            d act), a row at a time with the next row's loads issued before it is computed; the
 //            row blocks' amax four shuffles inside the half-warp, their E4M3 bytes stored at once,
 //            the rounded bf16 values of d gate and d up kept in shared memory;
 //   columns  thread (pair p, part g) takes rows 32g .. 32g + 31 of columns 2p, 2p + 1 of the d gate
@@ -21,7 +21,7 @@
 // both copies (the row copy's scale 1), what the separate launches give there; rows past num_rows
 // (the last row block's padding) are zeros of the column copy and absent from the row copy.
 //
-// Shared memory: the two bf16 tiles, 64 KB (dynamic): three CTAs per SM at this kernel's 79
+// Shared memory: the two bf16 tiles, 64 KB (dynamic): three CTAs per SM at this kernel's 80
 // registers. Why this form can beat the two launches where its first form (2026-12-04) could not:
 // that form was issue-bound on the IEEE divisions' branches and calls, per value in the SwiGLU math
 // and per four values in the quantization. Here the SwiGLU backward takes swiglu_backward_values'
@@ -46,12 +46,12 @@
 namespace mok {
 
 constexpr int kTilesThreads = 256;
-constexpr int kTilesRowBatch = 2;  // rows a thread loads before it computes (3 loads of 16 bytes each)
-constexpr int kTilesRowsPerHalfWarp = kColumnsTileRows / (2 * kTilesThreads / 32);  // 8 of the tile's 128
+constexpr int kTilesHalfWarps = kTilesThreads / kRowsUnitThreads;
+constexpr int kTilesRowsPerHalfWarp = kColumnsTileRows / kTilesHalfWarps;  // 8 of the tile's 128
 constexpr int kTilesSharedBytes = 2 * kColumnsTileRows * kColumnsTileCols * 2;  // d gate's and d up's bf16 tiles
 static_assert(kColumnsTileCols == kFp8Block, "a tile's columns are one row block of d gate and one of d up");
 static_assert(kTilesThreads == kColumnsThreads, "the columns step is quantize_columns_kernel's thread layout");
-static_assert(kTilesRowsPerHalfWarp % kTilesRowBatch == 0, "whole batches of rows per half-warp");
+static_assert(kTilesRowsPerHalfWarp * kTilesHalfWarps == kColumnsTileRows, "every row of the tile, once");
 
 // The 16-byte piece `piece` of row `row` of a tile (64 words a row, column pair p at word
 // p ^ columns_swizzle(row), quant/quantize_columns_sm90.cuh): the swizzle moves bits 3-4 of the word,
@@ -136,6 +136,48 @@ __device__ __noinline__ void store_row_pieces_dividing(uint8_t* gate_q, uint8_t*
   store_quantized_piece(up_q, piece, scale_up, grad_up);
 }
 
+// One row of the rows step for this thread's piece (8 of the tile's 128 columns) of d gate and of d up,
+// from its pieces of gate, up and d act (raw): the SwiGLU backward, rounded to bf16 and kept in the
+// tiles, and the row copy's E4M3 bytes and GEMM-A scales (rows past num_rows: the tiles only).
+__device__ __forceinline__ void quantize_tile_row(const Fp8QuantizeSwigluBackwardCopiesParams& p, uint4* gate_tile,
+                                                  uint4* up_tile, int tile_row, int64_t row0, int64_t block,
+                                                  int piece, const uint4 (&raw)[3]) {
+  const int64_t row = row0 + tile_row, column0 = block * kFp8Block, blocks_per_half = p.ffn / kFp8Block;
+  float gate[8], up[8], grad[8], grad_gate[8], grad_up[8];
+  unpack_bf16x8(raw[0], gate);
+  unpack_bf16x8(raw[1], up);
+  unpack_bf16x8(raw[2], grad);
+  swiglu_backward_values(gate, up, grad, grad_gate, grad_up);
+  // Rounded to bf16 once (swiglu_backward's output), then quantized both ways from those values.
+  const uint4 gate_packed = pack_bf16x8(grad_gate), up_packed = pack_bf16x8(grad_up);
+  tile_piece(gate_tile, tile_row, piece) = gate_packed;
+  tile_piece(up_tile, tile_row, piece) = up_packed;
+  unpack_bf16x8(gate_packed, grad_gate);
+  unpack_bf16x8(up_packed, grad_up);
+  const float amax_gate = half_warp_block_amax(grad_gate);
+  const float amax_up = half_warp_block_amax(grad_up);
+  if (row >= p.num_rows) return;  // (the padding rows: zeros of the column copy only)
+  const float scale_gate = fp8_block_scale(amax_gate, p.pow2 != 0);
+  const float scale_up = fp8_block_scale(amax_up, p.pow2 != 0);
+  uint8_t* q_row = p.rows_q + row * 2 * p.ffn;
+  const Fp8BlockQuantizer gate_quantizer(scale_gate, /*bf16_values=*/true), up_quantizer(scale_up, true);
+  if (gate_quantizer.divides() || up_quantizer.divides()) {
+    store_row_pieces_dividing(q_row + column0, q_row + p.ffn + column0, piece, scale_gate, scale_up, gate_packed,
+                              up_packed);
+  } else {  // (store_quantized_piece's bytes)
+    reinterpret_cast<uint2*>(q_row + column0)[piece] =
+        make_uint2(gate_quantizer.quad_without_division(grad_gate[0], grad_gate[1], grad_gate[2], grad_gate[3]),
+                   gate_quantizer.quad_without_division(grad_gate[4], grad_gate[5], grad_gate[6], grad_gate[7]));
+    reinterpret_cast<uint2*>(q_row + p.ffn + column0)[piece] =
+        make_uint2(up_quantizer.quad_without_division(grad_up[0], grad_up[1], grad_up[2], grad_up[3]),
+                   up_quantizer.quad_without_division(grad_up[4], grad_up[5], grad_up[6], grad_up[7]));
+  }
+  if (piece == 0) {
+    p.rows_scales[block * p.gemm_a_rows + row] = scale_gate;
+    p.rows_scales[(blocks_per_half + block) * p.gemm_a_rows + row] = scale_up;
+  }
+}
+
 __global__ void __launch_bounds__(kTilesThreads, 3)
     quantize_swiglu_backward_tiles_kernel(const Fp8QuantizeSwigluBackwardCopiesParams p) {
   extern __shared__ uint4 tiles_shared[];
@@ -148,60 +190,25 @@ __global__ void __launch_bounds__(kTilesThreads, 3)
 
   fill_gemm_a_padding(p.rows_scales, 2 * blocks_per_half, p.num_rows, p.gemm_a_rows);
 
-  // Rows: half-warp h takes rows h, h + 16, ..., of the tile, kTilesRowBatch at a time.
+  // Rows: half-warp h takes rows h, h + 16, ..., h + 112 of the tile, one at a time, the next row's
+  // pieces loaded before this row's are computed (their loads in flight through its SwiGLU math).
   const int piece = threadIdx.x % kRowsUnitThreads, half_warp = threadIdx.x / kRowsUnitThreads;
-  constexpr int kHalfWarps = kTilesThreads / kRowsUnitThreads;
-  const auto* gate_up = static_cast<const __nv_bfloat16*>(p.gate_up);
-  const auto* grad_act = static_cast<const __nv_bfloat16*>(p.grad_act);
+  const auto load_row = [&](int i, uint4 (&raw)[3]) {
+    const int64_t row = row0 + half_warp + i * kTilesHalfWarps;
+    raw[0] = raw[1] = raw[2] = make_uint4(0, 0, 0, 0);  // a zero triple gives +0 for both
+    if (row < end) {
+      load_swiglu_backward_pieces(static_cast<const __nv_bfloat16*>(p.gate_up),
+                                  static_cast<const __nv_bfloat16*>(p.grad_act), row, p.ffn, block, piece, raw[0],
+                                  raw[1], raw[2]);
+    }
+  };
+  uint4 next[3];
+  load_row(0, next);
 #pragma unroll 1
-  for (int first = 0; first < kTilesRowsPerHalfWarp; first += kTilesRowBatch) {
-    uint4 gate_raw[kTilesRowBatch], up_raw[kTilesRowBatch], grad_raw[kTilesRowBatch];
-#pragma unroll
-    for (int u = 0; u < kTilesRowBatch; ++u) {
-      const int64_t row = row0 + half_warp + (first + u) * kHalfWarps;
-      gate_raw[u] = up_raw[u] = grad_raw[u] = make_uint4(0, 0, 0, 0);  // a zero triple gives +0 for both
-      if (row < end) {
-        load_swiglu_backward_pieces(gate_up, grad_act, row, p.ffn, block, piece, gate_raw[u], up_raw[u], grad_raw[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kTilesRowBatch; ++u) {
-      const int tile_row = half_warp + (first + u) * kHalfWarps;
-      const int64_t row = row0 + tile_row;
-      float gate[8], up[8], grad[8], grad_gate[8], grad_up[8];
-      unpack_bf16x8(gate_raw[u], gate);
-      unpack_bf16x8(up_raw[u], up);
-      unpack_bf16x8(grad_raw[u], grad);
-      swiglu_backward_values(gate, up, grad, grad_gate, grad_up);
-      // Rounded to bf16 once (swiglu_backward's output), then quantized both ways from those values.
-      const uint4 gate_packed = pack_bf16x8(grad_gate), up_packed = pack_bf16x8(grad_up);
-      tile_piece(gate_tile, tile_row, piece) = gate_packed;
-      tile_piece(up_tile, tile_row, piece) = up_packed;
-      unpack_bf16x8(gate_packed, grad_gate);
-      unpack_bf16x8(up_packed, grad_up);
-      const float amax_gate = half_warp_block_amax(grad_gate);
-      const float amax_up = half_warp_block_amax(grad_up);
-      if (row >= p.num_rows) continue;  // (the padding rows: zeros of the column copy only)
-      const float scale_gate = fp8_block_scale(amax_gate, p.pow2 != 0);
-      const float scale_up = fp8_block_scale(amax_up, p.pow2 != 0);
-      uint8_t* q_row = p.rows_q + row * 2 * p.ffn;
-      const Fp8BlockQuantizer gate_quantizer(scale_gate, /*bf16_values=*/true), up_quantizer(scale_up, true);
-      if (gate_quantizer.divides() || up_quantizer.divides()) {
-        store_row_pieces_dividing(q_row + column0, q_row + p.ffn + column0, piece, scale_gate, scale_up, gate_packed,
-                                  up_packed);
-      } else {  // (store_quantized_piece's bytes)
-        reinterpret_cast<uint2*>(q_row + column0)[piece] =
-            make_uint2(gate_quantizer.quad_without_division(grad_gate[0], grad_gate[1], grad_gate[2], grad_gate[3]),
-                       gate_quantizer.quad_without_division(grad_gate[4], grad_gate[5], grad_gate[6], grad_gate[7]));
-        reinterpret_cast<uint2*>(q_row + p.ffn + column0)[piece] =
-            make_uint2(up_quantizer.quad_without_division(grad_up[0], grad_up[1], grad_up[2], grad_up[3]),
-                       up_quantizer.quad_without_division(grad_up[4], grad_up[5], grad_up[6], grad_up[7]));
-      }
-      if (piece == 0) {
-        p.rows_scales[block * p.gemm_a_rows + row] = scale_gate;
-        p.rows_scales[(blocks_per_half + block) * p.gemm_a_rows + row] = scale_up;
-      }
-    }
+  for (int i = 0; i < kTilesRowsPerHalfWarp; ++i) {
+    const uint4 raw[3] = {next[0], next[1], next[2]};
+    if (i + 1 < kTilesRowsPerHalfWarp) load_row(i + 1, next);
+    quantize_tile_row(p, gate_tile, up_tile, half_warp + i * kTilesHalfWarps, row0, block, piece, raw);
   }
   __syncthreads();  // every row of both tiles is in shared memory before any column is read
 
