@@ -394,8 +394,9 @@ struct Fp8QuantizeSwigluBackwardParams {
 // The SwiGLU backward of gate/up rows with d act and both of d gate_up's FP8 copies from one pass
 // (quant/quantize_swiglu_backward_tiles_sm90.cuh): the row copy 1x128 along 2 ffn with GEMM-A scales
 // (the gate/up dgrad's operand) and the column copy 1x128 along the rows, transposed (the fc1 weight
-// gradient's), with no bf16 d gate_up. Rows at or past expert_offsets[num_experts] are not read: zero
-// rows of both copies; the column copy's rows past num_rows (to padded_rows) are zeros.
+// gradient's), with no bf16 d gate_up; optionally act's column copy (the fc2 weight gradient's) from
+// the same gate_up. Rows at or past expert_offsets[num_experts] are not read: zero rows of every copy;
+// the column copies' rows past num_rows (to padded_rows) are zeros.
 struct Fp8QuantizeSwigluBackwardCopiesParams {
   const void* gate_up;            // (num_rows, 2 ffn) bf16
   const void* grad_act;           // (num_rows, ffn) bf16
@@ -405,6 +406,8 @@ struct Fp8QuantizeSwigluBackwardCopiesParams {
   float* rows_scales;             // (2 ffn / 128, gemm_a_rows) fp32: the GEMM-A layout
   uint8_t* columns_q;             // (2 ffn, padded_rows) e4m3
   float* columns_scales;          // (padded_rows / 128, 2 ffn) fp32
+  uint8_t* act_columns_q;         // (ffn, padded_rows) e4m3, or null: act = SwiGLU of gate_up, its column
+  float* act_columns_scales;      // copy too, scales (padded_rows / 128, ffn) fp32 (the fc2 weight gradient's)
   int64_t num_rows;
   int64_t ffn;                    // a multiple of 128
   int64_t gemm_a_rows;            // num_rows rounded up to kFp8ScaleRowPad

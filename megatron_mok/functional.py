@@ -457,9 +457,12 @@ def _backward_window(
         # gate/up: the SwiGLU kernels and the GEMM epilogue's give the same bits).
         gate_up, act = _recompute_gate_up(stages, sources.rows_for_gate_up, window.schedule, fc1), None
     grad_slot_out = stages.pull_route_grads(sources.grad, window.schedule)
-    grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
-    if need_weight_grads and act is None:
-        act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
+    if need_weight_grads and act is None and stages.dgrad_swiglu_and_act is not None:
+        grad_gate_up, act = stages.dgrad_swiglu_and_act(grad_slot_out, fc2, gate_up, offsets)
+    else:
+        grad_gate_up = stages.dgrad_swiglu(grad_slot_out, fc2, gate_up, offsets)
+        if need_weight_grads and act is None:
+            act = (stages.weight_grad_act or stages.swiglu)(gate_up, offsets)
     # gate/up's last readers, the SwiGLU backward and act's, ran: freed before the fc2 weight
     # gradient's operands are pulled.
     gate_up = None

@@ -213,6 +213,10 @@ def fp8_alternatives() -> dict:
     one_pass = not tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS
     runs["mok_kernel_fp8_grad_gate_up_" + ("one_pass" if one_pass else "two_launches")] = with_tuning(
         "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", one_pass, mok_layer(FP8_KERNEL))
+    # And act's column copy from that pass too (gate_up read once in backward), unless tuning runs it.
+    if not (tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS and tuning.FP8_ACT_COLUMNS_IN_ONE_PASS):
+        runs["mok_kernel_fp8_grad_gate_up_and_act_one_pass"] = with_tuning(
+            "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", True, mok_layer(FP8_KERNEL), FP8_ACT_COLUMNS_IN_ONE_PASS=True)
     return runs
 
 

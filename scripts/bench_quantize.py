@@ -22,6 +22,9 @@ Per shape (T tokens, H, F, E experts, top-k; C = the schedule's rows, segments p
                       bf16 d gate_up (tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS), beside
     the same, SwiGLU backward then columns  ops.fp8_quantize_swiglu_backward, then d gate_up columns
                       (what backward runs without it)
+    ... and act's columns, one pass  the same op with act_columns: act's column copy from the same
+                      gate_up read (tuning.FP8_ACT_COLUMNS_IN_ONE_PASS), beside
+    the one pass, then act columns  the op without it, then ops.fp8_quantize_swiglu_columns
     x columns, gathered  (C, H) rows gathered from x by the schedule (row_index): fc1's weight gradient
     w dY columns, gathered  (C, H) rows w * dY gathered from dY by the schedule with each row's route
                       weight (row_index, row_weights): fc2's weight gradient operand as backward makes
@@ -136,6 +139,14 @@ def cases(s):
         "d gate_up's two copies, one pass": (
             lambda s: ops.fp8_quantize_swiglu_backward_copies(s["dgate_up"], s["act"], s["offsets"]), copies_bytes),
         "the same, SwiGLU backward then columns": (_swiglu_backward_then_columns, copies_bytes),
+        # (and act's column copy out too, gate_up read once; the pair is given the same bytes)
+        "... and act's columns, one pass": (
+            lambda s: ops.fp8_quantize_swiglu_backward_copies(s["dgate_up"], s["act"], s["offsets"], act_columns=True),
+            copies_bytes + rows * f2 // 2 + (rows // 128 + 1) * (f2 // 2) * 4),
+        "the one pass, then act columns": (
+            lambda s: (ops.fp8_quantize_swiglu_backward_copies(s["dgate_up"], s["act"], s["offsets"]),
+                       ops.fp8_quantize_swiglu_columns(s["dgate_up"], s["offsets"])),
+            copies_bytes + rows * f2 // 2 + (rows // 128 + 1) * (f2 // 2) * 4),
         "x columns, gathered": (lambda s: ops.fp8_quantize_columns(s["x"], s["offsets"], row_index=s["index"]),
                                 cols(rows, h)),
         # (The two rows are given the same bytes, the work's: dY rows gathered, E4M3 and scales out.)

@@ -3,7 +3,7 @@ each quantization pass moving its bytes at a given copy bandwidth, the other lau
 idle time. Arithmetic only (no GPU): the rates come from measurements (docs/performance.md).
 
     python3 scripts/step_bound.py [--gemm-tflops 1094] [--copy-gbs 3010] [--bf16-ms deepseek_v3=32.31,...]
-                                  [--other-ms deepseek_v3=1.76,...] [--one-pass-copies]
+                                  [--other-ms deepseek_v3=1.76,...] [--one-pass-copies [--act-in-pass]]
 
 Per shape (T tokens, H, F, E experts, top-k; R = T*K routed rows, C = R + 64 E, the segments'
 average padding to 128 rows):
@@ -17,7 +17,8 @@ average padding to 128 rows):
                copies and their transposed copies (once per weight version). --one-pass-copies: d
                gate_up's two copies from the SwiGLU backward's one pass
                (tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS: no bf16 d gate_up written, nor read for
-               its column copy)
+               its column copy); --act-in-pass: act's column copy from that pass too
+               (tuning.FP8_ACT_COLUMNS_IN_ONE_PASS: gate_up not read a second time for it)
     other      combine, dispatch and the rest, as the kernel profile measured them (--other-ms)
 The bound is their sum; "cached" leaves out the weight copies (a later microbatch with
 MoKConfig.fp8_cache_transposed_weights); the ratio is our BF16 kernel's measured time over it.
@@ -34,7 +35,8 @@ SHAPES = {
 }
 
 
-def pass_bytes(t: int, h: int, f: int, e: int, k: int, one_pass_copies: bool = False) -> dict[str, int]:
+def pass_bytes(t: int, h: int, f: int, e: int, k: int, one_pass_copies: bool = False,
+               act_in_pass: bool = False) -> dict[str, int]:
     """The bytes each quantization launch of one forward + backward moves at least."""
     c = t * k + 64 * e
     scales = lambda n, cols: n * (cols // 128) * 4  # noqa: E731
@@ -45,11 +47,14 @@ def pass_bytes(t: int, h: int, f: int, e: int, k: int, one_pass_copies: bool = F
     else:  # d gate_up bf16 and its row copy out; the column copy reads the bf16 values back
         swiglu_backward = grad_gate_up_in + c * 2 * f * 3 + scales(c, 2 * f)
         grad_gate_up_columns = c * 2 * f * 3
+    act_columns = c * 2 * f * 2 + c * f  # gate_up read again, act's E4M3 copy written
+    if one_pass_copies and act_in_pass:  # only act's copy, written by the SwiGLU backward's pass
+        swiglu_backward, act_columns = swiglu_backward + c * f, 0
     return {
         "x and dY rows": 2 * (t * h * 3 + scales(t, h)),
         "act rows": c * 2 * f * 2 + c * f + scales(c, f),
         "SwiGLU backward": swiglu_backward,
-        "columns": grad_gate_up_columns + (c * 2 * f * 2 + c * f) + 2 * c * h * 3,
+        "columns": grad_gate_up_columns + act_columns + 2 * c * h * 3,
         "weights": e * 3 * f * h * 3,
         "transposed weights": e * 3 * f * h * 2,
     }
@@ -67,6 +72,8 @@ def main() -> None:
     parser.add_argument("--other-ms", default="deepseek_v3=1.76,qwen3_30b=1.08")
     parser.add_argument("--one-pass-copies", action="store_true",
                         help="d gate_up's two FP8 copies from the SwiGLU backward's one pass")
+    parser.add_argument("--act-in-pass", action="store_true",
+                        help="with --one-pass-copies: act's column copy from that pass too")
     args = parser.parse_args()
     bf16, other = parse_pairs(args.bf16_ms), parse_pairs(args.other_ms)
     print(f"GEMMs at {args.gemm_tflops:.0f} TFLOP/s, passes at {args.copy_gbs:.0f} GB/s; ms")
@@ -74,7 +81,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (t, h, f, e, k) in SHAPES.items():
         gemms = 3 * 6 * t * k * f * h / (args.gemm_tflops * 1e12) * 1e3
-        passes = {what: nbytes / (args.copy_gbs * 1e9) * 1e3 for what, nbytes in pass_bytes(t, h, f, e, k, args.one_pass_copies).items()}
+        passes = {what: nbytes / (args.copy_gbs * 1e9) * 1e3 for what, nbytes in pass_bytes(t, h, f, e, k, args.one_pass_copies, args.act_in_pass).items()}
         weights = passes["weights"] + passes["transposed weights"]
         bound = gemms + sum(passes.values()) + other[name]
         cached = bound - weights

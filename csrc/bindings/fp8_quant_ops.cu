@@ -352,13 +352,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward(cons
 }
 
 // (rows_q (R, 2F) e4m3, rows_scales (2F/128, fp8_scale_rows(R)) fp32 in the GEMM-A layout, padding
-// columns 1, columns_q (2F, R_pad) e4m3, columns_scales (R_pad/128, 2F) fp32), R_pad = R rounded up to
-// 128: both FP8 copies of d gate_up, the SwiGLU backward of gate_up (R, 2F) bf16 with grad_act (R, F)
-// bf16, from one pass and with no bf16 d gate_up: fp8_quantize_swiglu_backward's row copy and
-// fp8_quantize_columns' copy of its d gate_up, bit for bit. Rows at or past expert_offsets[-1] are
-// not read and quantize as zeros in both.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward_copies(
-    const at::Tensor& gate_up, const at::Tensor& grad_act, const at::Tensor& expert_offsets, bool pow2) {
+// columns 1, columns_q (2F, R_pad) e4m3, columns_scales (R_pad/128, 2F) fp32, and with act_columns
+// act_q (F, R_pad) e4m3, act_scales (R_pad/128, F) fp32, else (0,) each), R_pad = R rounded up to 128:
+// both FP8 copies of d gate_up, the SwiGLU backward of gate_up (R, 2F) bf16 with grad_act (R, F) bf16,
+// from one pass and with no bf16 d gate_up: fp8_quantize_swiglu_backward's row copy and
+// fp8_quantize_columns' copy of its d gate_up, bit for bit; act's column copy is
+// fp8_quantize_swiglu_columns' of gate_up. Rows at or past expert_offsets[-1] are not read and quantize
+// as zeros in every copy.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward_copies(
+    const at::Tensor& gate_up, const at::Tensor& grad_act, const at::Tensor& expert_offsets, bool pow2,
+    bool act_columns) {
   constexpr const char* kOp = "fp8_quantize_swiglu_backward_copies: ";
   check_swiglu_backward_inputs(kOp, gate_up, grad_act, expert_offsets);
   const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
@@ -370,9 +373,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_b
   auto rows_scales = at::empty({2 * ffn / kFp8Block, gemm_a_rows}, options.dtype(at::kFloat));
   auto columns_q = at::empty({2 * ffn, padded_rows}, options.dtype(at::kFloat8_e4m3fn));
   auto columns_scales = at::empty({padded_rows / kFp8Block, 2 * ffn}, options.dtype(at::kFloat));
+  auto act_q = at::empty({act_columns ? ffn : 0, act_columns ? padded_rows : 0}, options.dtype(at::kFloat8_e4m3fn));
+  auto act_scales = at::empty({act_columns ? padded_rows / kFp8Block : 0, act_columns ? ffn : 0},
+                              options.dtype(at::kFloat));
   if (rows == 0) {
     rows_scales.fill_(1.f);
-    return {rows_q, rows_scales, columns_q, columns_scales};
+    return {rows_q, rows_scales, columns_q, columns_scales, act_q, act_scales};
   }
   const int64_t tiles = (padded_rows / kFp8Block) * (ffn / kFp8Block);
   TORCH_CHECK(tiles < (int64_t(1) << 31), kOp, "more than 2^31 tiles of 128 x 128");
@@ -385,18 +391,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_b
   p.rows_scales = rows_scales.data_ptr<float>();
   p.columns_q = e4m3_ptr(columns_q);
   p.columns_scales = columns_scales.data_ptr<float>();
+  p.act_columns_q = act_columns ? e4m3_ptr(act_q) : nullptr;
+  p.act_columns_scales = act_columns ? act_scales.data_ptr<float>() : nullptr;
   p.num_rows = rows;
   p.ffn = ffn;
   p.gemm_a_rows = gemm_a_rows;
   p.padded_rows = padded_rows;
   p.pow2 = pow2 ? 1 : 0;
-  // (every launch: the attribute is the function's, per device, and costs no stream work)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(quantize_swiglu_backward_tiles_kernel,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kTilesSharedBytes));
-  quantize_swiglu_backward_tiles_kernel<<<int(tiles), kTilesThreads, kTilesSharedBytes,
-                                          c10::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {rows_q, rows_scales, columns_q, columns_scales};
+  const auto launch = [&](auto kernel, int smem) {
+    // (every launch: the attribute is the function's, per device, and costs no stream work)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<int(tiles), kTilesThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (act_columns) {
+    launch(quantize_swiglu_backward_tiles_kernel<true>, tiles_shared_bytes(true));
+  } else {
+    launch(quantize_swiglu_backward_tiles_kernel<false>, tiles_shared_bytes(false));
+  }
+  return {rows_q, rows_scales, columns_q, columns_scales, act_q, act_scales};
 }
 
 // (q (E, N, K) e4m3 and scales (E, N/128, K/128) fp32, or (0,) each without forward_copy; q_t
@@ -501,8 +514,8 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "fp8_quantize_swiglu_backward(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
       "(Tensor, Tensor, Tensor)");
   m.def(
-      "fp8_quantize_swiglu_backward_copies(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "fp8_quantize_swiglu_backward_copies(Tensor gate_up, Tensor grad_act, Tensor expert_offsets, bool pow2, "
+      "bool act_columns=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "fp8_quantize_weight(Tensor weight, bool transposed, bool pow2, bool forward_copy, Tensor? expert_offsets=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");

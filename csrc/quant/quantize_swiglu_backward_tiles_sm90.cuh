@@ -48,7 +48,8 @@ namespace mok {
 constexpr int kTilesThreads = 256;
 constexpr int kTilesHalfWarps = kTilesThreads / kRowsUnitThreads;
 constexpr int kTilesRowsPerHalfWarp = kColumnsTileRows / kTilesHalfWarps;  // 8 of the tile's 128
-constexpr int kTilesSharedBytes = 2 * kColumnsTileRows * kColumnsTileCols * 2;  // d gate's and d up's bf16 tiles
+// Shared memory: d gate's and d up's bf16 tiles, and act's with kActColumns.
+constexpr int tiles_shared_bytes(bool act_columns) { return (act_columns ? 3 : 2) * kColumnsTileRows * kColumnsTileCols * 2; }
 static_assert(kColumnsTileCols == kFp8Block, "a tile's columns are one row block of d gate and one of d up");
 static_assert(kTilesThreads == kColumnsThreads, "the columns step is quantize_columns_kernel's thread layout");
 static_assert(kTilesRowsPerHalfWarp * kTilesHalfWarps == kColumnsTileRows, "every row of the tile, once");
@@ -103,24 +104,25 @@ __device__ __noinline__ void store_tile_columns_dividing(uint8_t* column_q, int6
   store_tile_columns<true>(column_q, padded_rows, words, pair, part, quantizer);
 }
 
-// The columns step for one tile (d gate's or d up's): this thread's two columns (column, column + 1
-// of d gate_up) over rows 32 part .. 32 part + 31 of the row block, read twice from shared memory
-// (amax, then quantize): 32 words held across the quantization spill at this kernel's budget.
-__device__ __forceinline__ void quantize_tile_columns(const Fp8QuantizeSwigluBackwardCopiesParams& p,
-                                                      const uint32_t* words, int64_t row_block, int64_t column,
-                                                      int pair, int part) {
+// The columns step for one tile: this thread's two columns (column, column + 1 of the column copy `q`,
+// padded_rows bytes each; scales (padded_rows / 128, scale_cols) fp32) over rows 32 part .. 32 part + 31
+// of the row block, read twice from shared memory (amax, then quantize): 32 words held across the
+// quantization spill at this kernel's budget.
+__device__ __forceinline__ void quantize_tile_columns(bool pow2, uint8_t* q, float* scales, int64_t scale_cols,
+                                                      int64_t padded_rows, const uint32_t* words, int64_t row_block,
+                                                      int64_t column, int pair, int part) {
   const int first_row = part * kColumnsRowsPerPart;
   float amax[2];
   columns_pair_amax(words, first_row, pair, amax);
-  const float2 scale = columns_pair_scales(amax, p.pow2 != 0);
-  if (part == 0) *reinterpret_cast<float2*>(p.columns_scales + row_block * 2 * p.ffn + column) = scale;
+  const float2 scale = columns_pair_scales(amax, pow2);
+  if (part == 0) *reinterpret_cast<float2*>(scales + row_block * scale_cols + column) = scale;
   const Fp8BlockQuantizer quantizer[2] = {Fp8BlockQuantizer(scale.x, /*bf16_values=*/true),
                                           Fp8BlockQuantizer(scale.y, /*bf16_values=*/true)};
-  uint8_t* column_q = p.columns_q + column * p.padded_rows + row_block * kColumnsTileRows + first_row;
+  uint8_t* column_q = q + column * padded_rows + row_block * kColumnsTileRows + first_row;
   if (quantizer[0].divides() || quantizer[1].divides()) {
-    store_tile_columns_dividing(column_q, p.padded_rows, words, pair, part, scale.x, scale.y);
+    store_tile_columns_dividing(column_q, padded_rows, words, pair, part, scale.x, scale.y);
   } else {
-    store_tile_columns<false>(column_q, p.padded_rows, words, pair, part, quantizer);
+    store_tile_columns<false>(column_q, padded_rows, words, pair, part, quantizer);
   }
 }
 
@@ -139,14 +141,22 @@ __device__ __noinline__ void store_row_pieces_dividing(uint8_t* gate_q, uint8_t*
 // One row of the rows step for this thread's piece (8 of the tile's 128 columns) of d gate and of d up,
 // from its pieces of gate, up and d act (raw): the SwiGLU backward, rounded to bf16 and kept in the
 // tiles, and the row copy's E4M3 bytes and GEMM-A scales (rows past num_rows: the tiles only).
+// kActColumns: act = SwiGLU of the same gate and up values too (swiglu_values, rounded to bf16: the
+// forward's act, as quantize_columns_kernel's SwiGLU form computes it), kept in act_tile.
+template <bool kActColumns>
 __device__ __forceinline__ void quantize_tile_row(const Fp8QuantizeSwigluBackwardCopiesParams& p, uint4* gate_tile,
-                                                  uint4* up_tile, int tile_row, int64_t row0, int64_t block,
-                                                  int piece, const uint4 (&raw)[3]) {
+                                                  uint4* up_tile, uint4* act_tile, int tile_row, int64_t row0,
+                                                  int64_t block, int piece, const uint4 (&raw)[3]) {
   const int64_t row = row0 + tile_row, column0 = block * kFp8Block, blocks_per_half = p.ffn / kFp8Block;
   float gate[8], up[8], grad[8], grad_gate[8], grad_up[8];
   unpack_bf16x8(raw[0], gate);
   unpack_bf16x8(raw[1], up);
   unpack_bf16x8(raw[2], grad);
+  if constexpr (kActColumns) {
+    float act[8];
+    swiglu_values(gate, up, act);
+    tile_piece(act_tile, tile_row, piece) = pack_bf16x8(act);
+  }
   swiglu_backward_values(gate, up, grad, grad_gate, grad_up);
   // Rounded to bf16 once (swiglu_backward's output), then quantized both ways from those values.
   const uint4 gate_packed = pack_bf16x8(grad_gate), up_packed = pack_bf16x8(grad_up);
@@ -178,11 +188,14 @@ __device__ __forceinline__ void quantize_tile_row(const Fp8QuantizeSwigluBackwar
   }
 }
 
-__global__ void __launch_bounds__(kTilesThreads, 3)
+template <bool kActColumns>
+__global__ void __launch_bounds__(kTilesThreads, kActColumns ? 2 : 3)
     quantize_swiglu_backward_tiles_kernel(const Fp8QuantizeSwigluBackwardCopiesParams p) {
   extern __shared__ uint4 tiles_shared[];
-  uint4* gate_tile = tiles_shared;  // (128 rows x 16 pieces) each
-  uint4* up_tile = tiles_shared + kColumnsTileRows * kColumnsRowWords / 4;
+  constexpr int kTilePieces = kColumnsTileRows * kColumnsRowWords / 4;  // (128 rows x 16 pieces) a tile
+  uint4* gate_tile = tiles_shared;
+  uint4* up_tile = tiles_shared + kTilePieces;
+  uint4* act_tile = kActColumns ? tiles_shared + 2 * kTilePieces : nullptr;
   const int64_t blocks_per_half = p.ffn / kFp8Block;  // of F: d gate's blocks, then as many of d up
   const int64_t row_block = blockIdx.x / blocks_per_half, block = blockIdx.x % blocks_per_half;
   const int64_t row0 = row_block * kColumnsTileRows, column0 = block * kFp8Block;
@@ -195,7 +208,7 @@ __global__ void __launch_bounds__(kTilesThreads, 3)
   const int piece = threadIdx.x % kRowsUnitThreads, half_warp = threadIdx.x / kRowsUnitThreads;
   const auto load_row = [&](int i, uint4 (&raw)[3]) {
     const int64_t row = row0 + half_warp + i * kTilesHalfWarps;
-    raw[0] = raw[1] = raw[2] = make_uint4(0, 0, 0, 0);  // a zero triple gives +0 for both
+    raw[0] = raw[1] = raw[2] = make_uint4(0, 0, 0, 0);  // a zero triple gives +0 for both (and for act)
     if (row < end) {
       load_swiglu_backward_pieces(static_cast<const __nv_bfloat16*>(p.gate_up),
                                   static_cast<const __nv_bfloat16*>(p.grad_act), row, p.ffn, block, piece, raw[0],
@@ -208,16 +221,21 @@ __global__ void __launch_bounds__(kTilesThreads, 3)
   for (int i = 0; i < kTilesRowsPerHalfWarp; ++i) {
     const uint4 raw[3] = {next[0], next[1], next[2]};
     if (i + 1 < kTilesRowsPerHalfWarp) load_row(i + 1, next);
-    quantize_tile_row(p, gate_tile, up_tile, half_warp + i * kTilesHalfWarps, row0, block, piece, raw);
+    quantize_tile_row<kActColumns>(p, gate_tile, up_tile, act_tile, half_warp + i * kTilesHalfWarps, row0, block,
+                                   piece, raw);
   }
-  __syncthreads();  // every row of both tiles is in shared memory before any column is read
+  __syncthreads();  // every row of the tiles is in shared memory before any column is read
 
+  // Columns: d gate's tile, then d up's (F columns on in the same copy), then act's (its own copy),
+  // one copy of the step's code for all.
   const int pair = threadIdx.x / 4, part = threadIdx.x % 4;
 #pragma unroll 1
-  for (int half = 0; half < 2; ++half) {  // d gate's tile, then d up's (one copy of the step's code)
-    const uint4* tile = half == 0 ? gate_tile : up_tile;
-    quantize_tile_columns(p, reinterpret_cast<const uint32_t*>(tile), row_block, half * p.ffn + column0 + 2 * pair,
-                          pair, part);
+  for (int t = 0; t < (kActColumns ? 3 : 2); ++t) {
+    const bool act = kActColumns && t == 2;
+    quantize_tile_columns(p.pow2 != 0, act ? p.act_columns_q : p.columns_q,
+                          act ? p.act_columns_scales : p.columns_scales, act ? p.ffn : 2 * p.ffn, p.padded_rows,
+                          reinterpret_cast<const uint32_t*>(tiles_shared + t * kTilePieces), row_block,
+                          (t == 1 ? p.ffn : 0) + column0 + 2 * pair, pair, part);
   }
 }
 

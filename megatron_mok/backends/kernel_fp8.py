@@ -33,7 +33,9 @@ dtype is bf16 (the kernel backend's). Per stage:
                        quantization 1x128 along 2F in one pass, then its quantization 1x128 along the
                        rows, the bf16 values freed (GradGateUp: both FP8 copies; with
                        tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS both from one pass,
-                       ops.fp8_quantize_swiglu_backward_copies, no bf16 values); with BF16 ones the
+                       ops.fp8_quantize_swiglu_backward_copies, no bf16 values; dgrad_swiglu_and_act,
+                       with tuning.FP8_ACT_COLUMNS_IN_ONE_PASS too, act's column copy from that
+                       pass as well); with BF16 ones the
                        SwiGLU backward kernel (bf16 d gate_up, the BF16 weight gradient's operand)
     dgrad_rows         d gate_up quantized 1x128 along 2F (the SwiGLU backward's, or quantized here) ->
                        ops.fp8_expert_gemm with fc1 transposed (E, H, 2F) (as dgrad_swiglu: by expert
@@ -315,7 +317,7 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
         if not recipe.weight_grad:
             return ops.swiglu_backward(gate_up, grad_act, offsets)
         if tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS:  # both copies from one pass, no bf16 d gate_up
-            rows, rows_scales, *columns = ops.fp8_quantize_swiglu_backward_copies(
+            rows, rows_scales, *columns, _, _ = ops.fp8_quantize_swiglu_backward_copies(
                 kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
             )
             return GradGateUp(GemmOperand(rows, rows_scales), tuple(columns), tuple(gate_up.shape))
@@ -325,6 +327,26 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
         del grad_act
     columns = quantize_columns(values, offsets, recipe.pow2_scales)
     return GradGateUp(GemmOperand(rows, rows_scales), columns, tuple(values.shape))
+
+
+def dgrad_swiglu_and_act(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *,
+                         recipe: Fp8Recipe) -> tuple[object, "ActColumns"]:
+    """dgrad_swiglu and weight_grad_act of one window (FP8 weight gradients): with
+    tuning.FP8_ACT_COLUMNS_IN_ONE_PASS and tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS (the SwiGLU
+    backward outside the dgrad) one launch after the dgrad makes d gate_up's two copies and act's
+    column copy, reading gate_up once (ops.fp8_quantize_swiglu_backward_copies with act_columns); else
+    the two stages, in that order. The same bytes either way."""
+    one_pass = (tuning.FP8_ACT_COLUMNS_IN_ONE_PASS and tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS
+                and not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD)
+    if not one_pass:
+        return dgrad_swiglu(grad_out, fc2, gate_up, offsets, recipe=recipe), weight_grad_act(gate_up, offsets, recipe=recipe)
+    grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
+    rows, rows_scales, columns_q, columns_scales, act_q, act_scales = ops.fp8_quantize_swiglu_backward_copies(
+        kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales, act_columns=True
+    )
+    shape = tuple(gate_up.shape)
+    return (GradGateUp(GemmOperand(rows, rows_scales), (columns_q, columns_scales), shape),
+            ActColumns((act_q, act_scales), (shape[0], shape[1] // 2)))
 
 
 def _dgrad_with_swiglu_backward(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *,
@@ -548,6 +570,7 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         quantize_rows=quantize_source_rows,
         weight_grad_rows=weight_grad_rows if recipe.weight_grad else None,
         weight_grad_act=bind(weight_grad_act) if recipe.weight_grad else None,
+        dgrad_swiglu_and_act=bind(dgrad_swiglu_and_act) if recipe.weight_grad else None,
         weight_grad_route_grads=weight_grad_route_grads if recipe.weight_grad else None,
         **weight_grads,
     )

@@ -116,6 +116,14 @@ class DgradSwiglu(Protocol):
         ...
 
 
+class DgradSwigluAndAct(Protocol):
+    def __call__(self, grad_out: Rows, fc2: Tensor, gate_up: Tensor, offsets: Tensor) -> tuple[object, object]:
+        """DgradSwiglu's grad_gate_up and the fc2 weight gradient's act (as weight_grad_act, else
+        swiglu, gives it) of the same gate_up, from one call: for a backend that makes both in one
+        pass over gate_up."""
+        ...
+
+
 class DgradRows(Protocol):
     def __call__(self, grad_gate_up: object, fc1: Tensor, offsets: Tensor) -> Tensor:
         """grad_gate_up (capacity, 2F) as dgrad_swiglu returned it, fc1 (E, 2F, H) -> grad_rows
@@ -203,6 +211,9 @@ class Stages:
     # None is pull_route_grads. A backend whose weight_grad_window quantizes straight from dY and the
     # route weights (the FP8 kernel backend) gives what to gather instead of the pulled rows.
     weight_grad_route_grads: Optional[PullRouteGrads] = None
+    # d gate_up and the fc2 weight gradient's act from one call where backward needs both (weight
+    # gradients, act not kept): None is dgrad_swiglu, then weight_grad_act (or swiglu).
+    dgrad_swiglu_and_act: Optional[DgradSwigluAndAct] = None
     # Backward's gate/up of a window after the first (receive.py): None is dispatch_gate_up's gate_up
     # (its rows and act dropped). A backend whose act is a launch of its own gives the GEMM alone, so
     # that backward does not make an act it drops.

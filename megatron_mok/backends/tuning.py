@@ -111,6 +111,14 @@ FP8_SWIGLU_BACKWARD_GEMM_VARIANT = "overlap"
 # (tests/ops/test_gpu_fp8_quant.py). Off until measured against the two launches on a GPU: its first
 # form (2026-12-04, before the SwiGLU math's batched fast path) was slower, issue-bound.
 FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS = False
+# With the one pass above (and backward needing act for the fc2 weight gradient), act's column copy
+# from the same pass too (ops.fp8_quantize_swiglu_backward_copies with act_columns: gate_up read once
+# where ops.fp8_quantize_swiglu_columns reads it a second time), the same bytes. Its third 32 KB tile
+# leaves two CTAs per SM where the pass without it runs three, and act's copy is allocated beside d
+# act (capacity, F) bf16 instead of after it is freed: within memory_fp8.layer_memory_bound still,
+# whose SwiGLU backward stage counts the bf16 d gate_up (4 bytes per row and F column) where the one
+# pass holds the two column copies (about 3.1 with their scales). Off until measured on a GPU.
+FP8_ACT_COLUMNS_IN_ONE_PASS = False
 
 # Where the forward's act is quantized (the same bytes either way in the rows before the schedule's
 # end, the only ones read: tests/ops/test_gpu_fp8_quant.py, tests/ops/test_gpu_fp8_gemm.py):

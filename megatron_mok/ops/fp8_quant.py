@@ -25,7 +25,8 @@ two (quantization.block_scale).
     fp8_quantize_swiglu_backward_copies
                           the same d gate_up's two FP8 copies from one pass, no bf16 d gate_up: the row
                           copy (as fp8_quantize_swiglu_backward's) and the column copy (as
-                          fp8_quantize_columns of its d gate_up), 1x128 along 2F and along R
+                          fp8_quantize_columns of its d gate_up), 1x128 along 2F and along R; with
+                          act_columns also act's column copy (as fp8_quantize_swiglu_columns')
     fp8_quantize_weight   weight (E, N, K) bf16 or fp32 -> q (E, N, K) e4m3, scales (E, N/128, K/128),
                           and its transposed copy q_t (E, K, N), scales_t (E, K/128, N/128)
                           (quantization.quantize_weight, transpose_weight)
@@ -94,13 +95,15 @@ def _fp8_quantize_swiglu_backward_fake(gate_up, grad_act, expert_offsets, pow2):
 
 
 @register_fake("fp8_quantize_swiglu_backward_copies")
-def _fp8_quantize_swiglu_backward_copies_fake(gate_up, grad_act, expert_offsets, pow2):
+def _fp8_quantize_swiglu_backward_copies_fake(gate_up, grad_act, expert_offsets, pow2, act_columns=False):
     rows, cols = gate_up.shape
-    padded = fp8_padded_rows(rows)
+    padded, ffn = fp8_padded_rows(rows), cols // 2
     return (gate_up.new_empty((rows, cols), dtype=E4M3),
             gate_up.new_empty((cols // FP8_BLOCK, fp8_scale_rows(rows)), dtype=torch.float32),
             gate_up.new_empty((cols, padded), dtype=E4M3),
-            gate_up.new_empty((padded // FP8_BLOCK, cols), dtype=torch.float32))
+            gate_up.new_empty((padded // FP8_BLOCK, cols), dtype=torch.float32),
+            gate_up.new_empty((ffn, padded) if act_columns else (0, 0), dtype=E4M3),
+            gate_up.new_empty((padded // FP8_BLOCK, ffn) if act_columns else (0, 0), dtype=torch.float32))
 
 
 @register_fake("fp8_quantize_weight")
@@ -302,31 +305,38 @@ def fp8_quantize_swiglu_backward(
 
 
 def fp8_quantize_swiglu_backward_copies(
-    gate_up: Tensor, grad_act: Tensor, expert_offsets: Tensor, *, pow2: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    gate_up: Tensor, grad_act: Tensor, expert_offsets: Tensor, *, pow2: bool = False, act_columns: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """gate_up (R, 2F) bf16 (gate columns then up columns, F a multiple of 128), grad_act (R, F) bf16 ->
     both FP8 copies of d gate_up, the SwiGLU backward (fp32, rounded once to bf16, as
     fp8_quantize_swiglu_backward computes it), from one pass and with no bf16 d gate_up in memory:
     (rows_q (R, 2F) e4m3, rows_scales (2F/128, fp8_scale_rows(R)) fp32 in the GEMM-A layout, padding
     columns 1: the gate/up dgrad's left operand, fp8_quantize_swiglu_backward's bytes; columns_q
     (2F, R_pad) e4m3, columns_scales (R_pad/128, 2F) fp32, R_pad = R rounded up to 128: the fc1 weight
-    gradient's operand, fp8_quantize_columns' bytes of that d gate_up). Rows at or past
-    expert_offsets[-1] ((E + 1,) int32, read on the device) are not read (of either input) and
-    quantize as zero rows in both copies (scale 1), the padding rows of the column copy too.
-    Ref: fp8_quantize_swiglu_backward_copies_reference."""
-    check_fp8_quantize_swiglu_backward_args(gate_up, grad_act, expert_offsets, pow2,
-                                            op="fp8_quantize_swiglu_backward_copies")
-    return torch.ops.megatron_mok.fp8_quantize_swiglu_backward_copies(gate_up, grad_act, expert_offsets, pow2)
+    gradient's operand, fp8_quantize_columns' bytes of that d gate_up; act_q (F, R_pad) e4m3 and
+    act_scales (R_pad/128, F) fp32 with act_columns, else None each: act = SwiGLU of the same gate_up
+    quantized 1x128 along R, the fc2 weight gradient's operand, fp8_quantize_swiglu_columns' bytes,
+    without a second read of gate_up). Rows at or past expert_offsets[-1] ((E + 1,) int32, read on the
+    device) are not read (of either input) and quantize as zero rows in every copy (scale 1), the
+    padding rows of the column copies too. Ref: fp8_quantize_swiglu_backward_copies_reference."""
+    op = "fp8_quantize_swiglu_backward_copies"
+    _check_flag(op, "act_columns", act_columns)  # (before the checks that end with the devices)
+    check_fp8_quantize_swiglu_backward_args(gate_up, grad_act, expert_offsets, pow2, op=op)
+    *copies, act_q, act_scales = torch.ops.megatron_mok.fp8_quantize_swiglu_backward_copies(
+        gate_up, grad_act, expert_offsets, pow2, act_columns)
+    return (*copies, act_q if act_columns else None, act_scales if act_columns else None)
 
 
 def fp8_quantize_swiglu_backward_copies_reference(
-    gate_up: Tensor, grad_act: Tensor, expert_offsets: Tensor, pow2: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    gate_up: Tensor, grad_act: Tensor, expert_offsets: Tensor, pow2: bool = False, act_columns: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """fp8_quantize_swiglu_backward_copies through PyTorch: fp8_quantize_swiglu_backward_reference's
-    d gate_up (rows at or past expert_offsets[-1] zero), its row copy, and
-    fp8_quantize_columns_reference of it. Reads the offsets on the host: tests and references only."""
+    d gate_up (rows at or past expert_offsets[-1] zero), its row copy, fp8_quantize_columns_reference
+    of it, and with act_columns fp8_quantize_swiglu_columns_reference of gate_up. Reads the offsets on
+    the host: tests and references only."""
     grad_gate_up, rows_q, rows_scales = fp8_quantize_swiglu_backward_reference(gate_up, grad_act, expert_offsets, pow2)
-    return (rows_q, rows_scales, *fp8_quantize_columns_reference(grad_gate_up, expert_offsets, pow2))
+    act = fp8_quantize_swiglu_columns_reference(gate_up, expert_offsets, pow2) if act_columns else (None, None)
+    return (rows_q, rows_scales, *fp8_quantize_columns_reference(grad_gate_up, expert_offsets, pow2), *act)
 
 
 def fp8_quantize_grad_gate_up_reference(

@@ -213,12 +213,12 @@ def _sim_fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, *, pow2
     return ops.fp8_quantize_swiglu_backward_reference(gate_up, grad_act, expert_offsets, pow2)
 
 
-def _sim_fp8_quantize_swiglu_backward_copies(gate_up, grad_act, expert_offsets, *, pow2=False):
+def _sim_fp8_quantize_swiglu_backward_copies(gate_up, grad_act, expert_offsets, *, pow2=False, act_columns=False):
     _meets_the_op_contract(functools.partial(fp8_quant.check_fp8_quantize_swiglu_backward_args,
                                              op="fp8_quantize_swiglu_backward_copies"),
                            gate_up, grad_act, expert_offsets, pow2)
-    # (rows at or past the end, NaN here, are never read: zero rows of both copies)
-    return ops.fp8_quantize_swiglu_backward_copies_reference(gate_up, grad_act, expert_offsets, pow2)
+    # (rows at or past the end, NaN here, are never read: zero rows of every copy)
+    return ops.fp8_quantize_swiglu_backward_copies_reference(gate_up, grad_act, expert_offsets, pow2, act_columns)
 
 
 def _poison_experts_without_rows(copies, expert_offsets):
@@ -734,46 +734,55 @@ def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_ker
     assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
 
 
+@pytest.mark.parametrize("act_in_pass", [False, True], ids=["act_apart", "act_in_pass"])
 @pytest.mark.parametrize("routing", ("skewed", "one_expert", "dropped"))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_d_gate_ups_copies_from_one_pass_equal_the_reference(simulated_kernels, monkeypatch, shape, routing):
+def test_d_gate_ups_copies_from_one_pass_equal_the_reference(simulated_kernels, monkeypatch, shape, routing,
+                                                             act_in_pass):
     """tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS: both FP8 copies of d gate_up come from one op
     (ops.fp8_quantize_swiglu_backward_copies); neither the row-wise SwiGLU backward op nor a column
-    quantization of a bf16 d gate_up runs, and no bf16 d gate_up exists between the stages. The
-    layer is bitwise the reference backend's."""
+    quantization of a bf16 d gate_up runs, and no bf16 d gate_up exists between the stages. With
+    tuning.FP8_ACT_COLUMNS_IN_ONE_PASS act's column copy comes from that op too (act_columns), and
+    ops.fp8_quantize_swiglu_columns does not run; without it, it does. The layer is bitwise the
+    reference backend's."""
     monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", True)
+    monkeypatch.setattr(tuning, "FP8_ACT_COLUMNS_IN_ONE_PASS", act_in_pass)
     called, column_sources = [], []
 
     def record(name, sim):
         def op(*args, **kwargs):
-            called.append(name)
+            called.append(name + (" with act" if kwargs.get("act_columns") else ""))
             if name == "fp8_quantize_columns" and kwargs.get("row_index") is None:
                 column_sources.append(tuple(args[0].shape))  # (x's and w * dY's are gathered from their rows)
             return sim(*args, **kwargs)
         return op
 
     names = ("swiglu_backward", "fp8_quantize_swiglu_backward", "fp8_quantize_swiglu_backward_copies",
-             "fp8_quantize_columns")
+             "fp8_quantize_columns", "fp8_quantize_swiglu_columns", "swiglu_forward")
     for name in names:
         monkeypatch.setattr(ops, name, record(name, SIMULATED[name]))
     problem = make_problem(SHAPES[shape], routing, torch.bfloat16, seed=zlib.crc32(f"copies/{shape}/{routing}".encode()))
     kernel_config, reference_config = _configs()
     _assert_equal(run_layer(*problem, config=kernel_config), run_layer(*problem, config=reference_config),
                   f"one-pass copies {shape}/{routing}")
-    assert "fp8_quantize_swiglu_backward_copies" in called, called
-    assert "fp8_quantize_swiglu_backward" not in called and "swiglu_backward" not in called, called
+    copies = "fp8_quantize_swiglu_backward_copies" + (" with act" if act_in_pass else "")
+    assert copies in called and ("fp8_quantize_swiglu_columns" in called) != act_in_pass, called
+    assert not {"fp8_quantize_swiglu_backward", "swiglu_backward", "swiglu_forward"} & set(called), called
     assert not column_sources, f"a column quantization of rows in memory (d gate_up's): {column_sources}"
 
 
-def test_d_gate_ups_copies_from_one_pass_over_windows_equal_ep1_bitwise(simulated_kernels, monkeypatch):
-    """The one-pass copies over emulated ranks and several receive windows (each window's d gate_up
-    its own pass): bitwise EP = 1's with the two launches."""
+@pytest.mark.parametrize("act_in_pass", [False, True], ids=["act_apart", "act_in_pass"])
+def test_d_gate_ups_copies_from_one_pass_over_windows_equal_ep1_bitwise(simulated_kernels, monkeypatch, act_in_pass):
+    """The one-pass copies (and act's column copy with them) over emulated ranks and several receive
+    windows (each window's d gate_up its own pass, gate/up made again in backward for the windows after
+    the first): bitwise EP = 1's with the separate launches."""
     from megatron_mok.comm.exchange import CollectiveExchange
 
     num_ranks, t, h, f, e, k = 4, 64, 128, 128, 2, 4
     problem = make_ranks_problem(num_ranks, t, h, f, e, k, "uniform", "cpu", torch.bfloat16, 31)
     want = run_concatenated(problem, _configs()[0])
     monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", True)
+    monkeypatch.setattr(tuning, "FP8_ACT_COLUMNS_IN_ONE_PASS", act_in_pass)
     monkeypatch.setattr(CollectiveExchange, "windowed", True)
     windowed = dataclasses.replace(_configs()[0], receive_capacity_factor=0.3)
     group = EmulatedGroup(num_ranks, "cpu")

@@ -164,17 +164,20 @@ def test_kernel_fp8_layer_gives_the_same_bits_wherever_act_is_quantized(monkeypa
 def test_kernel_fp8_layer_gives_the_same_bits_with_d_gate_ups_copies_from_one_pass(monkeypatch, shape, routing):
     """tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS: both FP8 copies of d gate_up from one launch
     (ops.fp8_quantize_swiglu_backward_copies) or from the SwiGLU backward's and a column quantization;
-    the same bytes (the ops' tests), so the layer's outputs and gradients are bitwise the same."""
+    with tuning.FP8_ACT_COLUMNS_IN_ONE_PASS act's column copy from that launch too; the same bytes (the
+    ops' tests), so the layer's outputs and gradients are bitwise the same every way."""
     from megatron_mok.backends import tuning
 
     inputs = make_inputs(SHAPES[shape], routing, seed=35)
-    results = []
-    for one_pass in (False, True):
+    results = {}
+    for one_pass, act in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", one_pass)
-        results.append(run(KERNEL_FP8, *inputs))
-    (y_a, g_a), (y_b, g_b) = results
-    for name, a, b in zip(NAMES, (y_a, *g_a), (y_b, *g_b)):
-        assert torch.equal(a, b), f"{name} differs between the two launches and the one pass ({shape}/{routing})"
+        monkeypatch.setattr(tuning, "FP8_ACT_COLUMNS_IN_ONE_PASS", act)
+        results[(one_pass, act)] = run(KERNEL_FP8, *inputs)
+    y_a, g_a = results[(False, False)]
+    for way, (y_b, g_b) in results.items():
+        for name, a, b in zip(NAMES, (y_a, *g_a), (y_b, *g_b)):
+            assert torch.equal(a, b), f"{name} differs between the separate launches and {way} ({shape}/{routing})"
 
 
 def test_kernel_fp8_layer_with_bf16_weight_gradients():

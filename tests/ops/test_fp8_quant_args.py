@@ -172,6 +172,8 @@ BAD_ARGS = {
                                                dict(expert_offsets=None), "expert_offsets must be a tensor"),
     "swiglu_backward_copies_flag_int": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args, dict(pow2=1),
                                         "pow2 must be a bool"),
+    "swiglu_backward_copies_act_int": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args,
+                                       dict(act_columns=1), "act_columns must be a bool"),
     "swiglu_backward_copies_cpu": ("fp8_quantize_swiglu_backward_copies", swiglu_backward_args, {},
                                    "gate_up must be a CUDA tensor"),
     "weight_not_tensor": ("fp8_quantize_weight", weight_args, dict(weight=1.0), "weight must be a tensor"),
@@ -221,7 +223,7 @@ BAD_ARGS = {
 def test_bad_argument_is_a_value_error_naming_it(case):
     op, build, changes, words = BAD_ARGS[case]
     args = build(**changes)
-    keywords = ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy")
+    keywords = ("source_scales", "gemm_a_scales", "pow2", "transposed", "forward_copy", "act_columns")
     if op in ("fp8_quantize_weight", "fp8_transpose_weight"):
         keywords += ("expert_offsets",)
     if op == "fp8_quantize_columns":
@@ -319,15 +321,22 @@ def test_swiglu_backward_reference_is_swiglu_backward_then_quantize_rowwise_with
 
 def test_swiglu_backward_copies_reference_is_both_quantizations_of_the_swiglu_backward():
     """The one-pass form's reference: the row copy of fp8_quantize_swiglu_backward_reference and the
-    column copy (quantize_columnwise over the rows padded to 128) of its d gate_up, rows at or past the
-    end zero in both (gate_up and grad_act are NaN there)."""
+    column copy (quantize_columnwise over the rows padded to 128) of its d gate_up, and act's column
+    copy (SwiGLU of gate_up rounded to bf16), rows at or past the end zero in each (gate_up and
+    grad_act are NaN there)."""
     from megatron_mok.backends import reference
 
     gate_up, offsets = gate_up_ending_at(150, 140, seed=5)
     grad_act = torch.randn(150, C, generator=torch.Generator().manual_seed(6)).bfloat16()
     grad_act[140:] = float("nan")
-    rows_q, rows_scales, columns_q, columns_scales = ops.fp8_quantize_swiglu_backward_copies_reference(
-        gate_up, grad_act, offsets)
+    rows_q, rows_scales, columns_q, columns_scales, act_q, act_scales = ops.fp8_quantize_swiglu_backward_copies_reference(
+        gate_up, grad_act, offsets, act_columns=True)
+    want_act = torch.zeros(256, C, dtype=torch.bfloat16)
+    gate, up = gate_up[:140].float().chunk(2, dim=-1)
+    want_act[:140] = (torch.nn.functional.silu(gate) * up).bfloat16()
+    want_act_q, want_act_scales = quantization.quantize_columnwise(want_act)
+    assert torch.equal(act_q.view(torch.uint8), want_act_q.view(torch.uint8)) and torch.equal(act_scales, want_act_scales)
+    assert ops.fp8_quantize_swiglu_backward_copies_reference(gate_up, grad_act, offsets)[4:] == (None, None)
     want = torch.zeros(256, 2 * C, dtype=torch.bfloat16)  # padded to two 128-row blocks
     want[:140] = reference.swiglu_backward(gate_up[:140], grad_act[:140])
     want_rows_q, want_rows_scales = quantization.quantize_rowwise(want[:150])

@@ -291,8 +291,9 @@ def test_swiglu_backward_copies_equal_the_two_launches(shape, kind, pow2):
     grad_act = row_values(kind, rows, ffn, seed_of("swiglu_backward_copies_grad", shape, kind))
     grad_act[end:] = float("nan")
     poison_allocator()
-    rows_q, rows_scales, columns_q, columns_scales = ops.fp8_quantize_swiglu_backward_copies(
+    rows_q, rows_scales, columns_q, columns_scales, no_act_q, no_act_scales = ops.fp8_quantize_swiglu_backward_copies(
         gate_up, grad_act, offsets, pow2=pow2)
+    assert no_act_q is None and no_act_scales is None
     padded = -(-rows // 128) * 128
     assert rows_q.shape == (rows, 2 * ffn) and rows_scales.shape == (2 * ffn // 128, fp8_scale_rows(rows))
     assert columns_q.shape == (2 * ffn, padded) and columns_scales.shape == (padded // 128, 2 * ffn)
@@ -312,6 +313,21 @@ def test_swiglu_backward_copies_equal_the_two_launches(shape, kind, pow2):
     assert_q_equal(columns_q, two_columns_q, "columns against fp8_quantize_swiglu_backward + fp8_quantize_columns")
     assert_scales_equal(columns_scales, two_columns_scales,
                         "column scales against fp8_quantize_swiglu_backward + fp8_quantize_columns")
+    # With act's column copy (the kernel's other form: a third tile, two CTAs per SM): the same d gate_up
+    # copies, and act's copy as fp8_quantize_swiglu_columns makes it from gate_up.
+    poison_allocator()
+    *copies, act_q, act_scales = ops.fp8_quantize_swiglu_backward_copies(gate_up, grad_act, offsets, pow2=pow2,
+                                                                         act_columns=True)
+    for got, want, what in zip(copies, (rows_q, rows_scales, columns_q, columns_scales),
+                               ("rows", "row scales", "columns", "column scales")):
+        (assert_q_equal if got.dtype == E4M3 else assert_scales_equal)(got, want, f"{what} with act's columns")
+    assert act_q.shape == (ffn, padded) and act_scales.shape == (padded // 128, ffn)
+    want_act_q, want_act_scales = ops.fp8_quantize_swiglu_columns_reference(gate_up, offsets, pow2)
+    assert_q_equal(act_q, want_act_q, "act columns")
+    assert_scales_equal(act_scales, want_act_scales, "act column scales")
+    kernel_act_q, kernel_act_scales = ops.fp8_quantize_swiglu_columns(gate_up, offsets, pow2=pow2)
+    assert_q_equal(act_q, kernel_act_q, "act columns against fp8_quantize_swiglu_columns")
+    assert_scales_equal(act_scales, kernel_act_scales, "act column scales against fp8_quantize_swiglu_columns")
 
 
 # name: (source rows, the index): repeats, reversed order, -1 rows, all -1, an empty source.
@@ -766,6 +782,10 @@ def op_cases():
         ("swiglu_backward_copies", torch.ops.megatron_mok.fp8_quantize_swiglu_backward_copies.default,
          (row_values("gaussian", 130, 512, seed=5), row_values("gaussian", 130, 256, seed=6),
           torch.tensor([0, 128, 129], dtype=torch.int32, device="cuda"), False)),
+        # (and act's column copy from the same pass)
+        ("swiglu_backward_copies_act", torch.ops.megatron_mok.fp8_quantize_swiglu_backward_copies.default,
+         (row_values("gaussian", 130, 512, seed=5), row_values("gaussian", 130, 256, seed=6),
+          torch.tensor([0, 128, 129], dtype=torch.int32, device="cuda"), False, True)),
     ]
 
 
@@ -774,9 +794,10 @@ def same_outputs(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10],
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11],
                          ids=["rows", "gathered_rows", "columns", "weighted_columns", "weight", "transpose_weight", "swiglu",
-                              "swiglu_columns", "swiglu_backward", "swiglu_backward_copies"])
+                              "swiglu_columns", "swiglu_backward", "swiglu_backward_copies",
+                              "swiglu_backward_copies_act"])
 def test_deterministic_and_graph_replay_equals_eager(case):
     _, op, args = op_cases()[case]
     first = [t.clone() for t in op(*args)]
@@ -797,9 +818,10 @@ def test_deterministic_and_graph_replay_equals_eager(case):
         assert same_outputs(captured, first)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10],
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11],
                          ids=["rows", "gathered_rows", "columns", "weighted_columns", "weight", "transpose_weight", "swiglu",
-                              "swiglu_columns", "swiglu_backward", "swiglu_backward_copies"])
+                              "swiglu_columns", "swiglu_backward", "swiglu_backward_copies",
+                              "swiglu_backward_copies_act"])
 def test_registration_fake_no_mutation_and_compile(case):
     """The fake impl agrees with the kernel (opcheck's test_faketensor), no input is written, and
     torch.compile(fullgraph=True) of the op gives the eager bytes."""
