@@ -353,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quantize_swiglu_backward(cons
 
 // (rows_q (R, 2F) e4m3, rows_scales (2F/128, fp8_scale_rows(R)) fp32 in the GEMM-A layout, padding
 // columns 1, columns_q (2F, R_pad) e4m3, columns_scales (R_pad/128, 2F) fp32, and with act_columns
-// act_q (F, R_pad) e4m3, act_scales (R_pad/128, F) fp32, else (0,) each), R_pad = R rounded up to 128:
+// act_q (F, R_pad) e4m3, act_scales (R_pad/128, F) fp32, else (0, 0) each), R_pad = R rounded up to 128:
 // both FP8 copies of d gate_up, the SwiGLU backward of gate_up (R, 2F) bf16 with grad_act (R, F) bf16,
 // from one pass and with no bf16 d gate_up: fp8_quantize_swiglu_backward's row copy and
 // fp8_quantize_columns' copy of its d gate_up, bit for bit; act's column copy is

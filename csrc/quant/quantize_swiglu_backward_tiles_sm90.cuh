@@ -18,11 +18,15 @@
 //   columns  thread (pair p, part g) takes rows 32g .. 32g + 31 of columns 2p, 2p + 1 of the d gate
 //            tile and then of the d up tile (quant/quantize_columns_sm90.cuh's step and swizzle).
 // Rows at or past the schedule's end (min(expert_offsets[E], num_rows)) are not read: zero rows of
-// both copies (the row copy's scale 1), what the separate launches give there; rows past num_rows
-// (the last row block's padding) are zeros of the column copy and absent from the row copy.
+// every copy (the row copy's scale 1), what the separate launches give there; rows past num_rows
+// (the last row block's padding) are zeros of the column copies and absent from the row copy.
 //
 // Shared memory: the two bf16 tiles, 64 KB (dynamic): three CTAs per SM at this kernel's 80
-// registers. Why this form can beat the two launches where its first form (2026-12-04) could not:
+// registers. kActColumns (act_columns): act = SwiGLU of the same gate and up values too, rounded to
+// bf16 into a third tile, and its column copy (quantize_columns_kernel's SwiGLU form's bytes), so
+// that backward reads gate_up once: 96 KB, two CTAs per SM at 96 registers.
+//
+// Why this kernel can beat the launches it replaces where its first form (2026-12-04) could not:
 // that form was issue-bound on the IEEE divisions' branches and calls, per value in the SwiGLU math
 // and per four values in the quantization. Here the SwiGLU backward takes swiglu_backward_values'
 // batched fast path, each block decides once whether its quantizer divides, and the dividing

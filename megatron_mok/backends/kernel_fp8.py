@@ -329,17 +329,20 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
     return GradGateUp(GemmOperand(rows, rows_scales), columns, tuple(values.shape))
 
 
+def act_columns_in_one_pass() -> bool:
+    """Whether backward makes act's column copy in the SwiGLU backward's one pass: tuning's
+    FP8_ACT_COLUMNS_IN_ONE_PASS with FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS, the SwiGLU backward outside
+    the dgrad. Part of the stage table's key (kernel_fp8_stages)."""
+    return (tuning.FP8_ACT_COLUMNS_IN_ONE_PASS and tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS
+            and not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD)
+
+
 def dgrad_swiglu_and_act(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *,
-                         recipe: Fp8Recipe) -> tuple[object, "ActColumns"]:
-    """dgrad_swiglu and weight_grad_act of one window (FP8 weight gradients): with
-    tuning.FP8_ACT_COLUMNS_IN_ONE_PASS and tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS (the SwiGLU
-    backward outside the dgrad) one launch after the dgrad makes d gate_up's two copies and act's
-    column copy, reading gate_up once (ops.fp8_quantize_swiglu_backward_copies with act_columns); else
-    the two stages, in that order. The same bytes either way."""
-    one_pass = (tuning.FP8_ACT_COLUMNS_IN_ONE_PASS and tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS
-                and not tuning.FP8_SWIGLU_BACKWARD_IN_DGRAD)
-    if not one_pass:
-        return dgrad_swiglu(grad_out, fc2, gate_up, offsets, recipe=recipe), weight_grad_act(gate_up, offsets, recipe=recipe)
+                         recipe: Fp8Recipe) -> tuple["GradGateUp", "ActColumns"]:
+    """dgrad_swiglu and weight_grad_act of one window (FP8 weight gradients, act_columns_in_one_pass):
+    after the down dgrad one launch makes d gate_up's two copies and act's column copy, reading gate_up
+    once (ops.fp8_quantize_swiglu_backward_copies with act_columns): the bytes of dgrad_swiglu's one
+    pass and of weight_grad_act."""
     grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
     rows, rows_scales, columns_q, columns_scales, act_q, act_scales = ops.fp8_quantize_swiglu_backward_copies(
         kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales, act_columns=True
@@ -537,10 +540,16 @@ def _swiglu_backward(gate_up: Tensor, grad_act: Tensor, offsets: Tensor) -> Tens
     return ops.swiglu_backward(gate_up, grad_act, offsets)
 
 
-@functools.cache
 def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
     """The kernel backend's stage table for one FP8 recipe; expert_gemm (MoKConfig.expert_gemm) picks
-    the BF16 weight gradients' family when recipe.weight_grad is False."""
+    the BF16 weight gradients' family when recipe.weight_grad is False. The tuning settings that pick
+    stages of the table (not a launch inside one) are part of its key, so a setting changed between
+    calls takes effect at the next one (the benchmarks change them in one process)."""
+    return _kernel_fp8_stages(recipe, expert_gemm, tuning.FP8_PUSH_IN_EPILOGUE, act_columns_in_one_pass())
+
+
+@functools.cache
+def _kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str, push_in_epilogue: bool, act_in_one_pass: bool) -> Stages:
     if expert_gemm not in kernel.KERNEL_STAGES:
         raise ValueError(f"unknown expert_gemm {expert_gemm!r}, expected one of {tuple(kernel.KERNEL_STAGES)}")
     bf16 = kernel.KERNEL_STAGES[expert_gemm]
@@ -562,15 +571,15 @@ def kernel_fp8_stages(recipe: Fp8Recipe, expert_gemm: str = "auto") -> Stages:
         swiglu_backward=_swiglu_backward,
         dgrad_swiglu=bind(dgrad_swiglu),
         dgrad_rows=bind(dgrad_rows),
-        expert_down_pushed=bind(expert_down_pushed) if tuning.FP8_PUSH_IN_EPILOGUE else None,
-        dgrad_rows_pushed=bind(dgrad_rows_pushed) if tuning.FP8_PUSH_IN_EPILOGUE else None,
+        expert_down_pushed=bind(expert_down_pushed) if push_in_epilogue else None,
+        dgrad_rows_pushed=bind(dgrad_rows_pushed) if push_in_epilogue else None,
         combine=bf16.combine,
         pull_route_grads=pull_route_grads,
         route_weight_grads=bf16.route_weight_grads,
         quantize_rows=quantize_source_rows,
         weight_grad_rows=weight_grad_rows if recipe.weight_grad else None,
         weight_grad_act=bind(weight_grad_act) if recipe.weight_grad else None,
-        dgrad_swiglu_and_act=bind(dgrad_swiglu_and_act) if recipe.weight_grad else None,
+        dgrad_swiglu_and_act=bind(dgrad_swiglu_and_act) if recipe.weight_grad and act_in_one_pass else None,
         weight_grad_route_grads=weight_grad_route_grads if recipe.weight_grad else None,
         **weight_grads,
     )

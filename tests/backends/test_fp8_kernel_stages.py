@@ -214,6 +214,7 @@ def _sim_fp8_quantize_swiglu_backward(gate_up, grad_act, expert_offsets, *, pow2
 
 
 def _sim_fp8_quantize_swiglu_backward_copies(gate_up, grad_act, expert_offsets, *, pow2=False, act_columns=False):
+    assert isinstance(act_columns, bool), act_columns
     _meets_the_op_contract(functools.partial(fp8_quant.check_fp8_quantize_swiglu_backward_args,
                                              op="fp8_quantize_swiglu_backward_copies"),
                            gate_up, grad_act, expert_offsets, pow2)
@@ -734,6 +735,24 @@ def test_the_swiglu_backward_quantizes_d_gate_ups_rows_in_its_pass(simulated_ker
     assert wanted <= set(called) and not unwanted & set(called), f"weight_grad={weight_grad}: {called}"
 
 
+def test_the_stage_table_follows_the_tuning_settings_that_pick_its_stages(monkeypatch):
+    """kernel_fp8_stages is made once per recipe and per value of the tuning settings that pick its
+    stages (tuning.FP8_PUSH_IN_EPILOGUE, the one-pass act columns), so a setting changed between two
+    calls in one process (as the benchmarks change them) takes effect at the next call."""
+    recipe = Fp8Recipe()
+    monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", True)
+    for push in (True, False, True):
+        monkeypatch.setattr(tuning, "FP8_PUSH_IN_EPILOGUE", push)
+        stages = kernel_fp8.kernel_fp8_stages(recipe)
+        assert (stages.expert_down_pushed is not None) == push and (stages.dgrad_rows_pushed is not None) == push
+    for act in (False, True, False):
+        monkeypatch.setattr(tuning, "FP8_ACT_COLUMNS_IN_ONE_PASS", act)
+        assert (kernel_fp8.kernel_fp8_stages(recipe).dgrad_swiglu_and_act is not None) == act
+    monkeypatch.setattr(tuning, "FP8_ACT_COLUMNS_IN_ONE_PASS", True)
+    monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", False)  # (act's pass is that pass)
+    assert kernel_fp8.kernel_fp8_stages(recipe).dgrad_swiglu_and_act is None
+
+
 @pytest.mark.parametrize("act_in_pass", [False, True], ids=["act_apart", "act_in_pass"])
 @pytest.mark.parametrize("routing", ("skewed", "one_expert", "dropped"))
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -787,11 +806,14 @@ def test_d_gate_ups_copies_from_one_pass_over_windows_equal_ep1_bitwise(simulate
     windowed = dataclasses.replace(_configs()[0], receive_capacity_factor=0.3)
     group = EmulatedGroup(num_ranks, "cpu")
     assert functional.plan_for(CollectiveExchange(group.ranks[0]), t, k, e, windowed).num_windows > 2
-    passes = []
-    monkeypatch.setattr(ops, "fp8_quantize_swiglu_backward_copies", lambda *a, **kw: passes.append(1) or
-                        SIMULATED["fp8_quantize_swiglu_backward_copies"](*a, **kw))
+    passes, act_apart = [], []
+    monkeypatch.setattr(ops, "fp8_quantize_swiglu_backward_copies", lambda *a, **kw: passes.append(
+        kw.get("act_columns", False)) or SIMULATED["fp8_quantize_swiglu_backward_copies"](*a, **kw))
+    monkeypatch.setattr(ops, "fp8_quantize_swiglu_columns", lambda *a, **kw: act_apart.append(1) or
+                        SIMULATED["fp8_quantize_swiglu_columns"](*a, **kw))
     assert_bitwise(run_emulated(group, problem, e, windowed), want, "one-pass copies over windows")
     assert len(passes) > num_ranks, "the windows did not make their d gate_up copies in one pass each"
+    assert set(passes) == {act_in_pass} and bool(act_apart) != act_in_pass, (passes, len(act_apart))
 
 
 @pytest.mark.parametrize("ranges", [1, 2, 3, 4, 9])

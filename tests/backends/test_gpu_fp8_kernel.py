@@ -168,12 +168,19 @@ def test_kernel_fp8_layer_gives_the_same_bits_with_d_gate_ups_copies_from_one_pa
     ops' tests), so the layer's outputs and gradients are bitwise the same every way."""
     from megatron_mok.backends import tuning
 
+    from megatron_mok import ops
+
     inputs = make_inputs(SHAPES[shape], routing, seed=35)
-    results = {}
+    results, passes = {}, []
+    one_pass_op = ops.fp8_quantize_swiglu_backward_copies
+    monkeypatch.setattr(ops, "fp8_quantize_swiglu_backward_copies",
+                        lambda *a, **kw: passes.append(kw.get("act_columns", False)) or one_pass_op(*a, **kw))
     for one_pass, act in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(tuning, "FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS", one_pass)
         monkeypatch.setattr(tuning, "FP8_ACT_COLUMNS_IN_ONE_PASS", act)
+        passes.clear()
         results[(one_pass, act)] = run(KERNEL_FP8, *inputs)
+        assert set(passes) == ({act} if one_pass else set()), f"{(one_pass, act)}: the one pass ran {passes}"
     y_a, g_a = results[(False, False)]
     for way, (y_b, g_b) in results.items():
         for name, a, b in zip(NAMES, (y_a, *g_a), (y_b, *g_b)):
