@@ -119,6 +119,7 @@ def cases(s):
     swiglu_backward_bytes = rows * f2 * 3 + rows * f2 * 3 + rows * (f2 // 128) * 4
     # (gate_up (2 bytes a value) and d act (1 a gate_up column) in; two E4M3 copies and their scales out)
     copies_bytes = rows * f2 * 3 + rows * f2 * 2 + rows * (f2 // 128) * 4 + (rows // 128 + 1) * f2 * 4
+    act_columns_bytes = rows * f2 // 2 + (rows // 128 + 1) * (f2 // 2) * 4  # act's E4M3 copy and scales out
     return {
         "x rows": (lambda s: ops.fp8_quantize_rows(s["x"]), rows_bytes(t, h)),
         "dY rows": (lambda s: ops.fp8_quantize_rows(s["dy"]), rows_bytes(t, h)),
@@ -142,11 +143,11 @@ def cases(s):
         # (and act's column copy out too, gate_up read once; the pair is given the same bytes)
         "... and act's columns, one pass": (
             lambda s: ops.fp8_quantize_swiglu_backward_copies(s["dgate_up"], s["act"], s["offsets"], act_columns=True),
-            copies_bytes + rows * f2 // 2 + (rows // 128 + 1) * (f2 // 2) * 4),
+            copies_bytes + act_columns_bytes),
         "the one pass, then act columns": (
             lambda s: (ops.fp8_quantize_swiglu_backward_copies(s["dgate_up"], s["act"], s["offsets"]),
                        ops.fp8_quantize_swiglu_columns(s["dgate_up"], s["offsets"])),
-            copies_bytes + rows * f2 // 2 + (rows // 128 + 1) * (f2 // 2) * 4),
+            copies_bytes + act_columns_bytes),
         "x columns, gathered": (lambda s: ops.fp8_quantize_columns(s["x"], s["offsets"], row_index=s["index"]),
                                 cols(rows, h)),
         # (The two rows are given the same bytes, the work's: dY rows gathered, E4M3 and scales out.)

@@ -317,10 +317,7 @@ def dgrad_swiglu(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets:
         if not recipe.weight_grad:
             return ops.swiglu_backward(gate_up, grad_act, offsets)
         if tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS:  # both copies from one pass, no bf16 d gate_up
-            rows, rows_scales, *columns, _, _ = ops.fp8_quantize_swiglu_backward_copies(
-                kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
-            )
-            return GradGateUp(GemmOperand(rows, rows_scales), tuple(columns), tuple(gate_up.shape))
+            return _copies_in_one_pass(gate_up, grad_act, offsets, recipe=recipe, act_columns=False)[0]
         values, rows, rows_scales = ops.fp8_quantize_swiglu_backward(
             kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales
         )
@@ -344,12 +341,20 @@ def dgrad_swiglu_and_act(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, 
     once (ops.fp8_quantize_swiglu_backward_copies with act_columns): the bytes of dgrad_swiglu's one
     pass and of weight_grad_act."""
     grad_act = _dgrad(grad_out.values, gemm_a_layout(grad_out.scales), fc2, offsets, recipe=recipe)
+    return _copies_in_one_pass(gate_up, grad_act, offsets, recipe=recipe, act_columns=True)
+
+
+def _copies_in_one_pass(gate_up: Tensor, grad_act: Tensor, offsets: Tensor, *, recipe: Fp8Recipe,
+                        act_columns: bool) -> tuple["GradGateUp", Optional["ActColumns"]]:
+    """The SwiGLU backward's one pass (ops.fp8_quantize_swiglu_backward_copies) -> (GradGateUp: d
+    gate_up's two copies, no bf16 values; with act_columns act's ActColumns from the same gate_up, else
+    None)."""
     rows, rows_scales, columns_q, columns_scales, act_q, act_scales = ops.fp8_quantize_swiglu_backward_copies(
-        kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales, act_columns=True
+        kernel_ready(gate_up), grad_act, offsets, pow2=recipe.pow2_scales, act_columns=act_columns
     )
     shape = tuple(gate_up.shape)
-    return (GradGateUp(GemmOperand(rows, rows_scales), (columns_q, columns_scales), shape),
-            ActColumns((act_q, act_scales), (shape[0], shape[1] // 2)))
+    grad_gate_up = GradGateUp(GemmOperand(rows, rows_scales), (columns_q, columns_scales), shape)
+    return grad_gate_up, ActColumns((act_q, act_scales), (shape[0], shape[1] // 2)) if act_columns else None
 
 
 def _dgrad_with_swiglu_backward(grad_out: QuantizedRows, fc2: Tensor, gate_up: Tensor, offsets: Tensor, *,
