@@ -226,8 +226,9 @@ step_command() {  # prints "BOUND COMMAND" for a step name
         # d gate_up's two FP8 copies from one pass, and act's column copy with them
         # (tuning.FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS, FP8_ACT_COLUMNS_IN_ONE_PASS, off until this step
         # passes): the op against the reference and the launches it replaces, the layer bitwise every
-        # way, then each launch's GB/s (the pairs beside each other) and the layer every way.
-        grad_gate_up_copies) echo 480 "f=0; $PYTEST tests/ops/test_gpu_fp8_quant.py -k 'swiglu_backward' || f=1; $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'one_pass' || f=1; [ \$f = 0 ] && python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b && python3 scripts/bench_layer.py --fp8 --shapes deepseek_v3,qwen3_30b" ;;
+        # way, then each launch's GB/s (the pairs beside each other), the step's kernels by stage with
+        # each form on (the quantization launches' shares), and the layer every way.
+        grad_gate_up_copies) echo 540 "f=0; $PYTEST tests/ops/test_gpu_fp8_quant.py -k 'swiglu_backward' || f=1; $PYTEST tests/backends/test_gpu_fp8_kernel.py -k 'one_pass' || f=1; [ \$f = 0 ] && python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b && for a in FP8_ACT_COLUMNS_IN_ONE_PASS=False FP8_ACT_COLUMNS_IN_ONE_PASS=True; do python3 scripts/profile_layer_kernels.py --shapes deepseek_v3,qwen3_30b --backward --precision fp8_blockwise --tuning FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS=True --tuning \$a; done && python3 scripts/bench_layer.py --fp8 --shapes deepseek_v3,qwen3_30b" ;;
         # Each quantization launch of the FP8 layer alone, GB/s beside the same run's device copy.
         quant_bench) echo 150 "python3 scripts/bench_quantize.py --shapes deepseek_v3,qwen3_30b" ;;
         # Where the column-wise quantizations (the weight gradients' operands) and the SwiGLU backward

@@ -4,6 +4,7 @@ between kernels, e.g. waiting for the CPU to launch them).
 
     python3 scripts/profile_layer_kernels.py [--shapes deepseek_v3,qwen3_30b] [--expert-gemm auto] [--backward] [--timeline]
         [--precision fp8_blockwise] [--exchange direct,symmetric] [--push-kernel] [--table-copy]
+        [--tuning NAME=VALUE ...]
 
 Each step's kernels are also summed by stage (STAGES: the quantization kernels of the FP8 recipe in
 a stage of their own, so their share of the layer shows), each with its share of the kernels' time;
@@ -13,7 +14,9 @@ the path of a real EP launch, its pulls, pushes and signals, without another ran
 several, comma-separated, profile each in turn. --push-kernel: FP8's rows pushed by the push kernel
 after the GEMMs (tuning.FP8_PUSH_IN_EPILOGUE off). --table-copy: over the exchange, forward's route
 table copied out of the combine region before the combine reads it, instead of kept by the combine
-as it reads (functional._combine_keeping_table).
+as it reads (functional._combine_keeping_table). --tuning: a backends.tuning setting for the whole run,
+e.g. FP8_GRAD_GATE_UP_COPIES_IN_ONE_PASS=True (the value a Python literal; a name tuning lacks, or a
+value of another type than tuning's, is an error naming it).
 """
 
 from __future__ import annotations
@@ -34,6 +37,27 @@ from megatron_mok import MoKConfig, mok_moe  # noqa: E402
 from megatron_mok.emulation import EmulatedGroup  # noqa: E402
 
 STEPS = 5
+
+
+def apply_tuning(settings: list[str]) -> None:
+    """Each NAME=VALUE set on backends.tuning before the first call (the FP8 stage table is made at the
+    first call per setting): VALUE a Python literal of the type tuning's own value has."""
+    import ast
+
+    from megatron_mok.backends import tuning
+
+    for setting in settings:
+        name, _, text = setting.partition("=")
+        if not name.isupper() or not hasattr(tuning, name):
+            raise SystemExit(f"--tuning {setting!r}: backends.tuning has no setting {name!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--tuning {setting!r}: {text!r} is not a Python literal") from None
+        if type(value) is not type(getattr(tuning, name)):
+            raise SystemExit(f"--tuning {setting!r}: {name} is {type(getattr(tuning, name)).__name__}, "
+                             f"got {type(value).__name__}")
+        setattr(tuning, name, value)
 
 # (stage, substrings of a kernel's name, lower case): the first stage whose substring a kernel's name
 # holds; every other kernel (torch's elementwise ops, copies, fills) is "other".
@@ -107,7 +131,10 @@ def main() -> None:
                         help="direct (mok_moe on one GPU) or symmetric (one emulated rank over the in-kernel exchange); comma-separated")
     parser.add_argument("--table-copy", action="store_true",
                         help="over the exchange: forward's route table copied from the region, not kept by the combine")
+    parser.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
+                        help="a backends.tuning setting for the whole run (repeatable)")
     args = parser.parse_args()
+    apply_tuning(args.tuning)
     if args.table_copy:
         from megatron_mok.comm.symmetric_exchange import PushedRows
 
